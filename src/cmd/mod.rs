@@ -1,0 +1,56 @@
+//! Subcommands: one module each with its argument struct and thin glue; no model math here.
+
+use clap::{Parser, Subcommand};
+use std::process::ExitCode;
+
+use crate::engine::{error::EngineError, runtime};
+
+/// Top-level command line.
+#[derive(Debug, Parser)]
+#[command(
+    name = "mlxb",
+    about = "Fast, exact local LLM inference on MLX",
+    disable_version_flag = true
+)]
+pub struct Cli {
+    /// Print mlxb, MLX, backend and BLAS versions.
+    #[arg(short = 'V', long = "version")]
+    pub version: bool,
+    #[command(subcommand)]
+    pub command: Option<Command>,
+}
+
+/// The subcommands that exist so far.
+#[derive(Debug, Subcommand)]
+pub enum Command {}
+
+/// Runs the parsed command line and maps errors to exit codes (2 = the user's input).
+pub fn run(cli: Cli) -> ExitCode {
+    if cli.version {
+        println!("{}", runtime::version_report());
+        return ExitCode::SUCCESS;
+    }
+    let Some(command) = cli.command else {
+        eprintln!("mlxb: no subcommand given; see `mlxb --help`");
+        return ExitCode::from(2);
+    };
+    if let Err(err) = runtime::check() {
+        return report(Err(err.into()));
+    }
+    report(match command {})
+}
+
+/// Prints an error as one sentence; user errors exit 2, internal ones 1.
+pub fn report(result: anyhow::Result<()>) -> ExitCode {
+    match result {
+        Ok(()) => ExitCode::SUCCESS,
+        Err(err) => {
+            eprintln!("mlxb: error: {err:#}");
+            let user = err
+                .downcast_ref::<EngineError>()
+                .map(EngineError::is_user_error)
+                .unwrap_or(true);
+            ExitCode::from(if user { 2 } else { 1 })
+        }
+    }
+}
