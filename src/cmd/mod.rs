@@ -1,5 +1,9 @@
 //! Subcommands: one module each with its argument struct and thin glue; no model math here.
 
+pub mod common;
+pub mod generate;
+pub mod parity;
+
 use clap::{Parser, Subcommand};
 use std::process::ExitCode;
 
@@ -22,7 +26,12 @@ pub struct Cli {
 
 /// The subcommands that exist so far.
 #[derive(Debug, Subcommand)]
-pub enum Command {}
+pub enum Command {
+    /// Generate text for one prompt (like `mlx_lm generate`).
+    Generate(generate::GenerateArgs),
+    /// Compare mlxb with mlx-lm bit for bit on one prompt (greedy ids and logprobs).
+    Parity(parity::ParityArgs),
+}
 
 /// Runs the parsed command line and maps errors to exit codes (2 = the user's input).
 pub fn run(cli: Cli) -> ExitCode {
@@ -37,7 +46,10 @@ pub fn run(cli: Cli) -> ExitCode {
     if let Err(err) = runtime::check() {
         return report(Err(err.into()));
     }
-    report(match command {})
+    report(match command {
+        Command::Generate(a) => generate::run(a),
+        Command::Parity(a) => parity::run(a),
+    })
 }
 
 /// Prints an error as one sentence; user errors exit 2, internal ones 1.

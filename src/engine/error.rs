@@ -15,9 +15,15 @@ pub enum EngineError {
     /// The MLX runtime is missing, mismatched or broken.
     #[error("MLX runtime problem: {0}")]
     Runtime(String),
+    /// mlxb's output differs from its oracle (exit code 1: a bug, not bad input).
+    #[error("parity check failed: {0}")]
+    Parity(String),
     /// An MLX operation failed.
     #[error("MLX error: {0}")]
     Mlx(#[from] mlx_rs::error::Exception),
+    /// Reading an MLX array's data failed (dtype or shape mismatch).
+    #[error("MLX array conversion error: {0}")]
+    Conversion(#[from] mlx_rs::error::ConversionError),
 }
 
 impl EngineError {

@@ -42,3 +42,53 @@ pub fn run_python(script: &Path, args: &[&str]) -> String {
 pub fn mlxb() -> PathBuf {
     PathBuf::from(env!("CARGO_BIN_EXE_mlxb"))
 }
+
+/// Creates a tiny random-weight model with mlx-lm's own classes (tests/oracle/make_model.py).
+pub fn make_model(dir: &Path, config: &serde_json::Value, dtype: &str, quant_bits: Option<u32>) {
+    let cfg = config.to_string();
+    let mut args = vec![dir.to_str().unwrap(), cfg.as_str(), "--dtype", dtype];
+    let bits = quant_bits.map(|b| b.to_string());
+    if let Some(b) = &bits {
+        args.extend(["--quant-bits", b.as_str()]);
+    }
+    run_python(&root().join("tests/oracle/make_model.py"), &args);
+}
+
+/// Runs mlx-lm's generate_step through assets/oracle/mlx_lm_trace.py and loads its outputs
+/// (`ids`, `logprobs`, optionally `prompt_logits`).
+pub fn oracle_trace(
+    request: &serde_json::Value,
+) -> std::collections::HashMap<String, mlx_rs::Array> {
+    let dir = tempfile::tempdir().unwrap();
+    let req = dir.path().join("req.json");
+    let out = dir.path().join("out.safetensors");
+    std::fs::write(&req, request.to_string()).unwrap();
+    run_python(
+        &root().join("assets/oracle/mlx_lm_trace.py"),
+        &[req.to_str().unwrap(), out.to_str().unwrap()],
+    );
+    mlx_rs::Array::load_safetensors(&out).unwrap()
+}
+
+/// Raw bits of an array (f32/u32 as u32, 16-bit types widened), for bit-exact comparison.
+pub fn bits(a: &mlx_rs::Array) -> Vec<u32> {
+    a.eval().unwrap();
+    match a.item_size() {
+        4 => a.view::<u32>().unwrap().as_slice::<u32>().to_vec(),
+        2 => a
+            .view::<u16>()
+            .unwrap()
+            .as_slice::<u16>()
+            .iter()
+            .map(|&x| x as u32)
+            .collect(),
+        n => panic!("unexpected element size {n}"),
+    }
+}
+
+/// Deterministic prompt ids in [3, vocab) (skipping special tokens 0..3).
+pub fn prompt_ids(n: usize, vocab: u32, salt: u32) -> Vec<u32> {
+    (0..n as u32)
+        .map(|i| 3 + (i * 7919 + salt * 104729) % (vocab - 3))
+        .collect()
+}

@@ -1,0 +1,115 @@
+//! Flags shared by the subcommands that generate text, and their translation to engine configs.
+
+use crate::engine::generate::GenerateConfig;
+use crate::engine::sample::{ProcessorConfig, SamplerConfig};
+use clap::Args;
+
+/// Which model and how to feed the prompt.
+#[derive(Debug, Clone, Args)]
+pub struct ModelArgs {
+    /// MLX-format model directory (config.json, model*.safetensors, tokenizer.json).
+    #[arg(long)]
+    pub model: Option<String>,
+    /// Prompt tokens per prefill forward (mlx-lm's default 2048).
+    #[arg(long, default_value_t = 2048)]
+    pub prefill_step_size: usize,
+}
+
+/// Prompt text and chat-template handling, as `mlx_lm generate` takes them.
+#[derive(Debug, Clone, Args)]
+pub struct PromptArgs {
+    /// Prompt text, or `-` to read it from stdin.
+    #[arg(long, short = 'p', default_value = "hello")]
+    pub prompt: String,
+    /// System prompt placed before the user message when the chat template is used.
+    #[arg(long)]
+    pub system_prompt: Option<String>,
+    /// Feed the prompt as-is instead of through the chat template.
+    #[arg(long)]
+    pub ignore_chat_template: bool,
+}
+
+impl PromptArgs {
+    /// The prompt with mlx-lm's `\n`/`\t` unescaping and `-` meaning stdin.
+    pub fn text(&self) -> anyhow::Result<String> {
+        let p = self.prompt.replace("\\n", "\n").replace("\\t", "\t");
+        if p == "-" {
+            let mut s = String::new();
+            std::io::Read::read_to_string(&mut std::io::stdin(), &mut s)?;
+            return Ok(s);
+        }
+        Ok(p)
+    }
+}
+
+/// Sampling and logits-processing flags with mlx-lm's names and defaults.
+#[derive(Debug, Clone, Args)]
+pub struct SamplingArgs {
+    /// Maximum number of tokens to generate.
+    #[arg(long, short = 'm', default_value_t = 100)]
+    pub max_tokens: usize,
+    /// Sampling temperature (0 = greedy).
+    #[arg(long, default_value_t = 0.0)]
+    pub temp: f64,
+    /// Nucleus sampling mass (1.0 = off).
+    #[arg(long, default_value_t = 1.0)]
+    pub top_p: f64,
+    /// Keep only the k most likely tokens (0 = off).
+    #[arg(long, default_value_t = 0)]
+    pub top_k: usize,
+    /// Minimum probability relative to the top token (0 = off).
+    #[arg(long, default_value_t = 0.0)]
+    pub min_p: f64,
+    /// Tokens min-p sampling never filters out.
+    #[arg(long, default_value_t = 1)]
+    pub min_tokens_to_keep: usize,
+    /// XTC probability (0 = off).
+    #[arg(long, default_value_t = 0.0)]
+    pub xtc_probability: f64,
+    /// XTC threshold.
+    #[arg(long, default_value_t = 0.1)]
+    pub xtc_threshold: f64,
+    /// Penalty for repeated tokens (1.0 or unset = off).
+    #[arg(long)]
+    pub repetition_penalty: Option<f64>,
+    /// How many recent tokens the repetition penalty looks at.
+    #[arg(long, default_value_t = 20)]
+    pub repetition_context_size: usize,
+    /// PRNG seed (like `mx.random.seed`).
+    #[arg(long)]
+    pub seed: Option<u64>,
+}
+
+impl SamplingArgs {
+    /// The sampler settings; `xtc_special_tokens` are the ids XTC must never drop (mlx-lm
+    /// passes the encoding of "\n" and the EOS ids).
+    pub fn sampler(&self, xtc_special_tokens: Vec<u32>) -> SamplerConfig {
+        SamplerConfig {
+            temp: self.temp,
+            top_p: self.top_p,
+            min_p: self.min_p,
+            min_tokens_to_keep: self.min_tokens_to_keep,
+            top_k: self.top_k,
+            xtc_probability: self.xtc_probability,
+            xtc_threshold: self.xtc_threshold,
+            xtc_special_tokens,
+        }
+    }
+
+    /// The logits-processor settings.
+    pub fn processors(&self) -> ProcessorConfig {
+        ProcessorConfig {
+            repetition_penalty: self.repetition_penalty,
+            repetition_context_size: self.repetition_context_size,
+            ..ProcessorConfig::default()
+        }
+    }
+
+    /// The loop settings.
+    pub fn generate_config(&self, model: &ModelArgs) -> GenerateConfig {
+        GenerateConfig {
+            max_tokens: self.max_tokens,
+            prefill_step_size: model.prefill_step_size,
+        }
+    }
+}

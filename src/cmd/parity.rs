@@ -1,0 +1,160 @@
+//! `mlxb parity`: runs mlx-lm (the L1 oracle) and mlxb greedily on the same prompt ids and
+//! compares token ids and full-vocabulary logprobs of every step, bit for bit.
+
+use super::common::{ModelArgs, PromptArgs};
+use crate::engine::error::EngineError;
+use crate::engine::flags::Forks;
+use crate::engine::generate::{Flow, GenerateConfig, Generator};
+use crate::engine::oracle;
+use crate::engine::sample::{LogitsProcessors, ProcessorConfig, Sampler, SamplerConfig};
+use crate::engine::session::{resolve_model, Session};
+use clap::Args;
+use mlx_rs::ops::indexing::IndexOp;
+use mlx_rs::{Array, Dtype};
+
+/// Flags of `mlxb parity`.
+#[derive(Debug, Args)]
+pub struct ParityArgs {
+    #[command(flatten)]
+    pub model: ModelArgs,
+    #[command(flatten)]
+    pub prompt: PromptArgs,
+    /// Greedy steps to compare.
+    #[arg(long, short = 'm', default_value_t = 32)]
+    pub max_tokens: usize,
+    /// Print one JSON object instead of the table.
+    #[arg(long)]
+    pub json: bool,
+}
+
+/// The comparison of one run.
+#[derive(Debug, Clone, serde::Serialize)]
+pub struct ParityReport {
+    /// Steps mlx-lm produced.
+    pub oracle_steps: usize,
+    /// Steps mlxb produced.
+    pub mlxb_steps: usize,
+    /// First step whose token id or logprob bits differ.
+    pub first_divergence: Option<usize>,
+    /// Largest |mlxb - mlx-lm| over all compared logprobs (in f32).
+    pub max_abs_diff: f32,
+    /// Whether ids and logprobs are bit-identical at every step.
+    pub identical: bool,
+}
+
+fn raw_bits(a: &Array) -> anyhow::Result<Vec<u32>> {
+    a.eval()?;
+    Ok(match a.item_size() {
+        4 => a.view::<u32>()?.as_slice::<u32>().to_vec(),
+        2 => a
+            .view::<u16>()?
+            .as_slice::<u16>()
+            .iter()
+            .map(|&x| x as u32)
+            .collect(),
+        n => anyhow::bail!("unexpected logprob element size {n}"),
+    })
+}
+
+/// Compares mlxb's steps with the oracle's.
+pub fn compare(
+    ours: &[(u32, Array)],
+    oracle_ids: &[i32],
+    oracle_lp: Option<&Array>,
+) -> anyhow::Result<ParityReport> {
+    let mut first = None;
+    let mut max_diff = 0f32;
+    let n = ours.len().max(oracle_ids.len());
+    for i in 0..n {
+        let (Some((id, lp)), Some(&oid)) = (ours.get(i), oracle_ids.get(i)) else {
+            first.get_or_insert(i);
+            break;
+        };
+        let Some(olp_all) = oracle_lp else { break };
+        let olp = olp_all.index(i as i32);
+        let diff = lp
+            .as_dtype(Dtype::Float32)?
+            .subtract(olp.as_dtype(Dtype::Float32)?)?
+            .abs()?
+            .max(None)?
+            .try_item_exact::<f32>()?;
+        max_diff = max_diff.max(diff);
+        let same = *id as i64 == oid as i64
+            && lp.dtype() == olp.dtype()
+            && raw_bits(lp)? == raw_bits(&olp)?;
+        if !same && first.is_none() {
+            first = Some(i);
+        }
+    }
+    Ok(ParityReport {
+        oracle_steps: oracle_ids.len(),
+        mlxb_steps: ours.len(),
+        first_divergence: first,
+        max_abs_diff: max_diff,
+        identical: first.is_none() && ours.len() == oracle_ids.len(),
+    })
+}
+
+/// Entry point of `mlxb parity`.
+pub fn run(args: ParityArgs) -> anyhow::Result<()> {
+    let dir = resolve_model(args.model.model.as_deref())?;
+    let mut session = Session::open(&dir, Forks::default())?;
+    let prompt = args.prompt.text()?;
+    let ids = session.tokenizer.prompt_ids(
+        &prompt,
+        args.prompt.system_prompt.as_deref(),
+        !args.prompt.ignore_chat_template,
+    )?;
+    let request = serde_json::json!({
+        "model": std::fs::canonicalize(&dir)?,
+        "prompt_ids": ids,
+        "max_tokens": args.max_tokens,
+        "prefill_step_size": args.model.prefill_step_size,
+    });
+    let trace = oracle::trace(&request)?;
+
+    let mut sampler = Sampler::new(&SamplerConfig::default())?;
+    let mut processors = LogitsProcessors::new(&ProcessorConfig::default())?;
+    let cfg = GenerateConfig {
+        max_tokens: args.max_tokens,
+        prefill_step_size: args.model.prefill_step_size,
+    };
+    let mut ours = Vec::new();
+    Generator::new(session.model.model.as_mut(), &mut sampler, &mut processors).run(
+        &ids,
+        &cfg,
+        |s| {
+            ours.push((s.token, s.logprobs.clone()));
+            Ok(Flow::Continue)
+        },
+    )?;
+    let report = compare(&ours, &trace.ids, trace.logprobs.as_ref())?;
+    if args.json {
+        println!("{}", serde_json::to_string(&report)?);
+    } else {
+        println!("| model | prompt tokens | steps (mlxb/mlx-lm) | first divergence | max abs diff | identical |");
+        println!("|---|---|---|---|---|---|");
+        println!(
+            "| {} | {} | {}/{} | {} | {:e} | {} |",
+            dir.display(),
+            ids.len(),
+            report.mlxb_steps,
+            report.oracle_steps,
+            report
+                .first_divergence
+                .map_or("none".to_owned(), |i| i.to_string()),
+            report.max_abs_diff,
+            if report.identical { "yes" } else { "NO" }
+        );
+    }
+    if !report.identical {
+        return Err(EngineError::Parity(format!(
+            "mlxb diverges from mlx-lm at step {}",
+            report
+                .first_divergence
+                .unwrap_or(report.mlxb_steps.min(report.oracle_steps))
+        ))
+        .into());
+    }
+    Ok(())
+}

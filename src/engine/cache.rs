@@ -1,0 +1,366 @@
+//! Per-layer attention caches with mlx-lm 0.32.2's exact buffer behaviour (growth in steps of
+//! 256, the rotating ring for sliding windows), and rollback (`trim`) for speculative decoding.
+
+use super::error::Result;
+use mlx_rs::ops::indexing::{Ellipsis, IndexOp, TryIndexMutOp};
+use mlx_rs::{ops, Array};
+
+/// The mask an attention call receives, as mlx-lm passes it to SDPA.
+#[derive(Debug, Clone)]
+pub enum AttentionMask {
+    /// No mask (a single query token).
+    None,
+    /// SDPA's built-in causal mask (lower-right aligned).
+    Causal,
+    /// An explicit boolean mask.
+    Array(Array),
+}
+
+/// A layer's key/value cache.
+pub trait KvCache {
+    /// Number of tokens processed so far.
+    fn offset(&self) -> i32;
+    /// Stores new keys/values ([B, H, S, D]) and returns what attention should see.
+    fn update_and_fetch(&mut self, keys: &Array, values: &Array) -> Result<(Array, Array)>;
+    /// The mask for `n` new queries (mlx-lm's `cache.make_mask`).
+    fn make_mask(&self, n: i32, window: Option<i32>, return_array: bool) -> Result<AttentionMask>;
+    /// Drops the last `n` tokens; returns how many were dropped.
+    fn trim(&mut self, n: i32) -> i32;
+    /// Whether `trim` is exact for this cache in its current state.
+    fn is_trimmable(&self) -> bool;
+    /// Arrays to evaluate after a prefill chunk.
+    fn state(&self) -> Vec<Array>;
+}
+
+/// mlx-lm's `create_causal_mask(N, offset, window_size)`.
+pub fn causal_mask(n: i32, offset: i32, window: Option<i32>) -> Result<Array> {
+    let rinds = ops::arange::<_, i32>(0, offset + n, 1)?;
+    let linds = if offset != 0 {
+        ops::arange::<_, i32>(offset, offset + n, 1)?
+    } else {
+        rinds.clone()
+    };
+    let linds = linds.expand_dims(1)?;
+    let rinds = rinds.expand_dims(0)?;
+    let mut mask = linds.ge(&rinds)?;
+    if let Some(w) = window {
+        mask = mask.logical_and(&linds.lt(&rinds.add(Array::from_int(w))?)?)?;
+    }
+    Ok(mask)
+}
+
+/// mlx-lm's `cache.create_attention_mask(N, offset, return_array, window_size)`.
+fn offset_mask(
+    n: i32,
+    offset: i32,
+    return_array: bool,
+    window: Option<i32>,
+) -> Result<AttentionMask> {
+    if window.is_some() || (n > 1 && return_array) {
+        Ok(AttentionMask::Array(causal_mask(n, offset, window)?))
+    } else if n == 1 {
+        Ok(AttentionMask::None)
+    } else {
+        Ok(AttentionMask::Causal)
+    }
+}
+
+const STEP: i32 = 256;
+
+/// `KVCache`: grows in steps of 256 positions; `trim` only lowers the offset.
+#[derive(Default)]
+pub struct FullCache {
+    keys: Option<Array>,
+    values: Option<Array>,
+    offset: i32,
+}
+
+impl FullCache {
+    /// An empty cache.
+    pub fn new() -> Self {
+        Self::default()
+    }
+}
+
+fn prefix(a: &Array, n: i32) -> Array {
+    a.index((Ellipsis, ..n, ..))
+}
+
+impl KvCache for FullCache {
+    fn offset(&self) -> i32 {
+        self.offset
+    }
+
+    fn update_and_fetch(&mut self, keys: &Array, values: &Array) -> Result<(Array, Array)> {
+        let prev = self.offset;
+        let s = keys.shape()[2];
+        let need_grow = match &self.keys {
+            None => true,
+            Some(k) => prev + s > k.shape()[2],
+        };
+        if need_grow {
+            let (b, h, d) = (keys.shape()[0], keys.shape()[1], keys.shape()[3]);
+            let dv = values.shape()[3];
+            let n = (STEP + s - 1) / STEP * STEP;
+            let new_k = ops::zeros_dtype(&[b, h, n, d], keys.dtype())?;
+            let new_v = ops::zeros_dtype(&[b, h, n, dv], values.dtype())?;
+            match (self.keys.take(), self.values.take()) {
+                (Some(mut k), Some(mut v)) => {
+                    if prev % STEP != 0 {
+                        k = prefix(&k, prev);
+                        v = prefix(&v, prev);
+                    }
+                    self.keys = Some(ops::concatenate(&[k, new_k], 2)?);
+                    self.values = Some(ops::concatenate(&[v, new_v], 2)?);
+                }
+                _ => {
+                    self.keys = Some(new_k);
+                    self.values = Some(new_v);
+                }
+            }
+        }
+        self.offset += s;
+        let (k, v) = (self.keys.as_mut(), self.values.as_mut());
+        let (Some(k), Some(v)) = (k, v) else {
+            unreachable!("buffers allocated above")
+        };
+        k.try_index_mut((Ellipsis, prev..self.offset, ..), keys)?;
+        v.try_index_mut((Ellipsis, prev..self.offset, ..), values)?;
+        if self.offset < k.shape()[2] {
+            Ok((prefix(k, self.offset), prefix(v, self.offset)))
+        } else {
+            Ok((k.clone(), v.clone()))
+        }
+    }
+
+    fn make_mask(&self, n: i32, window: Option<i32>, return_array: bool) -> Result<AttentionMask> {
+        offset_mask(n, self.offset, return_array, window)
+    }
+
+    fn trim(&mut self, n: i32) -> i32 {
+        let n = n.min(self.offset);
+        self.offset -= n;
+        n
+    }
+
+    fn is_trimmable(&self) -> bool {
+        true
+    }
+
+    fn state(&self) -> Vec<Array> {
+        self.keys
+            .iter()
+            .chain(self.values.iter())
+            .cloned()
+            .collect()
+    }
+}
+
+/// `RotatingKVCache(max_size, keep)`: a ring of `max_size` positions for sliding-window layers.
+pub struct RotatingCache {
+    keys: Option<Array>,
+    values: Option<Array>,
+    offset: i32,
+    max_size: i32,
+    keep: i32,
+    idx: i32,
+}
+
+impl RotatingCache {
+    /// An empty ring holding at most `max_size` positions, never evicting the first `keep`.
+    pub fn new(max_size: i32, keep: i32) -> Self {
+        Self {
+            keys: None,
+            values: None,
+            offset: 0,
+            max_size,
+            keep,
+            idx: 0,
+        }
+    }
+
+    fn trim_concat(&self, trim_size: i32, v: &Array, append: Option<&Array>) -> Result<Array> {
+        let mut parts = if trim_size > 0 {
+            vec![
+                v.index((Ellipsis, ..self.keep, ..)),
+                v.index((Ellipsis, (trim_size + self.keep).., ..)),
+            ]
+        } else {
+            vec![v.clone()]
+        };
+        if let Some(a) = append {
+            parts.push(a.clone());
+        }
+        Ok(ops::concatenate(&parts, 2)?)
+    }
+
+    fn temporal_order(&self, v: &Array) -> Result<Array> {
+        let len = v.shape()[2];
+        if self.idx == len {
+            Ok(v.clone())
+        } else if self.idx < self.offset {
+            Ok(ops::concatenate(
+                &[
+                    v.index((Ellipsis, ..self.keep, ..)),
+                    v.index((Ellipsis, self.idx.., ..)),
+                    v.index((Ellipsis, self.keep..self.idx, ..)),
+                ],
+                2,
+            )?)
+        } else {
+            Ok(v.index((Ellipsis, ..self.idx, ..)))
+        }
+    }
+
+    fn update_concat(&mut self, keys: &Array, values: &Array) -> Result<(Array, Array)> {
+        match (self.keys.take(), self.values.take()) {
+            (Some(k), Some(v)) => {
+                let k = self.temporal_order(&k)?;
+                let v = self.temporal_order(&v)?;
+                self.idx = k.shape()[2];
+                let trim_size = self.idx - self.max_size + 1;
+                self.keys = Some(self.trim_concat(trim_size, &k, Some(keys))?);
+                self.values = Some(self.trim_concat(trim_size, &v, Some(values))?);
+            }
+            _ => {
+                self.keys = Some(keys.clone());
+                self.values = Some(values.clone());
+            }
+        }
+        self.offset += keys.shape()[2];
+        let k = self.keys.clone().unwrap_or_else(|| keys.clone());
+        let v = self.values.clone().unwrap_or_else(|| values.clone());
+        self.idx = k.shape()[2];
+        Ok((k, v))
+    }
+
+    fn update_in_place(&mut self, keys: &Array, values: &Array) -> Result<(Array, Array)> {
+        let (b, h, s, d) = (
+            keys.shape()[0],
+            keys.shape()[1],
+            keys.shape()[2],
+            keys.shape()[3],
+        );
+        let prev = self.offset;
+        let grow = match &self.keys {
+            None => true,
+            Some(k) => prev >= k.shape()[2] && k.shape()[2] < self.max_size,
+        };
+        if grow {
+            let dv = values.shape()[3];
+            let new_size = STEP.min(self.max_size - prev);
+            let new_k = ops::zeros_dtype(&[b, h, new_size, d], keys.dtype())?;
+            let new_v = ops::zeros_dtype(&[b, h, new_size, dv], values.dtype())?;
+            match (self.keys.take(), self.values.take()) {
+                (Some(k), Some(v)) => {
+                    self.keys = Some(ops::concatenate(&[k, new_k], 2)?);
+                    self.values = Some(ops::concatenate(&[v, new_v], 2)?);
+                }
+                _ => {
+                    self.keys = Some(new_k);
+                    self.values = Some(new_v);
+                }
+            }
+            self.idx = prev;
+        }
+        let (Some(mut k), Some(mut v)) = (self.keys.take(), self.values.take()) else {
+            unreachable!("buffers allocated above")
+        };
+        let trim_size = k.shape()[2] - self.max_size;
+        if trim_size > 0 {
+            k = self.trim_concat(trim_size, &k, None)?;
+            v = self.trim_concat(trim_size, &v, None)?;
+            self.idx = self.max_size;
+        }
+        if self.idx == self.max_size {
+            self.idx = self.keep;
+        }
+        k.try_index_mut((Ellipsis, self.idx..self.idx + s, ..), keys)?;
+        v.try_index_mut((Ellipsis, self.idx..self.idx + s, ..), values)?;
+        self.offset += s;
+        self.idx += s;
+        let out = if self.offset < k.shape()[2] {
+            (prefix(&k, self.offset), prefix(&v, self.offset))
+        } else {
+            (k.clone(), v.clone())
+        };
+        self.keys = Some(k);
+        self.values = Some(v);
+        Ok(out)
+    }
+}
+
+impl KvCache for RotatingCache {
+    fn offset(&self) -> i32 {
+        self.offset
+    }
+
+    fn update_and_fetch(&mut self, keys: &Array, values: &Array) -> Result<(Array, Array)> {
+        if keys.shape()[2] == 1 {
+            self.update_in_place(keys, values)
+        } else {
+            self.update_concat(keys, values)
+        }
+    }
+
+    fn make_mask(&self, n: i32, window: Option<i32>, return_array: bool) -> Result<AttentionMask> {
+        if n > 1 {
+            let window = window.unwrap_or(self.max_size);
+            let offset = (self.max_size - 1).min(self.offset);
+            if offset + n > window || return_array {
+                return Ok(AttentionMask::Array(causal_mask(n, offset, Some(window))?));
+            }
+            return Ok(AttentionMask::Causal);
+        }
+        let Some(window) = window else {
+            return Ok(AttentionMask::None);
+        };
+        if self.offset >= window && self.max_size > window {
+            let mut idx = self.idx;
+            if idx >= self.max_size {
+                idx = 0;
+            }
+            let mask_size = if self.offset < self.max_size {
+                self.offset + 1
+            } else {
+                self.max_size
+            };
+            let mask =
+                ops::arange::<_, i32>(0, mask_size, 1)?.ge(Array::from_int(mask_size - window))?;
+            return Ok(AttentionMask::Array(roll(&mask, idx + 1)?));
+        }
+        Ok(AttentionMask::None)
+    }
+
+    fn trim(&mut self, n: i32) -> i32 {
+        let n = n.min(self.offset);
+        self.offset -= n;
+        self.idx -= n;
+        n
+    }
+
+    fn is_trimmable(&self) -> bool {
+        self.offset < self.max_size
+    }
+
+    fn state(&self) -> Vec<Array> {
+        self.keys
+            .iter()
+            .chain(self.values.iter())
+            .cloned()
+            .collect()
+    }
+}
+
+/// `mx.roll(a, shift)` for a 1-D array: element i moves to (i + shift) mod n.
+fn roll(a: &Array, shift: i32) -> Result<Array> {
+    let n = a.shape()[0];
+    let s = shift.rem_euclid(n.max(1));
+    if s == 0 {
+        return Ok(a.clone());
+    }
+    Ok(ops::concatenate(
+        &[a.index((n - s)..), a.index(..(n - s))],
+        0,
+    )?)
+}

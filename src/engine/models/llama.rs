@@ -1,0 +1,186 @@
+//! `llama` (and `mistral`, which mlx-lm maps onto it): mlx-lm's `models/llama.py`.
+
+use super::activations::SwiGlu;
+use super::attention::{inv_sqrt_scale, AttentionShape, GqaAttention};
+use super::mlp::GatedMlp;
+use super::rope::Rope;
+use super::{Caches, LanguageModel, ModelSpec};
+use crate::engine::cache::{FullCache, KvCache, RotatingCache};
+use crate::engine::error::Result;
+use crate::engine::nn::{Embedding, Linear, RmsNorm};
+use crate::engine::weights::WeightStore;
+use mlx_rs::Array;
+use serde::Deserialize;
+
+/// config.json fields llama reads (mlx-lm's `ModelArgs`).
+#[derive(Debug, Clone, Deserialize)]
+pub struct Args {
+    pub hidden_size: i32,
+    pub num_hidden_layers: i32,
+    pub intermediate_size: i32,
+    pub num_attention_heads: i32,
+    pub rms_norm_eps: f64,
+    pub vocab_size: i32,
+    pub head_dim: Option<i32>,
+    pub num_key_value_heads: Option<i32>,
+    #[serde(default)]
+    pub attention_bias: bool,
+    #[serde(default)]
+    pub mlp_bias: bool,
+    #[serde(default = "default_theta")]
+    pub rope_theta: f64,
+    #[serde(default)]
+    pub rope_traditional: bool,
+    pub rope_scaling: Option<serde_json::Value>,
+    #[serde(default = "yes")]
+    pub tie_word_embeddings: bool,
+    pub layer_types: Option<Vec<String>>,
+    pub sliding_window: Option<i32>,
+}
+
+fn default_theta() -> f64 {
+    10000.0
+}
+fn yes() -> bool {
+    true
+}
+
+struct Block {
+    attn: GqaAttention,
+    mlp: GatedMlp,
+    input_layernorm: RmsNorm,
+    post_attention_layernorm: RmsNorm,
+    sliding: bool,
+}
+
+/// The llama decoder with its LM head.
+pub struct Model {
+    embed_tokens: Embedding,
+    layers: Vec<Block>,
+    norm: RmsNorm,
+    lm_head: Option<Linear>,
+    swiglu: SwiGlu,
+    sliding_window: Option<i32>,
+    vocab_size: i32,
+}
+
+/// Builds the model from config.json and the checkpoint's tensors.
+pub fn build(spec: &ModelSpec, w: &mut WeightStore) -> Result<Box<dyn LanguageModel>> {
+    let a: Args = spec.args()?;
+    let n_kv = a.num_key_value_heads.unwrap_or(a.num_attention_heads);
+    spec.check_heads(a.num_attention_heads, n_kv)?;
+    let head_dim = a.head_dim.unwrap_or(a.hidden_size / a.num_attention_heads);
+    let layer_types = a
+        .layer_types
+        .clone()
+        .unwrap_or_else(|| vec!["full_attention".into(); a.num_hidden_layers as usize]);
+    spec.check_layer_types(
+        &layer_types,
+        a.num_hidden_layers,
+        &["full_attention", "sliding_attention"],
+    )?;
+    if layer_types.iter().any(|t| t == "sliding_attention") && a.sliding_window.is_none() {
+        return Err(spec.field_error(
+            "sliding_window",
+            "is required when layer_types has sliding_attention",
+        ));
+    }
+    w.discard_matching("self_attn.rotary_emb.inv_freq");
+    if a.tie_word_embeddings {
+        w.discard("lm_head.weight");
+    }
+    let (d, hd) = (a.hidden_size, head_dim);
+    let mut layers = Vec::new();
+    for (i, t) in layer_types.iter().enumerate() {
+        let p = format!("model.layers.{i}");
+        let shape = AttentionShape {
+            hidden: d,
+            n_heads: a.num_attention_heads,
+            n_kv_heads: n_kv,
+            head_dim: hd,
+            qkv_bias: a.attention_bias,
+            o_bias: a.attention_bias,
+            qk_norm_eps: None,
+            scale: inv_sqrt_scale(hd),
+        };
+        let rope = Rope::from_config(
+            hd,
+            a.rope_theta,
+            a.rope_traditional,
+            a.rope_scaling.as_ref(),
+        )?;
+        layers.push(Block {
+            attn: GqaAttention::load(w, &format!("{p}.self_attn"), shape, rope)?,
+            mlp: GatedMlp::load(w, &format!("{p}.mlp"), d, a.intermediate_size, a.mlp_bias)?,
+            input_layernorm: RmsNorm::load(w, &format!("{p}.input_layernorm"), d, a.rms_norm_eps)?,
+            post_attention_layernorm: RmsNorm::load(
+                w,
+                &format!("{p}.post_attention_layernorm"),
+                d,
+                a.rms_norm_eps,
+            )?,
+            sliding: t == "sliding_attention",
+        });
+    }
+    Ok(Box::new(Model {
+        embed_tokens: Embedding::load(w, "model.embed_tokens", a.vocab_size, d)?,
+        layers,
+        norm: RmsNorm::load(w, "model.norm", d, a.rms_norm_eps)?,
+        lm_head: if a.tie_word_embeddings {
+            None
+        } else {
+            Some(Linear::load(w, "lm_head", d, a.vocab_size, false)?)
+        },
+        swiglu: SwiGlu::new(spec.forks.compiled_activations),
+        sliding_window: a.sliding_window,
+        vocab_size: a.vocab_size,
+    }))
+}
+
+impl LanguageModel for Model {
+    fn forward(&mut self, inputs: &Array, caches: &mut Caches) -> Result<Array> {
+        let mut h = self.embed_tokens.forward(inputs)?;
+        let n = h.shape()[1];
+        let fa = self.layers.iter().position(|l| !l.sliding).unwrap_or(0);
+        let fa_mask = caches[fa].make_mask(n, None, false)?;
+        let swa_mask = match self.layers.iter().position(|l| l.sliding) {
+            Some(i) => Some(caches[i].make_mask(n, self.sliding_window, false)?),
+            None => None,
+        };
+        for (layer, cache) in self.layers.iter().zip(caches.iter_mut()) {
+            let mask = match (&swa_mask, layer.sliding) {
+                (Some(m), true) => m,
+                _ => &fa_mask,
+            };
+            let r =
+                layer
+                    .attn
+                    .forward(&layer.input_layernorm.forward(&h)?, mask, cache.as_mut())?;
+            let hh = h.add(&r)?;
+            let x = layer.post_attention_layernorm.forward(&hh)?;
+            let r = layer.mlp.forward_swiglu(&x, &mut self.swiglu)?;
+            h = hh.add(&r)?;
+        }
+        let out = self.norm.forward(&h)?;
+        match &self.lm_head {
+            Some(head) => head.forward(&out),
+            None => self.embed_tokens.as_linear(&out),
+        }
+    }
+
+    fn make_caches(&self) -> Caches {
+        self.layers
+            .iter()
+            .map(|l| -> Box<dyn KvCache> {
+                match (l.sliding, self.sliding_window) {
+                    (true, Some(w)) => Box::new(RotatingCache::new(w, 0)),
+                    _ => Box::new(FullCache::new()),
+                }
+            })
+            .collect()
+    }
+
+    fn vocab_size(&self) -> i32 {
+        self.vocab_size
+    }
+}

@@ -1,0 +1,172 @@
+//! Model architectures, one file per mlx-lm `model_type`, and the registry that picks one from
+//! config.json. Adding an architecture is one file plus one line in [`REGISTRY`].
+
+pub mod activations;
+pub mod attention;
+pub mod gemma3_text;
+pub mod llama;
+pub mod mlp;
+pub mod qwen2;
+pub mod qwen3;
+pub mod rope;
+
+use super::cache::KvCache;
+use super::error::{EngineError, Result};
+use super::flags::Forks;
+use super::weights::{QuantConfig, WeightStore};
+use mlx_rs::Array;
+use serde::de::DeserializeOwned;
+use std::path::{Path, PathBuf};
+
+/// One cache per layer, in layer order.
+pub type Caches = Vec<Box<dyn KvCache>>;
+
+/// What every architecture provides to the engine.
+pub trait LanguageModel {
+    /// Runs token ids `[B, L]` through the model, updating `caches`; returns logits `[B, L, V]`.
+    fn forward(&mut self, inputs: &Array, caches: &mut Caches) -> Result<Array>;
+    /// Fresh caches of the kinds this architecture uses per layer.
+    fn make_caches(&self) -> Caches;
+    /// Output vocabulary size.
+    fn vocab_size(&self) -> i32;
+}
+
+type Builder = fn(&ModelSpec, &mut WeightStore) -> Result<Box<dyn LanguageModel>>;
+
+/// `model_type` → constructor. mlx-lm's `MODEL_REMAPPING` aliases are listed as extra rows.
+pub const REGISTRY: &[(&str, Builder)] = &[
+    ("llama", llama::build),
+    ("mistral", llama::build),
+    ("qwen2", qwen2::build),
+    ("qwen3", qwen3::build),
+    ("gemma3_text", gemma3_text::build),
+];
+
+/// The supported `model_type`s, for `mlxb models` and error messages.
+pub fn supported_types() -> Vec<&'static str> {
+    REGISTRY.iter().map(|(t, _)| *t).collect()
+}
+
+/// config.json plus what a builder needs to interpret it.
+pub struct ModelSpec {
+    /// Path of config.json (for error messages).
+    pub config_path: PathBuf,
+    /// The parsed config.
+    pub config: serde_json::Value,
+    /// Fork switches for this run.
+    pub forks: Forks,
+}
+
+impl ModelSpec {
+    /// Deserializes the architecture's args struct; a missing or mistyped field is one sentence.
+    pub fn args<T: DeserializeOwned>(&self) -> Result<T> {
+        serde_json::from_value(self.config.clone()).map_err(|e| {
+            EngineError::file(
+                &self.config_path,
+                format!("{e}; fix config.json for this model_type"),
+            )
+        })
+    }
+
+    /// An error naming a config field.
+    pub fn field_error(&self, field: &str, problem: &str) -> EngineError {
+        EngineError::file(&self.config_path, format!("`{field}` {problem}"))
+    }
+
+    /// Checks that heads are positive and query heads are a multiple of key/value heads.
+    pub fn check_heads(&self, n_heads: i32, n_kv: i32) -> Result<()> {
+        if n_heads <= 0 || n_kv <= 0 || n_heads % n_kv != 0 {
+            return Err(self.field_error(
+                "num_key_value_heads",
+                &format!("is {n_kv} with num_attention_heads {n_heads}; it must divide the attention heads"),
+            ));
+        }
+        Ok(())
+    }
+
+    /// Checks `layer_types` has one known entry per layer.
+    pub fn check_layer_types(
+        &self,
+        types: &[String],
+        n_layers: i32,
+        allowed: &[&str],
+    ) -> Result<()> {
+        if types.len() != n_layers as usize {
+            return Err(self.field_error(
+                "layer_types",
+                &format!(
+                    "has {} entries but num_hidden_layers is {n_layers}",
+                    types.len()
+                ),
+            ));
+        }
+        if let Some(bad) = types.iter().find(|t| !allowed.contains(&t.as_str())) {
+            return Err(self.field_error(
+                "layer_types",
+                &format!("contains unknown type \"{bad}\" (allowed: {allowed:?})"),
+            ));
+        }
+        Ok(())
+    }
+}
+
+/// A loaded model plus facts the engine needs about it.
+pub struct LoadedModel {
+    /// The architecture instance with its weights.
+    pub model: Box<dyn LanguageModel>,
+    /// `model_type` from config.json.
+    pub model_type: String,
+    /// The parsed config.json.
+    pub config: serde_json::Value,
+}
+
+/// Reads config.json in `dir`, picks the architecture and loads the weights into it.
+pub fn load(dir: &Path, forks: Forks) -> Result<LoadedModel> {
+    let config_path = dir.join("config.json");
+    let text = std::fs::read_to_string(&config_path).map_err(|e| {
+        EngineError::file(
+            &config_path,
+            format!("cannot read config.json ({e}); is this a model directory?"),
+        )
+    })?;
+    let config: serde_json::Value = serde_json::from_str(&text).map_err(|e| {
+        EngineError::file(&config_path, format!("config.json is not valid JSON ({e})"))
+    })?;
+    let model_type = config
+        .get("model_type")
+        .and_then(|v| v.as_str())
+        .ok_or_else(|| {
+            EngineError::file(
+                &config_path,
+                "`model_type` is missing; mlxb dispatches on it like mlx-lm",
+            )
+        })?
+        .to_owned();
+    let builder = REGISTRY
+        .iter()
+        .find(|(t, _)| *t == model_type)
+        .map(|(_, b)| *b)
+        .ok_or_else(|| {
+            EngineError::file(
+                &config_path,
+                format!(
+                    "model_type \"{model_type}\" is not supported (supported: {})",
+                    supported_types().join(", ")
+                ),
+            )
+        })?;
+    let quant = QuantConfig::from_config(&config_path, &config)?;
+    let mut weights = WeightStore::load(dir, quant)?;
+    let spec = ModelSpec {
+        config_path,
+        config: config.clone(),
+        forks,
+    };
+    let model = builder(&spec, &mut weights)?;
+    weights.finish()?;
+    Ok(LoadedModel {
+        model,
+        model_type,
+        config,
+    })
+}

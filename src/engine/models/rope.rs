@@ -1,0 +1,119 @@
+//! Rotary position embeddings as mlx-lm's `initialize_rope` builds them: plain/linear
+//! (`nn.RoPE`) and llama3 (frequency array built with the same MLX ops and dtypes).
+
+use crate::engine::error::{EngineError, Result};
+use mlx_rs::{fast, ops, Array};
+use serde_json::Value;
+
+/// One attention layer's rotary embedding.
+#[derive(Debug, Clone)]
+pub enum Rope {
+    /// `mx.fast.rope(x, dims, traditional, base, scale, offset)`.
+    Plain {
+        dims: i32,
+        traditional: bool,
+        base: f32,
+        scale: f32,
+    },
+    /// `mx.fast.rope(..., base=None, scale=1.0, freqs=freqs)`.
+    Freqs {
+        dims: i32,
+        traditional: bool,
+        freqs: Array,
+    },
+}
+
+fn num(cfg: &Value, key: &str, default: f64) -> f64 {
+    cfg.get(key).and_then(Value::as_f64).unwrap_or(default)
+}
+
+impl Rope {
+    /// Builds the rope from `rope_theta`, `rope_traditional` and `rope_scaling` (config.json).
+    pub fn from_config(
+        dims: i32,
+        base: f64,
+        traditional: bool,
+        scaling: Option<&Value>,
+    ) -> Result<Self> {
+        let scaling = scaling.filter(|v| !v.is_null());
+        // Python: `cfg.get("type") or cfg.get("rope_type", "default")` (null/"" fall through).
+        let field = |k: &str| {
+            scaling
+                .and_then(|s| s.get(k))
+                .and_then(Value::as_str)
+                .filter(|t| !t.is_empty())
+        };
+        let rope_type = field("type")
+            .or_else(|| field("rope_type"))
+            .unwrap_or("default");
+        match rope_type {
+            "default" | "linear" => {
+                let scale = if rope_type == "linear" {
+                    let factor = scaling.and_then(|s| s.get("factor")).and_then(Value::as_f64).ok_or_else(|| {
+                        EngineError::Input("config.json: `rope_scaling.factor` is required for linear rope scaling".into())
+                    })?;
+                    (1.0 / factor) as f32
+                } else {
+                    1.0
+                };
+                Ok(Rope::Plain { dims, traditional, base: base as f32, scale })
+            }
+            "llama3" => {
+                let cfg = scaling.unwrap_or(&Value::Null);
+                let factor = cfg.get("factor").and_then(Value::as_f64).ok_or_else(|| {
+                    EngineError::Input("config.json: `rope_scaling.factor` is required for llama3 rope scaling".into())
+                })?;
+                Ok(Rope::Freqs { dims, traditional, freqs: llama3_freqs(dims, base, factor, cfg)? })
+            }
+            other => Err(EngineError::Input(format!(
+                "config.json: rope_scaling type \"{other}\" is not supported yet (supported: default, linear, llama3)"
+            ))),
+        }
+    }
+
+    /// Rotates `x` ([B, H, L, D]) for positions starting at `offset`.
+    pub fn apply(&self, x: &Array, offset: i32) -> Result<Array> {
+        Ok(match self {
+            Rope::Plain {
+                dims,
+                traditional,
+                base,
+                scale,
+            } => fast::rope(x, *dims, *traditional, *base, *scale, offset, None)?,
+            Rope::Freqs {
+                dims,
+                traditional,
+                freqs,
+            } => fast::rope(x, *dims, *traditional, None, 1.0, offset, freqs)?,
+        })
+    }
+}
+
+/// `Llama3RoPE._freqs`, op for op (all f32, weak scalars become f32).
+fn llama3_freqs(dims: i32, base: f64, factor: f64, cfg: &Value) -> Result<Array> {
+    let low_freq_factor = num(cfg, "low_freq_factor", 1.0);
+    let high_freq_factor = num(cfg, "high_freq_factor", 4.0);
+    let old_context_len = num(cfg, "original_max_position_embeddings", 8192.0);
+    let low_freq_wavelen = old_context_len / low_freq_factor;
+    let high_freq_wavelen = old_context_len / high_freq_factor;
+    let f = |v: f64| Array::from_f32(v as f32);
+
+    let exponents = ops::arange::<_, i32>(0, dims, 2)?.divide(Array::from_int(dims))?;
+    let freqs = ops::power(f(base), &exponents)?;
+    let wavelens = f(2.0 * std::f64::consts::PI).multiply(&freqs)?;
+    let freqs = ops::select(
+        &wavelens.gt(f(low_freq_wavelen))?,
+        &freqs.multiply(f(factor))?,
+        &freqs,
+    )?;
+    let is_medium = wavelens
+        .gt(f(high_freq_wavelen))?
+        .logical_and(&wavelens.lt(f(low_freq_wavelen))?)?;
+    let smooth = f(old_context_len)
+        .divide(&wavelens)?
+        .subtract(f(low_freq_factor))?
+        .divide(f(high_freq_factor - low_freq_factor))?;
+    let denom = f(1.0).subtract(&smooth)?.divide(f(factor))?.add(&smooth)?;
+    let smooth_freqs = freqs.divide(&denom)?;
+    Ok(ops::select(&is_medium, &smooth_freqs, &freqs)?)
+}

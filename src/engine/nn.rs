@@ -1,0 +1,176 @@
+//! The layers mlx-lm's models are built from (Linear, Embedding, their affine-quantized
+//! forms, RMSNorm), issuing exactly the MLX ops `mlx.nn` issues so results stay bit-identical.
+
+use super::error::Result;
+use super::weights::{QuantSpec, WeightStore};
+use mlx_rs::{fast, ops, Array, Dtype};
+
+/// A Python-style "weak" scalar: `v` rounded to f32, then to `like`'s dtype, as MLX does for
+/// `x * 0.5` in Python (mlx-rs scalars would instead promote bf16 to f32).
+pub fn weak_scalar(v: f64, like: &Array) -> Result<Array> {
+    Ok(Array::from_f32(v as f32).as_dtype(like.dtype())?)
+}
+
+/// Weight storage of a linear map: dense, or affine-quantized.
+#[derive(Debug, Clone)]
+enum LinearWeight {
+    Dense(Array),
+    Quantized {
+        weight: Array,
+        scales: Array,
+        biases: Array,
+        spec: QuantSpec,
+    },
+}
+
+fn load_linear_weight(
+    w: &mut WeightStore,
+    path: &str,
+    out_dim: i32,
+    in_dim: i32,
+) -> Result<LinearWeight> {
+    match w.quant_for(path) {
+        None => Ok(LinearWeight::Dense(
+            w.take(&format!("{path}.weight"), &[out_dim, in_dim])?,
+        )),
+        Some(spec) => {
+            if in_dim % spec.group_size != 0 {
+                return Err(w.err(format!(
+                    "`{path}` has input size {in_dim}, not a multiple of quantization group_size {}",
+                    spec.group_size
+                )));
+            }
+            let packed = in_dim * spec.bits / 32;
+            let groups = in_dim / spec.group_size;
+            Ok(LinearWeight::Quantized {
+                weight: w.take(&format!("{path}.weight"), &[out_dim, packed])?,
+                scales: w.take(&format!("{path}.scales"), &[out_dim, groups])?,
+                biases: w.take(&format!("{path}.biases"), &[out_dim, groups])?,
+                spec,
+            })
+        }
+    }
+}
+
+fn matmul_transposed(x: &Array, w: &LinearWeight) -> Result<Array> {
+    Ok(match w {
+        LinearWeight::Dense(weight) => ops::matmul(x, weight.t())?,
+        LinearWeight::Quantized {
+            weight,
+            scales,
+            biases,
+            spec,
+        } => ops::quantized_matmul(x, weight, scales, biases, true, spec.group_size, spec.bits)?,
+    })
+}
+
+/// `nn.Linear` / `nn.QuantizedLinear`.
+#[derive(Debug, Clone)]
+pub struct Linear {
+    weight: LinearWeight,
+    bias: Option<Array>,
+}
+
+impl Linear {
+    /// Loads `{path}.weight` (+ `.scales`/`.biases` when quantized, `.bias` when `bias`).
+    pub fn load(
+        w: &mut WeightStore,
+        path: &str,
+        in_dim: i32,
+        out_dim: i32,
+        bias: bool,
+    ) -> Result<Self> {
+        let weight = load_linear_weight(w, path, out_dim, in_dim)?;
+        let bias = if bias {
+            Some(w.take(&format!("{path}.bias"), &[out_dim])?)
+        } else {
+            None
+        };
+        Ok(Self { weight, bias })
+    }
+
+    /// `x @ W.T (+ b)`, with `addmm` for the dense biased case as mlx does.
+    pub fn forward(&self, x: &Array) -> Result<Array> {
+        match (&self.weight, &self.bias) {
+            (LinearWeight::Dense(weight), Some(b)) => Ok(ops::addmm(b, x, weight.t(), None, None)?),
+            (_, Some(b)) => Ok(matmul_transposed(x, &self.weight)?.add(b)?),
+            (_, None) => matmul_transposed(x, &self.weight),
+        }
+    }
+}
+
+/// `nn.Embedding` / `nn.QuantizedEmbedding`, usable as the tied output projection.
+#[derive(Debug, Clone)]
+pub struct Embedding {
+    weight: LinearWeight,
+}
+
+impl Embedding {
+    /// Loads `{path}.weight` of shape [vocab, dim] (quantized when the checkpoint says so).
+    pub fn load(w: &mut WeightStore, path: &str, vocab: i32, dim: i32) -> Result<Self> {
+        Ok(Self {
+            weight: load_linear_weight(w, path, vocab, dim)?,
+        })
+    }
+
+    /// Looks up rows: `weight[ids]`, or the dequantized rows for a quantized table.
+    pub fn forward(&self, ids: &Array) -> Result<Array> {
+        Ok(match &self.weight {
+            LinearWeight::Dense(weight) => weight.take_axis(ids, 0)?,
+            LinearWeight::Quantized {
+                weight,
+                scales,
+                biases,
+                spec,
+            } => ops::dequantize(
+                weight.take_axis(ids, 0)?,
+                scales.take_axis(ids, 0)?,
+                &biases.take_axis(ids, 0)?,
+                spec.group_size,
+                spec.bits,
+            )?,
+        })
+    }
+
+    /// The tied LM head: `x @ weight.T`.
+    pub fn as_linear(&self, x: &Array) -> Result<Array> {
+        matmul_transposed(x, &self.weight)
+    }
+
+    /// Dtype activations take after the lookup (the table's dtype, or its scales' when quantized).
+    pub fn dtype(&self) -> Dtype {
+        match &self.weight {
+            LinearWeight::Dense(w) => w.dtype(),
+            LinearWeight::Quantized { scales, .. } => scales.dtype(),
+        }
+    }
+}
+
+/// `nn.RMSNorm`: `fast.rms_norm(x, weight, eps)`.
+#[derive(Debug, Clone)]
+pub struct RmsNorm {
+    weight: Array,
+    eps: f32,
+}
+
+impl RmsNorm {
+    /// Loads `{path}.weight` of shape [dim].
+    pub fn load(w: &mut WeightStore, path: &str, dim: i32, eps: f64) -> Result<Self> {
+        Ok(Self {
+            weight: w.take(&format!("{path}.weight"), &[dim])?,
+            eps: eps as f32,
+        })
+    }
+
+    /// Applies the norm with the stored weight.
+    pub fn forward(&self, x: &Array) -> Result<Array> {
+        Ok(fast::rms_norm(x, Some(&self.weight), self.eps)?)
+    }
+
+    /// Gemma's variant: the weight is stored as w and applied as `1.0 + w` (computed per call
+    /// in the weight's dtype, as mlx-lm's gemma RMSNorm does).
+    pub fn forward_one_plus(&self, x: &Array) -> Result<Array> {
+        let w = weak_scalar(1.0, &self.weight)?.add(&self.weight)?;
+        Ok(fast::rms_norm(x, Some(&w), self.eps)?)
+    }
+}

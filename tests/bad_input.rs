@@ -1,0 +1,155 @@
+//! Bad model directories give one clear sentence naming the file and the problem, exit code 2,
+//! and no panic.
+
+mod common;
+
+use serde_json::{json, Value};
+use std::path::Path;
+use std::process::Command;
+
+fn tiny() -> Value {
+    json!({
+        "model_type": "llama", "hidden_size": 64, "num_hidden_layers": 1, "intermediate_size": 128,
+        "num_attention_heads": 4, "num_key_value_heads": 2, "rms_norm_eps": 1e-5,
+        "vocab_size": 384, "tie_word_embeddings": true
+    })
+}
+
+/// Runs `mlxb generate` on `dir` and returns (exit code, stderr).
+fn generate(dir: &Path) -> (i32, String) {
+    let out = Command::new(common::mlxb())
+        .args([
+            "generate",
+            "--model",
+            dir.to_str().unwrap(),
+            "--prompt",
+            "hi",
+            "--max-tokens",
+            "2",
+        ])
+        .output()
+        .unwrap();
+    (
+        out.status.code().unwrap_or(-1),
+        String::from_utf8_lossy(&out.stderr).into_owned(),
+    )
+}
+
+fn edit_config(dir: &Path, f: impl FnOnce(&mut Value)) {
+    let p = dir.join("config.json");
+    let mut c: Value = serde_json::from_str(&std::fs::read_to_string(&p).unwrap()).unwrap();
+    f(&mut c);
+    std::fs::write(p, c.to_string()).unwrap();
+}
+
+fn expect_error(dir: &Path, needles: &[&str]) {
+    let (code, err) = generate(dir);
+    assert_eq!(code, 2, "expected exit code 2, got {code}; stderr: {err}");
+    assert!(
+        !err.contains("panicked"),
+        "panic instead of an error: {err}"
+    );
+    assert_eq!(
+        err.trim().lines().count(),
+        1,
+        "error is not one line: {err}"
+    );
+    for n in needles {
+        assert!(err.contains(n), "error does not mention {n:?}: {err}");
+    }
+}
+
+#[test]
+fn bad_model_directories_are_clear_errors() {
+    let base = tempfile::tempdir().unwrap();
+    let good = base.path().join("good");
+    common::make_model(&good, &tiny(), "bf16", None);
+    let (code, err) = generate(&good);
+    assert_eq!(code, 0, "the untouched model must work: {err}");
+
+    let copy = |name: &str| {
+        let d = base.path().join(name);
+        std::fs::create_dir_all(&d).unwrap();
+        for e in std::fs::read_dir(&good).unwrap() {
+            let e = e.unwrap();
+            std::fs::copy(e.path(), d.join(e.file_name())).unwrap();
+        }
+        d
+    };
+
+    let d = copy("unknown_type");
+    edit_config(&d, |c| c["model_type"] = json!("nonesuch"));
+    expect_error(&d, &["config.json", "nonesuch", "not supported"]);
+
+    let d = copy("bad_heads");
+    edit_config(&d, |c| c["num_key_value_heads"] = json!(3));
+    expect_error(&d, &["config.json", "num_key_value_heads"]);
+
+    let d = copy("missing_field");
+    edit_config(&d, |c| {
+        c.as_object_mut().unwrap().remove("hidden_size");
+    });
+    expect_error(&d, &["config.json", "hidden_size"]);
+
+    let d = copy("misshaped");
+    edit_config(&d, |c| c["intermediate_size"] = json!(96));
+    expect_error(&d, &["mlp.gate_proj.weight", "shape"]);
+
+    let d = copy("missing_tensor");
+    edit_config(&d, |c| c["tie_word_embeddings"] = json!(false));
+    expect_error(&d, &["lm_head.weight", "missing"]);
+
+    let d = copy("extra_tensor");
+    let extra = mlx_rs::Array::from_slice(&[0f32; 4], &[4]);
+    mlx_rs::Array::save_safetensors(
+        [("model.stray.weight", &extra)],
+        None,
+        d.join("model-extra.safetensors"),
+    )
+    .unwrap();
+    expect_error(&d, &["unexpected tensor", "model.stray.weight"]);
+
+    let d = copy("bad_bits");
+    edit_config(&d, |c| {
+        c["quantization"] = json!({"group_size": 64, "bits": 7})
+    });
+    expect_error(&d, &["config.json", "bits"]);
+
+    let d = copy("bad_group");
+    edit_config(&d, |c| {
+        c["quantization"] = json!({"group_size": 48, "bits": 4})
+    });
+    expect_error(&d, &["config.json", "group_size"]);
+
+    let d = copy("corrupt_header");
+    let st = d.join("model.safetensors");
+    let mut bytes = std::fs::read(&st).unwrap();
+    bytes[8] = b'#';
+    std::fs::write(&st, bytes).unwrap();
+    expect_error(&d, &["model.safetensors", "corrupt"]);
+
+    let d = copy("truncated");
+    let st = d.join("model.safetensors");
+    let bytes = std::fs::read(&st).unwrap();
+    std::fs::write(&st, &bytes[..bytes.len() / 2]).unwrap();
+    expect_error(&d, &["model.safetensors", "truncated"]);
+
+    let d = copy("bad_tokenizer");
+    std::fs::write(d.join("tokenizer.json"), "{ not json").unwrap();
+    expect_error(&d, &["tokenizer.json"]);
+
+    let d = copy("no_weights");
+    std::fs::remove_file(d.join("model.safetensors")).unwrap();
+    expect_error(&d, &["safetensors"]);
+
+    let d = copy("bad_json");
+    std::fs::write(d.join("config.json"), "{").unwrap();
+    expect_error(&d, &["config.json", "JSON"]);
+}
+
+#[test]
+fn missing_model_directory_is_a_clear_error() {
+    let (code, err) = generate(Path::new("/nonexistent/model"));
+    assert_eq!(code, 2, "{err}");
+    assert!(err.contains("/nonexistent/model"), "{err}");
+}
