@@ -3,3 +3,4 @@
 
 pub mod cmd;
 pub mod engine;
+pub mod spec;

@@ -288,3 +288,144 @@ fn llama_seeded_sampling_matches_mlx_lm() {
     );
     assert_eq!(ids, want, "seeded sampled ids differ from mlx-lm");
 }
+
+fn gemma2(extra: serde_json::Value) -> serde_json::Value {
+    with(
+        json!({
+            "model_type": "gemma2", "hidden_size": 64, "num_hidden_layers": 2, "intermediate_size": 128,
+            "num_attention_heads": 4, "num_key_value_heads": 2, "head_dim": 16, "rms_norm_eps": 1e-6,
+            "vocab_size": 384, "query_pre_attn_scalar": 16, "attn_logit_softcapping": 5.0,
+            "final_logit_softcapping": 3.0
+        }),
+        extra,
+    )
+}
+
+#[test]
+fn gemma2_bf16_softcaps() {
+    check(gemma2(json!({})), "bf16", None, 2048);
+}
+
+#[test]
+fn gemma2_bf16_chunked_prefill_mha() {
+    // No grouping (kv heads == heads), default caps, wider heads.
+    check(
+        gemma2(json!({"num_key_value_heads": 4, "head_dim": 32, "num_hidden_layers": 3,
+            "attn_logit_softcapping": 50.0, "final_logit_softcapping": 30.0, "query_pre_attn_scalar": 144})),
+        "bf16",
+        None,
+        16,
+    );
+}
+
+#[test]
+fn gemma2_4bit_mqa() {
+    check(
+        gemma2(json!({"hidden_size": 128, "intermediate_size": 256, "num_key_value_heads": 1,
+            "head_dim": 64, "rope_theta": 500.0})),
+        "bf16",
+        Some(4),
+        16,
+    );
+}
+
+fn minicpm(extra: serde_json::Value) -> serde_json::Value {
+    with(
+        json!({
+            "model_type": "minicpm", "hidden_size": 64, "dim_model_base": 16, "num_hidden_layers": 2,
+            "intermediate_size": 128, "num_attention_heads": 4, "num_key_value_heads": 2,
+            "rms_norm_eps": 1e-5, "vocab_size": 384, "scale_depth": 1.4, "scale_emb": 12,
+            "rope_theta": 10000.0, "tie_word_embeddings": false
+        }),
+        extra,
+    )
+}
+
+#[test]
+fn minicpm_bf16() {
+    check(minicpm(json!({})), "bf16", None, 2048);
+}
+
+#[test]
+fn minicpm_bf16_head_from_embedding_chunked_prefill() {
+    // No lm_head in the checkpoint: mlx-lm's sanitize uses the embedding table as the head.
+    check(
+        minicpm(json!({"_drop_modules": ["lm_head"], "num_hidden_layers": 3,
+            "num_key_value_heads": 1, "scale_emb": 2.5, "scale_depth": 0.7, "dim_model_base": 24})),
+        "bf16",
+        None,
+        16,
+    );
+}
+
+#[test]
+fn minicpm_4bit_linear_rope() {
+    check(
+        minicpm(json!({"hidden_size": 128, "intermediate_size": 256, "num_attention_heads": 2,
+            "num_key_value_heads": 2, "rope_scaling": {"type": "linear", "factor": 4.0}})),
+        "bf16",
+        Some(4),
+        16,
+    );
+}
+
+fn qwen3_moe(extra: serde_json::Value) -> serde_json::Value {
+    with(
+        json!({
+            "model_type": "qwen3_moe", "hidden_size": 64, "num_hidden_layers": 2, "intermediate_size": 96,
+            "num_attention_heads": 4, "num_key_value_heads": 2, "head_dim": 16, "rms_norm_eps": 1e-6,
+            "vocab_size": 384, "num_experts": 4, "num_experts_per_tok": 2, "decoder_sparse_step": 1,
+            "mlp_only_layers": [], "moe_intermediate_size": 32, "rope_theta": 10000.0,
+            "tie_word_embeddings": false, "max_position_embeddings": 4096, "norm_topk_prob": true
+        }),
+        extra,
+    )
+}
+
+// MLX's CPU `gather_mm` (unquantized experts) supports only float32, in mlx-lm as here, so the
+// unquantized MoE tests run in f32 and the bf16 ones are quantized (`gather_qmm`).
+
+#[test]
+fn qwen3_moe_f32() {
+    // 45 prompt tokens x 2 experts: the prefill takes mlx-lm's sort-by-expert path.
+    check(qwen3_moe(json!({})), "f32", None, 2048);
+}
+
+#[test]
+fn qwen3_moe_f32_sparse_step_chunked_prefill() {
+    // Layer 0 dense (mlp_only_layers), layer 1 dense (sparse step 2), layer 3 MoE with 8 experts,
+    // top-4 (16-token chunks x 4 = 64: the sorted path), scores not renormalized, tied head.
+    check(
+        qwen3_moe(json!({"num_hidden_layers": 4, "num_experts": 8, "num_experts_per_tok": 4,
+            "decoder_sparse_step": 2, "mlp_only_layers": [0], "norm_topk_prob": false,
+            "tie_word_embeddings": true, "head_dim": 32, "num_key_value_heads": 1})),
+        "f32",
+        None,
+        16,
+    );
+}
+
+#[test]
+fn qwen3_moe_4bit_f32_mixed() {
+    // down_proj's input (32) is not a multiple of the group size: mlx-lm leaves it unquantized
+    // (f32: see above), and the router gate is 8-bit (qwen3_moe's quant_predicate).
+    check(
+        qwen3_moe(json!({"hidden_size": 128, "intermediate_size": 128, "num_experts": 6,
+            "num_experts_per_tok": 3, "moe_intermediate_size": 32, "head_dim": 32})),
+        "f32",
+        Some(4),
+        16,
+    );
+}
+
+#[test]
+fn qwen3_moe_4bit_quantized_down_proj() {
+    check(
+        qwen3_moe(json!({"hidden_size": 128, "intermediate_size": 128, "num_experts": 3,
+            "num_experts_per_tok": 1, "moe_intermediate_size": 64, "num_attention_heads": 2,
+            "num_key_value_heads": 2, "head_dim": 64})),
+        "bf16",
+        Some(4),
+        2048,
+    );
+}

@@ -2,6 +2,7 @@
 
 use crate::engine::generate::GenerateConfig;
 use crate::engine::sample::{ProcessorConfig, SamplerConfig};
+use crate::spec::source::{DraftKind, SpecOptions, VerifyMode};
 use clap::Args;
 
 /// Which model and how to feed the prompt.
@@ -111,5 +112,54 @@ impl SamplingArgs {
             max_tokens: self.max_tokens,
             prefill_step_size: model.prefill_step_size,
         }
+    }
+}
+
+/// Speculative-decoding flags (mlx-lm's `--draft-model/--num-draft-tokens` plus mlxb's drafters).
+#[derive(Debug, Clone, Args)]
+pub struct SpecArgs {
+    /// Drafter kind; by default chosen from what is given (--draft-model → model,
+    /// --draft-layers → self).
+    #[arg(long, value_enum)]
+    pub draft_kind: Option<DraftKind>,
+    /// Draft model directory (must share the target's tokenizer).
+    #[arg(long)]
+    pub draft_model: Option<std::path::PathBuf>,
+    /// Tokens drafted per verify round.
+    #[arg(long, default_value_t = 3)]
+    pub num_draft_tokens: usize,
+    /// Layers of the target the `self` (early-exit) drafter runs.
+    #[arg(long)]
+    pub draft_layers: Option<usize>,
+    /// Longest n-gram the `ngram` drafter looks up.
+    #[arg(long, default_value_t = 3)]
+    pub ngram_max: usize,
+    /// Shortest n-gram the `ngram` drafter looks up.
+    #[arg(long, default_value_t = 1)]
+    pub ngram_min: usize,
+    /// Verification rule: `match` (token equality) or `reject` (rejection sampling).
+    #[arg(long, value_enum, default_value_t = VerifyMode::Match)]
+    pub spec_verify: VerifyMode,
+}
+
+impl SpecArgs {
+    /// The drafter options, or `None` when no drafter was asked for.
+    pub fn options(&self) -> Option<SpecOptions> {
+        let kind = self.draft_kind.or(if self.draft_model.is_some() {
+            Some(DraftKind::Model)
+        } else if self.draft_layers.is_some() {
+            Some(DraftKind::SelfLayers)
+        } else {
+            None
+        })?;
+        Some(SpecOptions {
+            kind,
+            draft_model: self.draft_model.clone(),
+            num_draft_tokens: self.num_draft_tokens,
+            draft_layers: self.draft_layers,
+            ngram_max: self.ngram_max,
+            ngram_min: self.ngram_min,
+            verify: self.spec_verify,
+        })
     }
 }

@@ -1,11 +1,13 @@
 //! `mlxb generate`: one prompt in, streamed text out, with mlx-lm's footer or a JSON object.
 
-use super::common::{ModelArgs, PromptArgs, SamplingArgs};
+use super::common::{ModelArgs, PromptArgs, SamplingArgs, SpecArgs};
 use crate::engine::flags::Forks;
-use crate::engine::generate::{Flow, GenerationStats, Generator};
+use crate::engine::generate::{Flow, GenerationStats, Generator, Speculation};
 use crate::engine::sample::{self, LogitsProcessors, Sampler};
 use crate::engine::session::{resolve_model, Session};
 use crate::engine::tokenizer::StreamingDetokenizer;
+use crate::spec::metrics::SpecMetrics;
+use crate::spec::source::{open_source, DraftSource};
 use clap::Args;
 use std::io::Write;
 
@@ -18,6 +20,8 @@ pub struct GenerateArgs {
     pub prompt: PromptArgs,
     #[command(flatten)]
     pub sampling: SamplingArgs,
+    #[command(flatten)]
+    pub spec: SpecArgs,
     /// Print mlx-lm's separators and timing footer.
     #[arg(long)]
     pub verbose: bool,
@@ -36,6 +40,8 @@ pub struct Outcome {
     pub finish_reason: &'static str,
     /// Timings and memory.
     pub stats: GenerationStats,
+    /// Acceptance metrics when a drafter was attached.
+    pub spec: Option<SpecMetrics>,
 }
 
 /// Runs the generation, streaming text segments to `on_text` as they complete.
@@ -44,6 +50,7 @@ pub fn run_generation(
     prompt_ids: &[u32],
     sampling: &SamplingArgs,
     model_args: &ModelArgs,
+    draft: Option<(Box<dyn DraftSource>, &SpecArgs)>,
     mut on_text: impl FnMut(&str),
 ) -> anyhow::Result<Outcome> {
     if let Some(s) = sampling.seed {
@@ -59,24 +66,30 @@ pub fn run_generation(
     let mut ids = Vec::new();
     let mut text = String::new();
     let mut finish_reason = "length";
-    let stats = Generator::new(session.model.model.as_mut(), &mut sampler, &mut processors).run(
-        prompt_ids,
-        &cfg,
-        |step| {
-            ids.push(step.token);
-            if eos.contains(&step.token) {
-                finish_reason = "stop";
-                return Ok(Flow::Stop);
-            }
-            detok.add_token(step.token);
-            let seg = detok.last_segment();
-            if !seg.is_empty() {
-                on_text(&seg);
-                text.push_str(&seg);
-            }
-            Ok(Flow::Continue)
-        },
-    )?;
+    let mut generator = Generator::new(session.model.model.as_mut(), &mut sampler, &mut processors);
+    if let Some((source, spec)) = draft {
+        generator = generator.with_speculation(Speculation {
+            source,
+            num_draft_tokens: spec.num_draft_tokens,
+            verify: spec.spec_verify,
+            temp: sampling.temp,
+            metrics: SpecMetrics::default(),
+        });
+    }
+    let (stats, spec_metrics) = generator.run(prompt_ids, &cfg, |step| {
+        ids.push(step.token);
+        if eos.contains(&step.token) {
+            finish_reason = "stop";
+            return Ok(Flow::Stop);
+        }
+        detok.add_token(step.token);
+        let seg = detok.last_segment();
+        if !seg.is_empty() {
+            on_text(&seg);
+            text.push_str(&seg);
+        }
+        Ok(Flow::Continue)
+    })?;
     detok.finalize();
     let seg = detok.last_segment();
     if !seg.is_empty() {
@@ -88,6 +101,7 @@ pub fn run_generation(
         token_ids: ids,
         finish_reason,
         stats,
+        spec: spec_metrics,
     })
 }
 
@@ -118,12 +132,25 @@ pub fn run(args: GenerateArgs) -> anyhow::Result<()> {
     if args.verbose && stream {
         println!("==========");
     }
+    let draft = match args.spec.options() {
+        Some(opts) => Some((
+            open_source(
+                &opts,
+                &session,
+                Forks::default(),
+                args.model.prefill_step_size,
+            )?,
+            &args.spec,
+        )),
+        None => None,
+    };
     let mut stdout = std::io::stdout();
     let outcome = run_generation(
         &mut session,
         &prompt_ids,
         &args.sampling,
         &args.model,
+        draft,
         |seg| {
             if stream {
                 let _ = write!(stdout, "{seg}");
@@ -144,6 +171,7 @@ pub fn run(args: GenerateArgs) -> anyhow::Result<()> {
             "generation_tokens": s.generation_tokens,
             "generation_tps": s.generation_tps(),
             "peak_memory_gb": s.peak_memory as f64 / 1e9,
+            "speculative": outcome.spec.as_ref().map(SpecMetrics::to_json),
         });
         println!("{obj}");
         return Ok(());
@@ -155,6 +183,9 @@ pub fn run(args: GenerateArgs) -> anyhow::Result<()> {
             println!("No text generated for this prompt");
         } else {
             println!("{}", footer(&outcome.stats));
+            if let Some(m) = &outcome.spec {
+                println!("{}", m.footer());
+            }
         }
     }
     Ok(())

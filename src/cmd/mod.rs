@@ -1,6 +1,7 @@
 //! Subcommands: one module each with its argument struct and thin glue; no model math here.
 
 pub mod common;
+pub mod convert;
 pub mod generate;
 pub mod parity;
 
@@ -31,6 +32,8 @@ pub enum Command {
     Generate(generate::GenerateArgs),
     /// Compare mlxb with mlx-lm bit for bit on one prompt (greedy ids and logprobs).
     Parity(parity::ParityArgs),
+    /// Import a GGUF file (llama.cpp) into an MLX-format model directory.
+    Convert(convert::ConvertArgs),
 }
 
 /// Runs the parsed command line and maps errors to exit codes (2 = the user's input).
@@ -49,6 +52,7 @@ pub fn run(cli: Cli) -> ExitCode {
     report(match command {
         Command::Generate(a) => generate::run(a),
         Command::Parity(a) => parity::run(a),
+        Command::Convert(a) => convert::run(a),
     })
 }
 

@@ -5,6 +5,9 @@ use super::error::Result;
 use mlx_rs::ops::indexing::{Ellipsis, IndexOp, TryIndexMutOp};
 use mlx_rs::{ops, Array};
 
+mod arrays;
+pub use arrays::ArraysCache;
+
 /// The mask an attention call receives, as mlx-lm passes it to SDPA.
 #[derive(Debug, Clone)]
 pub enum AttentionMask {
@@ -30,6 +33,34 @@ pub trait KvCache {
     fn is_trimmable(&self) -> bool;
     /// Arrays to evaluate after a prefill chunk.
     fn state(&self) -> Vec<Array>;
+    /// Saves the whole state. Cheap: MLX arrays are immutable and shared, never copied.
+    /// Speculative decoding restores it (then replays accepted tokens) where `trim` is inexact.
+    fn snapshot(&self) -> CacheSnapshot;
+    /// Puts back a state taken from this same cache by [`KvCache::snapshot`].
+    fn restore(&mut self, snapshot: CacheSnapshot) -> Result<()>;
+    /// The recurrent state slots when this is a linear-attention layer's [`ArraysCache`].
+    fn as_arrays_mut(&mut self) -> Option<&mut ArraysCache> {
+        None
+    }
+}
+
+/// An opaque saved cache state (see [`KvCache::snapshot`]).
+pub struct CacheSnapshot(Box<dyn std::any::Any>);
+
+impl CacheSnapshot {
+    /// Wraps a cache's cloned state.
+    pub fn new<T: 'static>(state: T) -> Self {
+        Self(Box::new(state))
+    }
+
+    /// Unwraps a state saved by a cache of type `T`.
+    pub fn into_inner<T: 'static>(self) -> Result<T> {
+        self.0.downcast::<T>().map(|b| *b).map_err(|_| {
+            super::error::EngineError::Runtime(
+                "cache snapshot restored into a cache of another kind".into(),
+            )
+        })
+    }
 }
 
 /// mlx-lm's `create_causal_mask(N, offset, window_size)`.
@@ -68,7 +99,7 @@ fn offset_mask(
 const STEP: i32 = 256;
 
 /// `KVCache`: grows in steps of 256 positions; `trim` only lowers the offset.
-#[derive(Default)]
+#[derive(Default, Clone)]
 pub struct FullCache {
     keys: Option<Array>,
     values: Option<Array>,
@@ -154,9 +185,19 @@ impl KvCache for FullCache {
             .cloned()
             .collect()
     }
+
+    fn snapshot(&self) -> CacheSnapshot {
+        CacheSnapshot::new(self.clone())
+    }
+
+    fn restore(&mut self, snapshot: CacheSnapshot) -> Result<()> {
+        *self = snapshot.into_inner::<Self>()?;
+        Ok(())
+    }
 }
 
 /// `RotatingKVCache(max_size, keep)`: a ring of `max_size` positions for sliding-window layers.
+#[derive(Clone)]
 pub struct RotatingCache {
     keys: Option<Array>,
     values: Option<Array>,
@@ -349,6 +390,15 @@ impl KvCache for RotatingCache {
             .chain(self.values.iter())
             .cloned()
             .collect()
+    }
+
+    fn snapshot(&self) -> CacheSnapshot {
+        CacheSnapshot::new(self.clone())
+    }
+
+    fn restore(&mut self, snapshot: CacheSnapshot) -> Result<()> {
+        *self = snapshot.into_inner::<Self>()?;
+        Ok(())
     }
 }
 

@@ -4,8 +4,10 @@
 //! Chunk boundaries change matmul shapes, so they are copied exactly to keep bits identical.
 
 use super::error::{EngineError, Result};
-use super::models::{Caches, LanguageModel};
+use super::models::{Caches, ForwardOpts, LanguageModel};
 use super::sample::{LogitsProcessors, Sampler};
+use crate::spec::metrics::SpecMetrics;
+use crate::spec::source::{DraftSource, VerifyMode};
 use mlx_rs::ops::indexing::IndexOp;
 use mlx_rs::transforms::{async_eval, eval};
 use mlx_rs::{memory, ops, Array};
@@ -76,12 +78,30 @@ impl GenerationStats {
 
 /// The model, its caches and the sampling state for one request.
 pub struct Generator<'a> {
-    model: &'a mut dyn LanguageModel,
-    caches: Caches,
-    sampler: &'a mut Sampler,
-    processors: &'a mut LogitsProcessors,
-    /// Every token seen so far, for the logits processors (mlx-lm's `tokens`).
-    history: Option<Array>,
+    pub(crate) model: &'a mut dyn LanguageModel,
+    pub(crate) caches: Caches,
+    pub(crate) sampler: &'a mut Sampler,
+    pub(crate) processors: &'a mut LogitsProcessors,
+    /// Every token fed so far, for the logits processors (mlx-lm's `tokens`).
+    pub(crate) history: Option<Array>,
+    /// The attached drafter and its settings, if decoding speculatively.
+    pub(crate) spec: Option<Speculation<'a>>,
+    /// Positions the target's caches hold.
+    pub(crate) positions: usize,
+}
+
+/// A drafter attached to a generation (see `crate::spec`).
+pub struct Speculation<'a> {
+    /// The drafter (owned by the generation it is attached to).
+    pub source: Box<dyn DraftSource + 'a>,
+    /// Tokens drafted per round.
+    pub num_draft_tokens: usize,
+    /// Verification rule.
+    pub verify: VerifyMode,
+    /// Sampling temperature (the rejection rule needs the target distribution).
+    pub temp: f64,
+    /// Acceptance counters, filled as rounds run.
+    pub metrics: SpecMetrics,
 }
 
 impl<'a> Generator<'a> {
@@ -98,10 +118,18 @@ impl<'a> Generator<'a> {
             sampler,
             processors,
             history: None,
+            spec: None,
+            positions: 0,
         }
     }
 
-    fn remember(&mut self, tokens: &Array) -> Result<()> {
+    /// Attaches a drafter: decoding then runs in verify rounds (same prefill, same first step).
+    pub fn with_speculation(mut self, spec: Speculation<'a>) -> Self {
+        self.spec = Some(spec);
+        self
+    }
+
+    pub(crate) fn remember(&mut self, tokens: &Array) -> Result<()> {
         if self.processors.is_empty() || tokens.size() == 0 {
             return Ok(());
         }
@@ -112,31 +140,60 @@ impl<'a> Generator<'a> {
         Ok(())
     }
 
-    /// mlx-lm's `_step`: forward `tokens` ([L]), keep the last position, process, sample.
-    fn step(&mut self, tokens: &Array) -> Result<(Array, Array)> {
-        let logits = self
+    /// Forwards `tokens` (`[L]`) through the target, handing tapped layers to the drafter.
+    pub(crate) fn forward_tokens(&mut self, tokens: &Array) -> Result<Array> {
+        let taps = self
+            .spec
+            .as_ref()
+            .map(|s| s.source.tap_layers())
+            .unwrap_or_default();
+        let opts = ForwardOpts {
+            exit_after: None,
+            taps,
+        };
+        let out = self
             .model
-            .forward(&tokens.expand_dims(0)?, &mut self.caches)?;
-        let mut logits = logits.index((.., -1, ..));
-        if !self.processors.is_empty() && tokens.size() > 0 {
-            self.remember(tokens)?;
+            .forward_ext(&tokens.expand_dims(0)?, &mut self.caches, &opts)?;
+        let first = self.positions;
+        self.positions += tokens.size();
+        if let Some(spec) = self.spec.as_mut() {
+            if !opts.taps.is_empty() {
+                spec.source.observe_taps(first, out.taps)?;
+            }
+        }
+        Ok(out.logits)
+    }
+
+    /// mlx-lm's logits → processors → logprobs for one row `[1, V]` whose input token was
+    /// `fed` (added to the processors' history first, as `_step` does).
+    pub(crate) fn logprobs_row(&mut self, row: Array, fed: &Array) -> Result<Array> {
+        let mut logits = row;
+        if !self.processors.is_empty() && fed.size() > 0 {
+            self.remember(fed)?;
             if let Some(h) = &self.history {
                 logits = self.processors.apply(h, &logits)?;
             }
         }
-        let logprobs = logits.subtract(logits.logsumexp(true)?)?;
+        Ok(logits.subtract(logits.logsumexp(true)?)?)
+    }
+
+    /// mlx-lm's `_step`: forward `tokens` ([L]), keep the last position, process, sample.
+    fn step(&mut self, tokens: &Array) -> Result<(Array, Array)> {
+        let logits = self.forward_tokens(tokens)?;
+        let logprobs = self.logprobs_row(logits.index((.., -1, ..)), tokens)?;
         let sampled = self.sampler.sample(&logprobs)?;
         Ok((sampled, logprobs.squeeze_axes(&[0])?))
     }
 
     /// Runs the prompt then generates, calling `on_token` for each token until it returns
-    /// [`Flow::Stop`] or `max_tokens` tokens were produced.
+    /// [`Flow::Stop`] or `max_tokens` tokens were produced. Returns the timings and, with a
+    /// drafter attached, its acceptance metrics.
     pub fn run(
         mut self,
         prompt: &[u32],
         cfg: &GenerateConfig,
         mut on_token: impl FnMut(&Step) -> Result<Flow>,
-    ) -> Result<GenerationStats> {
+    ) -> Result<(GenerationStats, Option<SpecMetrics>)> {
         if prompt.is_empty() {
             return Err(EngineError::Input(
                 "the prompt is empty; give at least one token".into(),
@@ -149,8 +206,7 @@ impl<'a> Generator<'a> {
         while rest.len() > 1 {
             let n = step_size.min(rest.len() - 1);
             let chunk = Array::from_slice(&rest[..n], &[n as i32]);
-            self.model
-                .forward(&chunk.expand_dims(0)?, &mut self.caches)?;
+            self.forward_tokens(&chunk)?;
             let state: Vec<Array> = self.caches.iter().flat_map(|c| c.state()).collect();
             eval(&state)?;
             self.remember(&chunk)?;
@@ -165,6 +221,12 @@ impl<'a> Generator<'a> {
             prompt_tokens: prompt.len(),
             ..Default::default()
         };
+        if self.spec.is_some() {
+            eval([&y])?;
+            stats.prompt_time = start.elapsed();
+            let first = y.try_item_cast::<u32>()?;
+            return self.run_speculative(prompt, first, logprobs, cfg, stats, &mut on_token);
+        }
         let mut first_token_at = start;
         let mut n = 0usize;
         loop {
@@ -203,7 +265,7 @@ impl<'a> Generator<'a> {
         }
         stats.generation_time = first_token_at.elapsed();
         stats.peak_memory = memory::peak_memory()?;
-        Ok(stats)
+        Ok((stats, None))
     }
 
     /// One forward over `prompt` with fresh caches, returning all positions' logits `[L, V]`

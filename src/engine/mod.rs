@@ -1,12 +1,16 @@
 //! The shared engine: MLX runtime facts, models, caches, sampling and the generation loop.
 
 pub mod cache;
+pub mod chat_template;
+pub mod detokenizer;
 pub mod error;
 pub mod flags;
 pub mod generate;
+pub mod gguf;
 pub mod models;
 pub mod nn;
 pub mod oracle;
+pub mod registry_models;
 pub mod runtime;
 pub mod sample;
 pub mod session;

@@ -89,6 +89,15 @@ impl Linear {
         Ok(Self { weight, bias })
     }
 
+    /// An unbiased dense layer over an existing `[out, in]` weight (e.g. a head copied from the
+    /// embedding table by a `sanitize`).
+    pub fn dense(weight: Array) -> Self {
+        Self {
+            weight: LinearWeight::Dense(weight),
+            bias: None,
+        }
+    }
+
     /// `x @ W.T (+ b)`, with `addmm` for the dense biased case as mlx does.
     pub fn forward(&self, x: &Array) -> Result<Array> {
         match (&self.weight, &self.bias) {
@@ -135,6 +144,14 @@ impl Embedding {
     /// The tied LM head: `x @ weight.T`.
     pub fn as_linear(&self, x: &Array) -> Result<Array> {
         matmul_transposed(x, &self.weight)
+    }
+
+    /// The table itself when it is not quantized.
+    pub fn dense_weight(&self) -> Option<&Array> {
+        match &self.weight {
+            LinearWeight::Dense(w) => Some(w),
+            LinearWeight::Quantized { .. } => None,
+        }
     }
 
     /// Dtype activations take after the lookup (the table's dtype, or its scales' when quantized).

@@ -1,6 +1,6 @@
 //! A loaded model and its tokenizer: what every subcommand opens first.
 
-use super::error::{EngineError, Result};
+use super::error::Result;
 use super::flags::Forks;
 use super::models::{self, LoadedModel};
 use super::tokenizer::Tokenizer;
@@ -16,20 +16,10 @@ pub struct Session {
     pub dir: PathBuf,
 }
 
-/// Resolves a `--model` value to a model directory.
+/// Resolves a `--model` value to a model directory: an MLX-format directory, a built-in model's
+/// short name, or (none) the default model; built-in models are fetched and imported on first use.
 pub fn resolve_model(model_ref: Option<&str>) -> Result<PathBuf> {
-    let Some(r) = model_ref else {
-        return Err(EngineError::Input(
-            "no --model given; pass an MLX-format model directory (config.json, model*.safetensors, tokenizer.json)".into(),
-        ));
-    };
-    let p = Path::new(r);
-    if p.is_dir() {
-        return Ok(p.to_path_buf());
-    }
-    Err(EngineError::Input(format!(
-        "--model {r}: no such directory; pass an MLX-format model directory (mlxb never downloads from a hub)"
-    )))
+    super::registry_models::resolve(model_ref)
 }
 
 impl Session {

@@ -163,6 +163,18 @@ impl WeightStore {
         self.tensors.contains_key(name)
     }
 
+    /// Adds (or replaces) a tensor, e.g. one rebuilt by a `sanitize` step.
+    pub fn insert(&mut self, name: &str, a: Array) {
+        self.tensors.insert(name.to_owned(), a);
+    }
+
+    /// Names of the tensors not taken yet, sorted (for `sanitize` steps that rename or reshape).
+    pub fn names(&self) -> Vec<String> {
+        let mut n: Vec<String> = self.tensors.keys().cloned().collect();
+        n.sort();
+        n
+    }
+
     /// Drops a tensor the model does not use (mlx-lm's `sanitize`).
     pub fn discard(&mut self, name: &str) {
         self.tensors.remove(name);

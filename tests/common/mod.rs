@@ -45,12 +45,24 @@ pub fn mlxb() -> PathBuf {
 
 /// Creates a tiny random-weight model with mlx-lm's own classes (tests/oracle/make_model.py).
 pub fn make_model(dir: &Path, config: &serde_json::Value, dtype: &str, quant_bits: Option<u32>) {
+    make_model_with(dir, config, dtype, quant_bits, &[]);
+}
+
+/// [`make_model`] with extra make_model.py flags (e.g. `--no-tokenizer`, `--seed N`).
+pub fn make_model_with(
+    dir: &Path,
+    config: &serde_json::Value,
+    dtype: &str,
+    quant_bits: Option<u32>,
+    extra: &[&str],
+) {
     let cfg = config.to_string();
     let mut args = vec![dir.to_str().unwrap(), cfg.as_str(), "--dtype", dtype];
     let bits = quant_bits.map(|b| b.to_string());
     if let Some(b) = &bits {
         args.extend(["--quant-bits", b.as_str()]);
     }
+    args.extend_from_slice(extra);
     run_python(&root().join("tests/oracle/make_model.py"), &args);
 }
 

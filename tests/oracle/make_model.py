@@ -60,12 +60,14 @@ def main():
     ap.add_argument("--quant-bits", type=int)
     ap.add_argument("--quant-group", type=int, default=64)
     ap.add_argument("--seed", type=int, default=0)
+    ap.add_argument("--no-tokenizer", action="store_true", help="weights only (tiny vocabularies)")
     a = ap.parse_args()
     out = Path(a.out)
     out.mkdir(parents=True, exist_ok=True)
     config = json.loads(a.config)
-    n_tok = make_tokenizer(out, min(config["vocab_size"], 320))
-    assert n_tok <= config["vocab_size"], (n_tok, config["vocab_size"])
+    if not a.no_tokenizer:
+        n_tok = make_tokenizer(out, min(config["vocab_size"], 320))
+        assert n_tok <= config["vocab_size"], (n_tok, config["vocab_size"])
     config.setdefault("eos_token_id", 2)
     # Top-level modules to leave out of the checkpoint (e.g. gemma3's lm_head, so that loading
     # ties the head to the embedding as real gemma3 checkpoints do).

@@ -1,48 +1,62 @@
-//! mlx-lm's compiled activations (`activations.py`). Each is compiled once per model, with the
-//! same `shapeless=True` boundary as mlx-lm's `@mx.compile`, and reused every call.
+//! mlx-lm's compiled element-wise functions (`activations.py`, `nn.gelu_approx`, gemma's
+//! `clip_residual`/`logit_softcap`, qwen3_next's `precise_swiglu`, ...). Each is compiled once
+//! per model with the same `shapeless` boundary as mlx-lm's `@mx.compile`, and reused on every
+//! call; [`CompiledOp`] is the one wrapper they share.
 
 use crate::engine::error::Result;
 use mlx_rs::error::Exception;
 use mlx_rs::transforms::compile::compile;
-use mlx_rs::{ops, Array};
+use mlx_rs::{ops, Array, Dtype};
+use std::rc::Rc;
 
-type Binary =
-    Box<dyn for<'a> FnMut((&'a Array, &'a Array)) -> std::result::Result<Array, Exception>>;
+/// A graph over arrays, as mlx-lm writes the body of a compiled function.
+pub type Graph = dyn Fn(&[Array]) -> std::result::Result<Vec<Array>, Exception>;
+type CompiledFn = Box<dyn FnMut(&[Array]) -> std::result::Result<Vec<Array>, Exception>>;
 
-/// `swiglu(gate, x) = silu(gate) * x`, compiled shapeless.
-pub struct SwiGlu {
-    compiled: Binary,
+/// One `mx.compile`d function: compiled once, reused every call; or run eagerly when the
+/// `compiled_activations` fork is off (same bits on CPU).
+pub struct CompiledOp {
+    compiled: CompiledFn,
+    graph: Rc<Graph>,
     eager: bool,
 }
 
-fn swiglu_graph((gate, x): (&Array, &Array)) -> std::result::Result<Array, Exception> {
-    let silu = gate.multiply(ops::sigmoid(gate)?)?;
-    silu.multiply(x)
-}
-
-impl SwiGlu {
-    /// Compiles the activation (or keeps it eager when `compiled` is false; same bits on CPU).
-    pub fn new(compiled: bool) -> Self {
+impl CompiledOp {
+    /// Compiles `graph` (`shapeless` as in mlx-lm's decorator); `compiled == false` keeps it eager.
+    pub fn new<G>(graph: G, shapeless: bool, compiled: bool) -> Self
+    where
+        G: Fn(&[Array]) -> std::result::Result<Vec<Array>, Exception> + Clone + 'static,
+    {
         Self {
-            compiled: Box::new(compile(swiglu_graph, true)),
+            compiled: Box::new(compile(graph.clone(), shapeless)),
+            graph: Rc::new(graph),
             eager: !compiled,
         }
     }
 
-    /// Applies `silu(gate) * x`.
-    pub fn apply(&mut self, gate: &Array, x: &Array) -> Result<Array> {
+    /// Runs the function on `args`, returning all outputs.
+    pub fn call(&mut self, args: &[Array]) -> Result<Vec<Array>> {
         if self.eager {
-            return Ok(swiglu_graph((gate, x))?);
+            return Ok((self.graph)(args)?);
         }
-        Ok((self.compiled)((gate, x))?)
+        Ok((self.compiled)(args)?)
+    }
+
+    /// Runs a function with a single output.
+    pub fn call1(&mut self, args: &[Array]) -> Result<Array> {
+        let mut out = self.call(args)?;
+        Ok(out.swap_remove(0))
     }
 }
 
-type Unary = Box<dyn for<'a> FnMut(&'a Array) -> std::result::Result<Array, Exception>>;
+/// `nn.silu(x) = x * sigmoid(x)`.
+pub fn silu_graph(x: &Array) -> std::result::Result<Array, Exception> {
+    x.multiply(ops::sigmoid(x)?)
+}
 
-/// mlx's `nn.gelu_approx`, op for op with Python's weak scalars (each constant takes `x`'s dtype;
-/// `sqrt(2 / pi)` is folded in f64 first, as Python does).
-fn gelu_approx_graph(x: &Array) -> std::result::Result<Array, Exception> {
+/// mlx's `nn.gelu_approx`, op for op with Python's weak scalars (each constant takes `x`'s
+/// dtype; `sqrt(2 / pi)` is folded in f64 first, as Python does).
+pub fn gelu_approx_graph(x: &Array) -> std::result::Result<Array, Exception> {
     let weak = |v: f64| Array::from_f32(v as f32).as_dtype(x.dtype());
     let inner =
         x.add(weak(0.044715)?.multiply(ops::power(x, Array::from_int(3).as_dtype(x.dtype())?)?)?)?;
@@ -52,27 +66,94 @@ fn gelu_approx_graph(x: &Array) -> std::result::Result<Array, Exception> {
         .multiply(Array::from_int(1).as_dtype(x.dtype())?.add(&t)?)
 }
 
-/// `nn.gelu_approx`, compiled shapeless as mlx does (mlx-rs' `gelu_approximate` uses f32
-/// constants and is not bit-identical).
-pub struct GeluApprox {
-    compiled: Unary,
-    eager: bool,
+/// `nn.silu`, compiled shapeless.
+pub fn silu(compiled: bool) -> CompiledOp {
+    CompiledOp::new(|a: &[Array]| Ok(vec![silu_graph(&a[0])?]), true, compiled)
 }
+
+/// `nn.gelu_approx`, compiled shapeless (mlx-rs' `gelu_approximate` uses f32 constants and is
+/// not bit-identical).
+pub fn gelu_approx(compiled: bool) -> CompiledOp {
+    CompiledOp::new(
+        |a: &[Array]| Ok(vec![gelu_approx_graph(&a[0])?]),
+        true,
+        compiled,
+    )
+}
+
+/// `swiglu(gate, x) = silu(gate) * x`, compiled shapeless.
+pub fn swiglu(compiled: bool) -> CompiledOp {
+    CompiledOp::new(
+        |a: &[Array]| Ok(vec![silu_graph(&a[0])?.multiply(&a[1])?]),
+        true,
+        compiled,
+    )
+}
+
+/// `geglu(gate, x) = gelu_approx(gate) * x` (gemma4), compiled shapeless.
+pub fn geglu(compiled: bool) -> CompiledOp {
+    CompiledOp::new(
+        |a: &[Array]| Ok(vec![gelu_approx_graph(&a[0])?.multiply(&a[1])?]),
+        true,
+        compiled,
+    )
+}
+
+/// `precise_swiglu(h, gate, x) = (silu(f32(gate)) * f32(x)).astype(h.dtype)`, compiled shapeless.
+pub fn precise_swiglu(compiled: bool) -> CompiledOp {
+    CompiledOp::new(
+        |a: &[Array]| {
+            let gate = silu_graph(&a[1].as_dtype(Dtype::Float32)?)?;
+            let x = a[2].as_dtype(Dtype::Float32)?;
+            Ok(vec![gate.multiply(&x)?.as_dtype(a[0].dtype())?])
+        },
+        true,
+        compiled,
+    )
+}
+
+/// `logit_softcap(cap, x) = tanh(x / cap) * cap` with `cap` a weak Python scalar, compiled
+/// shapeless; one compiled function per cap value, as `mx.compile` keys on the constant.
+pub fn logit_softcap(cap: f64, compiled: bool) -> CompiledOp {
+    CompiledOp::new(
+        move |a: &[Array]| Ok(vec![softcap_graph(&a[0], cap)?]),
+        true,
+        compiled,
+    )
+}
+
+/// `tanh(x / cap) * cap` with weak scalars (also gemma2's eager logit/attention softcap).
+pub fn softcap_graph(x: &Array, cap: f64) -> std::result::Result<Array, Exception> {
+    let c = Array::from_f32(cap as f32).as_dtype(x.dtype())?;
+    ops::tanh(x.divide(&c)?)?.multiply(&c)
+}
+
+/// The SwiGLU activation object mlx-lm's llama-family MLPs use.
+pub struct SwiGlu(CompiledOp);
+
+impl SwiGlu {
+    /// Compiles the activation (or keeps it eager when `compiled` is false; same bits on CPU).
+    pub fn new(compiled: bool) -> Self {
+        Self(swiglu(compiled))
+    }
+
+    /// Applies `silu(gate) * x`.
+    pub fn apply(&mut self, gate: &Array, x: &Array) -> Result<Array> {
+        self.0.call1(&[gate.clone(), x.clone()])
+    }
+}
+
+/// `nn.gelu_approx` as a reusable object.
+pub struct GeluApprox(CompiledOp);
 
 impl GeluApprox {
     /// Compiles the activation (or keeps it eager when `compiled` is false).
     pub fn new(compiled: bool) -> Self {
-        Self {
-            compiled: Box::new(compile(gelu_approx_graph, true)),
-            eager: !compiled,
-        }
+        Self(gelu_approx(compiled))
     }
 
     /// Applies `0.5 * x * (1 + tanh(sqrt(2/pi) * (x + 0.044715 * x**3)))`.
     pub fn apply(&mut self, x: &Array) -> Result<Array> {
-        if self.eager {
-            return Ok(gelu_approx_graph(x)?);
-        }
-        Ok((self.compiled)(x)?)
+        self.0.call1(std::slice::from_ref(x))
     }
 }

@@ -1,14 +1,16 @@
 //! The grouped-query attention block shared by llama-family models (llama, qwen2, qwen3, ...):
 //! q/k/v projections, optional per-head q/k RMSNorm (qwen3, gemma3), RoPE at the cache offset, cache
-//! update, and SDPA exactly as mlx-lm's `base.scaled_dot_product_attention` calls it.
+//! update, and SDPA exactly as mlx-lm's `base.scaled_dot_product_attention` calls it; plus the
+//! variants other families need (gemma2's soft-capped manual attention, qwen3_next's output gate).
 
+use super::activations::softcap_graph;
 use super::rope::Rope;
-use crate::engine::cache::{AttentionMask, KvCache};
+use crate::engine::cache::{causal_mask, AttentionMask, KvCache};
 use crate::engine::error::Result;
-use crate::engine::nn::{Linear, RmsNorm};
+use crate::engine::nn::{weak_scalar, Linear, RmsNorm};
 use crate::engine::weights::WeightStore;
 use mlx_rs::fast::{self, ScaledDotProductAttentionMask};
-use mlx_rs::Array;
+use mlx_rs::{ops, Array};
 
 /// `mx.fast.scaled_dot_product_attention(q, k, v, scale, mask)`.
 pub fn sdpa(q: &Array, k: &Array, v: &Array, scale: f32, mask: &AttentionMask) -> Result<Array> {
@@ -48,13 +50,73 @@ pub struct AttentionShape {
     pub scale: f32,
 }
 
+/// gemma2's attention: `q * scale`, `q @ k.T`, `tanh(s / cap) * cap`, `where(mask, s, min)`,
+/// precise softmax, `@ v`, with the query heads grouped per key/value head (`gemma2.py:83-104`).
+pub fn softcap_attention(
+    q: &Array,
+    k: &Array,
+    v: &Array,
+    scale: f32,
+    cap: f64,
+    mask: &AttentionMask,
+) -> Result<Array> {
+    let (b, n_heads, l, hd) = (q.shape()[0], q.shape()[1], q.shape()[2], q.shape()[3]);
+    let n_kv = k.shape()[1];
+    let repeats = n_heads / n_kv;
+    let q = q.multiply(weak_scalar(scale as f64, q)?)?;
+    let (q, k, v) = if repeats > 1 {
+        (
+            q.reshape(&[b, n_kv, repeats, l, hd])?,
+            k.expand_dims(2)?,
+            v.expand_dims(2)?,
+        )
+    } else {
+        (q, k.clone(), v.clone())
+    };
+    let scores = softcap_graph(&ops::matmul(&q, k.swap_axes(-1, -2)?)?, cap)?;
+    let mask = match mask {
+        AttentionMask::None => None,
+        AttentionMask::Array(m) => Some(m.clone()),
+        AttentionMask::Causal => {
+            let s = k.shape()[k.ndim() - 2];
+            Some(causal_mask(l, s - l, None)?)
+        }
+    };
+    let scores = match mask {
+        Some(m) => {
+            let min = scores.dtype().finfo_min().unwrap_or(f32::MIN as f64);
+            let fill = Array::from_f32(min as f32).as_dtype(scores.dtype())?;
+            ops::select(&m, &scores, &fill)?
+        }
+        None => scores,
+    };
+    let out = ops::matmul(ops::softmax_axis(&scores, -1, true)?, &v)?;
+    if repeats > 1 {
+        return Ok(out.reshape(&[b, n_heads, l, hd])?);
+    }
+    Ok(out)
+}
+
 /// Where the per-head q/k RMSNorm sits and which weight form it uses.
-#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+#[derive(Debug, Clone, Copy, PartialEq, Eq, Default)]
 pub enum QkNormStyle {
     /// qwen3: `nn.RMSNorm` on `[B, L, H, D]`, before the head transpose.
+    #[default]
     Plain,
     /// gemma3: `rms_norm(x, 1.0 + w)` on `[B, H, L, D]`, after the head transpose.
     GemmaAfterTranspose,
+}
+
+/// Per-family departures from the llama block that do not change its shape.
+#[derive(Debug, Clone, Copy, Default)]
+pub struct AttentionVariant {
+    /// Where the q/k norms sit.
+    pub norm_style: QkNormStyle,
+    /// gemma2: manual attention with the scores soft-capped at this value ([`softcap_attention`]).
+    pub softcap: Option<f64>,
+    /// qwen3_next / qwen3_5: `q_proj` also yields a per-head gate (twice the width, split per
+    /// head) and the output is `o_proj(out * sigmoid(gate))`.
+    pub output_gate: bool,
 }
 
 /// A loaded grouped-query attention block.
@@ -65,7 +127,7 @@ pub struct GqaAttention {
     o_proj: Linear,
     q_norm: Option<RmsNorm>,
     k_norm: Option<RmsNorm>,
-    norm_style: QkNormStyle,
+    variant: AttentionVariant,
     shape: AttentionShape,
     rope: Rope,
 }
@@ -89,21 +151,37 @@ impl GqaAttention {
         rope: Rope,
         norm_style: QkNormStyle,
     ) -> Result<Self> {
+        let variant = AttentionVariant {
+            norm_style,
+            ..Default::default()
+        };
+        Self::load_variant(w, prefix, shape, rope, variant)
+    }
+
+    /// Like [`GqaAttention::load`], for a family-specific [`AttentionVariant`].
+    pub fn load_variant(
+        w: &mut WeightStore,
+        prefix: &str,
+        shape: AttentionShape,
+        rope: Rope,
+        variant: AttentionVariant,
+    ) -> Result<Self> {
         let s = &shape;
         let (qd, kvd) = (s.n_heads * s.head_dim, s.n_kv_heads * s.head_dim);
+        let q_out = if variant.output_gate { 2 * qd } else { qd };
         let norm = |w: &mut WeightStore, name: &str| -> Result<Option<RmsNorm>> {
             s.qk_norm_eps
                 .map(|eps| RmsNorm::load(w, &format!("{prefix}.{name}"), s.head_dim, eps))
                 .transpose()
         };
         Ok(Self {
-            q_proj: Linear::load(w, &format!("{prefix}.q_proj"), s.hidden, qd, s.qkv_bias)?,
+            q_proj: Linear::load(w, &format!("{prefix}.q_proj"), s.hidden, q_out, s.qkv_bias)?,
             k_proj: Linear::load(w, &format!("{prefix}.k_proj"), s.hidden, kvd, s.qkv_bias)?,
             v_proj: Linear::load(w, &format!("{prefix}.v_proj"), s.hidden, kvd, s.qkv_bias)?,
             o_proj: Linear::load(w, &format!("{prefix}.o_proj"), qd, s.hidden, s.o_bias)?,
             q_norm: norm(w, "q_norm")?,
             k_norm: norm(w, "k_norm")?,
-            norm_style,
+            variant,
             shape,
             rope,
         })
@@ -111,8 +189,12 @@ impl GqaAttention {
 
     fn heads(&self, x: &Array, n: i32, norm: &Option<RmsNorm>) -> Result<Array> {
         let (b, l) = (x.shape()[0], x.shape()[1]);
-        let x = x.reshape(&[b, l, n, -1])?;
-        Ok(match (norm, self.norm_style) {
+        let x = if x.ndim() == 4 {
+            x.clone()
+        } else {
+            x.reshape(&[b, l, n, -1])?
+        };
+        Ok(match (norm, self.variant.norm_style) {
             (Some(norm), QkNormStyle::Plain) => norm.forward(&x)?.transpose_axes(&[0, 2, 1, 3])?,
             (Some(norm), QkNormStyle::GemmaAfterTranspose) => {
                 norm.forward_one_plus(&x.transpose_axes(&[0, 2, 1, 3])?)?
@@ -129,7 +211,17 @@ impl GqaAttention {
         cache: &mut dyn KvCache,
     ) -> Result<Array> {
         let (b, l) = (x.shape()[0], x.shape()[1]);
-        let q = self.heads(&self.q_proj.forward(x)?, self.shape.n_heads, &self.q_norm)?;
+        let (q, gate) = if self.variant.output_gate {
+            let q = self.q_proj.forward(x)?;
+            let mut parts = q
+                .reshape(&[b, l, self.shape.n_heads, -1])?
+                .split_equal(2, -1)?;
+            let gate = parts.pop().map(|g| g.reshape(&[b, l, -1])).transpose()?;
+            (parts.swap_remove(0), gate)
+        } else {
+            (self.q_proj.forward(x)?, None)
+        };
+        let q = self.heads(&q, self.shape.n_heads, &self.q_norm)?;
         let k = self.heads(
             &self.k_proj.forward(x)?,
             self.shape.n_kv_heads,
@@ -140,8 +232,14 @@ impl GqaAttention {
         let q = self.rope.apply(&q, offset)?;
         let k = self.rope.apply(&k, offset)?;
         let (k, v) = cache.update_and_fetch(&k, &v)?;
-        let out = sdpa(&q, &k, &v, self.shape.scale, mask)?;
-        self.o_proj
-            .forward(&out.transpose_axes(&[0, 2, 1, 3])?.reshape(&[b, l, -1])?)
+        let out = match self.variant.softcap {
+            Some(cap) => softcap_attention(&q, &k, &v, self.shape.scale, cap, mask)?,
+            None => sdpa(&q, &k, &v, self.shape.scale, mask)?,
+        };
+        let out = out.transpose_axes(&[0, 2, 1, 3])?.reshape(&[b, l, -1])?;
+        match gate {
+            Some(g) => self.o_proj.forward(&out.multiply(ops::sigmoid(&g)?)?),
+            None => self.o_proj.forward(&out),
+        }
     }
 }

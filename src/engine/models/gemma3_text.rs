@@ -7,8 +7,8 @@ use super::activations::GeluApprox;
 use super::attention::{AttentionShape, GqaAttention, QkNormStyle};
 use super::mlp::GatedMlp;
 use super::rope::Rope;
-use super::{Caches, LanguageModel, ModelSpec};
-use crate::engine::cache::{FullCache, KvCache, RotatingCache};
+use super::{Caches, ForwardOpts, ForwardOut, LanguageModel, ModelSpec};
+use crate::engine::cache::{AttentionMask, FullCache, KvCache, RotatingCache};
 use crate::engine::error::Result;
 use crate::engine::nn::{Embedding, Linear, RmsNorm};
 use crate::engine::weights::WeightStore;
@@ -210,6 +210,11 @@ pub fn build(spec: &ModelSpec, w: &mut WeightStore) -> Result<Box<dyn LanguageMo
 
 impl LanguageModel for Model {
     fn forward(&mut self, inputs: &Array, caches: &mut Caches) -> Result<Array> {
+        Ok(self.forward_ext(inputs, caches, &ForwardOpts::default())?.logits)
+    }
+
+    fn forward_ext(&mut self, inputs: &Array, caches: &mut Caches, opts: &ForwardOpts) -> Result<ForwardOut> {
+        let run = opts.layers_to_run(self.layers.len(), caches.len())?;
         let h = self.embed_tokens.forward(inputs)?;
         // `mx.array(hidden_size**0.5, mx.bfloat16).astype(h.dtype)`: f64 -> f32 -> bf16 -> h.dtype.
         let scale = Array::from_f32((self.hidden_size as f64).powf(0.5) as f32)
@@ -218,13 +223,19 @@ impl LanguageModel for Model {
         let mut h = h.multiply(&scale)?;
         let n = h.shape()[1];
         let p = self.sliding_window_pattern as usize;
-        let global_mask = caches[p - 1].make_mask(n, None, false)?;
+        // mlx-lm asks cache p-1 (global) and cache 0 (sliding); any cache of the same kind has
+        // the same offset, so an early exit before layer p-1 asks the first global one it runs.
+        let global_mask = match (0..run).find(|&i| is_global(i, self.sliding_window_pattern)) {
+            Some(i) => caches[i].make_mask(n, None, false)?,
+            None => AttentionMask::None,
+        };
         let sliding_mask = if p > 1 {
             Some(caches[0].make_mask(n, Some(self.sliding_window), false)?)
         } else {
             None
         };
-        let layers = self.layers.iter().zip(caches.iter_mut()).enumerate();
+        let mut taps = Vec::new();
+        let layers = self.layers[..run].iter().zip(caches.iter_mut()).enumerate();
         for (i, (layer, cache)) in layers {
             let mask = match (&sliding_mask, is_global(i, self.sliding_window_pattern)) {
                 (Some(m), false) => m,
@@ -246,12 +257,14 @@ impl LanguageModel for Model {
             h = self
                 .clip_residual
                 .apply(&hh, &layer.post_feedforward_layernorm.forward_one_plus(&r)?)?;
+            opts.capture(i, &h, &mut taps);
         }
         let out = self.norm.forward_one_plus(&h)?;
-        match &self.lm_head {
-            Some(head) => head.forward(&out),
-            None => self.embed_tokens.as_linear(&out),
-        }
+        let logits = match &self.lm_head {
+            Some(head) => head.forward(&out)?,
+            None => self.embed_tokens.as_linear(&out)?,
+        };
+        Ok(ForwardOut { logits, taps: opts.finish_taps(taps) })
     }
 
     fn make_caches(&self) -> Caches {

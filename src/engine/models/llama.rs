@@ -4,8 +4,8 @@ use super::activations::SwiGlu;
 use super::attention::{inv_sqrt_scale, AttentionShape, GqaAttention};
 use super::mlp::GatedMlp;
 use super::rope::Rope;
-use super::{Caches, LanguageModel, ModelSpec};
-use crate::engine::cache::{FullCache, KvCache, RotatingCache};
+use super::{Caches, ForwardOpts, ForwardOut, LanguageModel, ModelSpec};
+use crate::engine::cache::{AttentionMask, FullCache, KvCache, RotatingCache};
 use crate::engine::error::Result;
 use crate::engine::nn::{Embedding, Linear, RmsNorm};
 use crate::engine::weights::WeightStore;
@@ -139,15 +139,32 @@ pub fn build(spec: &ModelSpec, w: &mut WeightStore) -> Result<Box<dyn LanguageMo
 
 impl LanguageModel for Model {
     fn forward(&mut self, inputs: &Array, caches: &mut Caches) -> Result<Array> {
+        Ok(self
+            .forward_ext(inputs, caches, &ForwardOpts::default())?
+            .logits)
+    }
+
+    fn forward_ext(
+        &mut self,
+        inputs: &Array,
+        caches: &mut Caches,
+        opts: &ForwardOpts,
+    ) -> Result<ForwardOut> {
+        let run = opts.layers_to_run(self.layers.len(), caches.len())?;
+        let layers = &self.layers[..run];
         let mut h = self.embed_tokens.forward(inputs)?;
         let n = h.shape()[1];
-        let fa = self.layers.iter().position(|l| !l.sliding).unwrap_or(0);
-        let fa_mask = caches[fa].make_mask(n, None, false)?;
-        let swa_mask = match self.layers.iter().position(|l| l.sliding) {
+        // Every cache of one kind has the same offset, so any of them gives mlx-lm's mask.
+        let fa_mask = match layers.iter().position(|l| !l.sliding) {
+            Some(i) => caches[i].make_mask(n, None, false)?,
+            None => AttentionMask::None,
+        };
+        let swa_mask = match layers.iter().position(|l| l.sliding) {
             Some(i) => Some(caches[i].make_mask(n, self.sliding_window, false)?),
             None => None,
         };
-        for (layer, cache) in self.layers.iter().zip(caches.iter_mut()) {
+        let mut taps = Vec::new();
+        for (i, (layer, cache)) in layers.iter().zip(caches.iter_mut()).enumerate() {
             let mask = match (&swa_mask, layer.sliding) {
                 (Some(m), true) => m,
                 _ => &fa_mask,
@@ -160,12 +177,17 @@ impl LanguageModel for Model {
             let x = layer.post_attention_layernorm.forward(&hh)?;
             let r = layer.mlp.forward_swiglu(&x, &mut self.swiglu)?;
             h = hh.add(&r)?;
+            opts.capture(i, &h, &mut taps);
         }
         let out = self.norm.forward(&h)?;
-        match &self.lm_head {
-            Some(head) => head.forward(&out),
-            None => self.embed_tokens.as_linear(&out),
-        }
+        let logits = match &self.lm_head {
+            Some(head) => head.forward(&out)?,
+            None => self.embed_tokens.as_linear(&out)?,
+        };
+        Ok(ForwardOut {
+            logits,
+            taps: opts.finish_taps(taps),
+        })
     }
 
     fn make_caches(&self) -> Caches {

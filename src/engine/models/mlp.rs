@@ -1,6 +1,6 @@
 //! The gated feed-forward block (`down(act(gate(x)) * up(x))`) shared by llama-family models.
 
-use super::activations::SwiGlu;
+use super::activations::{CompiledOp, SwiGlu};
 use crate::engine::error::Result;
 use crate::engine::nn::Linear;
 use crate::engine::weights::WeightStore;
@@ -32,6 +32,12 @@ impl GatedMlp {
     /// `down(swiglu(gate(x), up(x)))`.
     pub fn forward_swiglu(&self, x: &Array, act: &mut SwiGlu) -> Result<Array> {
         let h = act.apply(&self.gate_proj.forward(x)?, &self.up_proj.forward(x)?)?;
+        self.down_proj.forward(&h)
+    }
+
+    /// `down(op(gate(x), up(x)))` for a compiled gated activation taking `[gate, up]`.
+    pub fn forward_op(&self, x: &Array, op: &mut CompiledOp) -> Result<Array> {
+        let h = op.call1(&[self.gate_proj.forward(x)?, self.up_proj.forward(x)?])?;
         self.down_proj.forward(&h)
     }
 

@@ -3,12 +3,16 @@
 
 pub mod activations;
 pub mod attention;
+pub mod gemma2;
 pub mod gemma3_text;
 pub mod llama;
+pub mod minicpm;
 pub mod mlp;
 pub mod qwen2;
 pub mod qwen3;
+pub mod qwen3_moe;
 pub mod rope;
+pub mod switch;
 
 use super::cache::KvCache;
 use super::error::{EngineError, Result};
@@ -21,14 +25,80 @@ use std::path::{Path, PathBuf};
 /// One cache per layer, in layer order.
 pub type Caches = Vec<Box<dyn KvCache>>;
 
+/// `n` plain `KVCache`s (mlx-lm's `make_prompt_cache` default).
+pub fn full_caches(n: usize) -> Caches {
+    (0..n)
+        .map(|_| -> Box<dyn KvCache> { Box::new(super::cache::FullCache::new()) })
+        .collect()
+}
+
 /// What every architecture provides to the engine.
 pub trait LanguageModel {
     /// Runs token ids `[B, L]` through the model, updating `caches`; returns logits `[B, L, V]`.
     fn forward(&mut self, inputs: &Array, caches: &mut Caches) -> Result<Array>;
+    /// A forward that can also stop early (the `self` drafter: first K layers, then the final
+    /// norm and LM head) and hand out chosen layers' outputs (taps for drafters that condition
+    /// on target hidden states). Numerics of the layers run are those of `forward`.
+    fn forward_ext(&mut self, inputs: &Array, caches: &mut Caches, opts: &ForwardOpts) -> Result<ForwardOut> {
+        if opts.exit_after.is_some() || !opts.taps.is_empty() {
+            return Err(EngineError::Input(
+                "this model_type does not support early exit or layer taps yet (used by the `self` and DSpark drafters)".into(),
+            ));
+        }
+        Ok(ForwardOut { logits: self.forward(inputs, caches)?, taps: Vec::new() })
+    }
     /// Fresh caches of the kinds this architecture uses per layer.
     fn make_caches(&self) -> Caches;
     /// Output vocabulary size.
     fn vocab_size(&self) -> i32;
+}
+
+/// Options of [`LanguageModel::forward_ext`].
+#[derive(Debug, Clone, Default)]
+pub struct ForwardOpts {
+    /// Run only the first this-many layers, then the final norm and LM head.
+    pub exit_after: Option<usize>,
+    /// Layer indices whose outputs (residual stream after the layer) to return, in order.
+    pub taps: Vec<usize>,
+}
+
+/// What [`LanguageModel::forward_ext`] returns.
+pub struct ForwardOut {
+    /// Logits `[B, L, V]`.
+    pub logits: Array,
+    /// One array `[B, L, D]` per requested tap, in the order requested.
+    pub taps: Vec<Array>,
+}
+
+impl ForwardOpts {
+    /// How many layers to run out of `total`, checking the request against the model.
+    pub fn layers_to_run(&self, total: usize, caches: usize) -> Result<usize> {
+        let n = self.exit_after.unwrap_or(total);
+        if n == 0 || n > total || caches < n {
+            return Err(EngineError::Input(format!(
+                "early exit after {n} layers is out of range: the model has {total} layers ({caches} caches given)"
+            )));
+        }
+        if let Some(t) = self.taps.iter().find(|&&t| t >= n) {
+            return Err(EngineError::Input(format!("layer tap {t} is out of range: only {n} layers run")));
+        }
+        Ok(n)
+    }
+
+    /// Collects `h` into `taps` if layer `i` is tapped.
+    pub fn capture(&self, i: usize, h: &Array, taps: &mut Vec<(usize, Array)>) {
+        if self.taps.contains(&i) {
+            taps.push((i, h.clone()));
+        }
+    }
+
+    /// Orders captured taps as requested.
+    pub fn finish_taps(&self, mut taps: Vec<(usize, Array)>) -> Vec<Array> {
+        self.taps
+            .iter()
+            .filter_map(|t| taps.iter().position(|(i, _)| i == t).map(|p| taps.swap_remove(p).1))
+            .collect()
+    }
 }
 
 type Builder = fn(&ModelSpec, &mut WeightStore) -> Result<Box<dyn LanguageModel>>;
@@ -37,8 +107,11 @@ type Builder = fn(&ModelSpec, &mut WeightStore) -> Result<Box<dyn LanguageModel>
 pub const REGISTRY: &[(&str, Builder)] = &[
     ("llama", llama::build),
     ("mistral", llama::build),
+    ("minicpm", minicpm::build),
     ("qwen2", qwen2::build),
     ("qwen3", qwen3::build),
+    ("qwen3_moe", qwen3_moe::build),
+    ("gemma2", gemma2::build),
     ("gemma3_text", gemma3_text::build),
 ];
 

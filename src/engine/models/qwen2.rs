@@ -5,7 +5,7 @@ use super::activations::SwiGlu;
 use super::attention::{inv_sqrt_scale, AttentionShape, GqaAttention};
 use super::mlp::GatedMlp;
 use super::rope::Rope;
-use super::{Caches, LanguageModel, ModelSpec};
+use super::{Caches, ForwardOpts, ForwardOut, LanguageModel, ModelSpec};
 use crate::engine::cache::{FullCache, KvCache};
 use crate::engine::error::Result;
 use crate::engine::nn::{Embedding, Linear, RmsNorm};
@@ -161,9 +161,22 @@ pub fn build(spec: &ModelSpec, w: &mut WeightStore) -> Result<Box<dyn LanguageMo
 
 impl LanguageModel for Model {
     fn forward(&mut self, inputs: &Array, caches: &mut Caches) -> Result<Array> {
+        Ok(self
+            .forward_ext(inputs, caches, &ForwardOpts::default())?
+            .logits)
+    }
+
+    fn forward_ext(
+        &mut self,
+        inputs: &Array,
+        caches: &mut Caches,
+        opts: &ForwardOpts,
+    ) -> Result<ForwardOut> {
+        let run = opts.layers_to_run(self.layers.len(), caches.len())?;
         let mut h = self.embed_tokens.forward(inputs)?;
         let mask = caches[0].make_mask(h.shape()[1], None, false)?;
-        for (layer, cache) in self.layers.iter().zip(caches.iter_mut()) {
+        let mut taps = Vec::new();
+        for (i, (layer, cache)) in self.layers[..run].iter().zip(caches.iter_mut()).enumerate() {
             let r =
                 layer
                     .attn
@@ -174,12 +187,17 @@ impl LanguageModel for Model {
                 &mut self.swiglu,
             )?;
             h = hh.add(&r)?;
+            opts.capture(i, &h, &mut taps);
         }
         let out = self.norm.forward(&h)?;
-        match &self.lm_head {
-            Some(head) => head.forward(&out),
-            None => self.embed_tokens.as_linear(&out),
-        }
+        let logits = match &self.lm_head {
+            Some(head) => head.forward(&out)?,
+            None => self.embed_tokens.as_linear(&out)?,
+        };
+        Ok(ForwardOut {
+            logits,
+            taps: opts.finish_taps(taps),
+        })
     }
 
     fn make_caches(&self) -> Caches {

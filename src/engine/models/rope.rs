@@ -65,10 +65,48 @@ impl Rope {
                 })?;
                 Ok(Rope::Freqs { dims, traditional, freqs: llama3_freqs(dims, base, factor, cfg)? })
             }
+            "mrope" => {
+                // Text-only: mlx-lm builds a plain `nn.RoPE` after checking the sections.
+                let sections = scaling.and_then(|s| s.get("mrope_section")).and_then(Value::as_array);
+                if sections.map(Vec::len) != Some(3) {
+                    return Err(EngineError::Input(
+                        "config.json: `mrope_section` must list 3 sections for mrope".into(),
+                    ));
+                }
+                Ok(Rope::Plain { dims, traditional, base: base as f32, scale: 1.0 })
+            }
+            "proportional" => {
+                let cfg = scaling.unwrap_or(&Value::Null);
+                let rotated = (dims as f64 * num(cfg, "partial_rotary_factor", 1.0)) as i32;
+                if rotated > dims || rotated < 0 {
+                    return Err(EngineError::Input(format!(
+                        "config.json: `partial_rotary_factor` gives {rotated} rotated dims of {dims}; it must be between 0 and 1"
+                    )));
+                }
+                let freqs = proportional_freqs(dims, rotated, base, num(cfg, "factor", 1.0))?;
+                Ok(Rope::Freqs { dims, traditional, freqs })
+            }
             other => Err(EngineError::Input(format!(
-                "config.json: rope_scaling type \"{other}\" is not supported yet (supported: default, linear, llama3)"
+                "config.json: rope_scaling type \"{other}\" is not supported yet (supported: default, linear, llama3, mrope, proportional)"
             ))),
         }
+    }
+
+    /// Like [`Rope::apply`] with the offset as an MLX array (`offset=mx.array(cache.offset)`).
+    pub fn apply_dynamic(&self, x: &Array, offset: &Array) -> Result<Array> {
+        Ok(match self {
+            Rope::Plain {
+                dims,
+                traditional,
+                base,
+                scale,
+            } => fast::rope_dynamic(x, *dims, *traditional, *base, *scale, offset, None)?,
+            Rope::Freqs {
+                dims,
+                traditional,
+                freqs,
+            } => fast::rope_dynamic(x, *dims, *traditional, None, 1.0, offset, freqs)?,
+        })
     }
 
     /// Rotates `x` ([B, H, L, D]) for positions starting at `offset`.
@@ -87,6 +125,16 @@ impl Rope {
             } => fast::rope(x, *dims, *traditional, None, 1.0, offset, freqs)?,
         })
     }
+}
+
+/// `ProportionalRoPE._freqs`: `factor * base ** (arange(0, rotated, 2, f32) / dims)`, then `inf`
+/// (no rotation) for the remaining pairs.
+fn proportional_freqs(dims: i32, rotated: i32, base: f64, factor: f64) -> Result<Array> {
+    let f = |v: f64| Array::from_f32(v as f32);
+    let exponents = ops::arange::<_, f32>(0, rotated, 2)?.divide(f(dims as f64))?;
+    let freqs = f(factor).multiply(ops::power(f(base), &exponents)?)?;
+    let rest = ops::full::<f32>(&[(dims - rotated) / 2], f(f64::INFINITY))?;
+    Ok(ops::concatenate(&[freqs, rest], 0)?)
 }
 
 /// `Llama3RoPE._freqs`, op for op (all f32, weak scalars become f32).

@@ -1,0 +1,343 @@
+//! Rebuilding `tokenizer.json` and `tokenizer_config.json` from a GGUF's tokenizer metadata.
+//!
+//! Two vocabulary kinds are supported, the ones llama.cpp calls `gpt2` (byte-level BPE with
+//! explicit merges, e.g. SmolLM2) and `llama` (SentencePiece BPE with scores and byte fallback,
+//! e.g. Gemma). The output follows what Hugging Face ships for those families, so both mlxb's
+//! tokenizer loader and mlx-lm's (transformers) read it as-is.
+
+use super::{GgufHeader, MetaValue};
+use crate::engine::error::{EngineError, Result};
+use serde_json::{json, Map, Value};
+use std::collections::HashMap;
+
+/// llama.cpp's token types.
+const TYPE_CONTROL: i64 = 3;
+const TYPE_USER_DEFINED: i64 = 4;
+
+/// The rebuilt tokenizer files and the special ids the model config needs.
+#[derive(Debug)]
+pub struct TokenizerFiles {
+    /// Contents of tokenizer.json.
+    pub tokenizer_json: Value,
+    /// Contents of tokenizer_config.json.
+    pub tokenizer_config: Value,
+    /// Beginning-of-sequence id.
+    pub bos_id: Option<u32>,
+    /// Ids that end generation: EOS, then end-of-turn/end-of-message ids when the file has them.
+    pub eos_ids: Vec<u32>,
+    /// Padding id.
+    pub pad_id: Option<u32>,
+    /// Number of tokens.
+    pub vocab_len: usize,
+}
+
+/// GPT-2's byte → printable-character table (`bytes_to_unicode`).
+pub fn byte_to_char() -> [char; 256] {
+    let mut table = ['\0'; 256];
+    let mut extra = 0u32;
+    for b in 0..256u32 {
+        let printable = (0x21..=0x7E).contains(&b) || (0xA1..=0xAC).contains(&b) || (0xAE..=0xFF).contains(&b);
+        let cp = if printable {
+            b
+        } else {
+            extra += 1;
+            255 + extra
+        };
+        table[b as usize] = char::from_u32(cp).unwrap_or('\0');
+    }
+    table
+}
+
+/// llama.cpp's `tokenizer.ggml.pre` → the pre-tokenizer Hugging Face uses for that family.
+fn byte_level_pre_tokenizer(pre: &str) -> Option<Value> {
+    let byte_level = |use_regex: bool| {
+        json!({"type": "ByteLevel", "add_prefix_space": false, "trim_offsets": true, "use_regex": use_regex})
+    };
+    const LLAMA3_SPLIT: &str = "(?i:'s|'t|'re|'ve|'m|'ll|'d)|[^\\r\\n\\p{L}\\p{N}]?\\p{L}+|\\p{N}{1,3}| ?[^\\s\\p{L}\\p{N}]+[\\r\\n]*|\\s*[\\r\\n]+|\\s+(?!\\S)|\\s+";
+    match pre {
+        "default" | "gpt2" | "gpt-2" => Some(byte_level(true)),
+        // Single digits, then GPT-2's split (llama.cpp's smollm/starcoder/refact rules).
+        "smollm" | "starcoder" | "refact" => Some(json!({
+            "type": "Sequence",
+            "pretokenizers": [{"type": "Digits", "individual_digits": true}, byte_level(true)]
+        })),
+        "llama3" | "llama-v3" | "llama-bpe" => Some(json!({
+            "type": "Sequence",
+            "pretokenizers": [
+                {"type": "Split", "pattern": {"Regex": LLAMA3_SPLIT}, "behavior": "Isolated", "invert": false},
+                byte_level(false)
+            ]
+        })),
+        _ => None,
+    }
+}
+
+/// Builds the tokenizer files described by `h`'s `tokenizer.*` metadata.
+pub fn build(h: &GgufHeader, arch: &str, context_length: Option<u64>) -> Result<TokenizerFiles> {
+    let kind = h.str("tokenizer.ggml.model")?;
+    let raw_tokens = h.strings("tokenizer.ggml.tokens")?;
+    let n = raw_tokens.len();
+    let types: Vec<i64> = match h.get("tokenizer.ggml.token_type").and_then(MetaValue::as_array) {
+        Some(a) if a.len() == n => a.iter().map(|v| v.as_f64().unwrap_or(1.0) as i64).collect(),
+        Some(_) => return Err(h.missing("tokenizer.ggml.token_type", "one entry per token")),
+        None => vec![1; n],
+    };
+    let id = |key: &str| -> Result<Option<u32>> {
+        match h.uint_opt(key)? {
+            Some(i) if (i as usize) < n => Ok(Some(i as u32)),
+            Some(i) => Err(EngineError::file(
+                &h.path,
+                format!("metadata `{key}` is {i}, outside the vocabulary of {n} tokens; the file is corrupt"),
+            )),
+            None => Ok(None),
+        }
+    };
+    let (bos, eos, unk, pad) = (
+        id("tokenizer.ggml.bos_token_id")?,
+        id("tokenizer.ggml.eos_token_id")?,
+        id("tokenizer.ggml.unknown_token_id")?,
+        id("tokenizer.ggml.padding_token_id")?,
+    );
+    let mut eos_ids: Vec<u32> = eos.into_iter().collect();
+    for key in ["tokenizer.ggml.eot_token_id", "tokenizer.ggml.eom_token_id"] {
+        if let Some(i) = id(key)? {
+            if !eos_ids.contains(&i) {
+                eos_ids.push(i);
+            }
+        }
+    }
+    let add_space_prefix = h.bool_opt("tokenizer.ggml.add_space_prefix")?.unwrap_or(false);
+
+    let (tokens, model, normalizer, pre_tokenizer, decoder, default_bos, byte_level): (
+        Vec<String>,
+        Value,
+        Value,
+        Value,
+        Value,
+        bool,
+        bool,
+    ) = match kind {
+        "gpt2" => {
+            let pre = h.get("tokenizer.ggml.pre").and_then(MetaValue::as_str).unwrap_or("default");
+            let pre_tok = byte_level_pre_tokenizer(pre).ok_or_else(|| {
+                EngineError::file(
+                    &h.path,
+                    format!(
+                        "uses the pre-tokenizer `{pre}`, which mlxb cannot rebuild (it knows default/gpt2, smollm and llama-bpe)"
+                    ),
+                )
+            })?;
+            let table = byte_to_char();
+            let alphabet: std::collections::HashSet<char> = table.iter().copied().collect();
+            let tokens: Vec<String> = raw_tokens
+                .iter()
+                .map(|t| {
+                    if t.chars().all(|c| alphabet.contains(&c)) {
+                        (*t).to_owned()
+                    } else {
+                        t.bytes().map(|b| table[b as usize]).collect()
+                    }
+                })
+                .collect();
+            let merges: Vec<Value> = h
+                .strings("tokenizer.ggml.merges")?
+                .iter()
+                .map(|m| {
+                    let (l, r) = m.split_once(' ').unwrap_or((m, ""));
+                    json!([l, r])
+                })
+                .collect();
+            let model = json!({
+                "type": "BPE", "dropout": null, "unk_token": null, "continuing_subword_prefix": null,
+                "end_of_word_suffix": null, "fuse_unk": false, "byte_fallback": false, "ignore_merges": false,
+                "vocab": vocab_map(&tokens), "merges": merges,
+            });
+            let decoder = json!({"type": "ByteLevel", "add_prefix_space": true, "trim_offsets": true, "use_regex": true});
+            (tokens, model, Value::Null, pre_tok, decoder, false, true)
+        }
+        "llama" => {
+            // SentencePiece writes spaces as U+2581; llama.cpp's GGUFs sometimes store plain spaces.
+            let tokens: Vec<String> = raw_tokens.iter().map(|t| t.replace(' ', "\u{2581}")).collect();
+            let scores: Vec<f64> = if arch.starts_with("gemma") {
+                // Gemma's merge order is the order of the vocabulary, as transformers rebuilds it.
+                (0..n).map(|i| -(i as f64)).collect()
+            } else {
+                match h.get("tokenizer.ggml.scores").and_then(MetaValue::as_array) {
+                    Some(a) if a.len() == n => a.iter().map(|v| v.as_f64().unwrap_or(0.0)).collect(),
+                    _ => return Err(h.missing("tokenizer.ggml.scores", "one score per token")),
+                }
+            };
+            let unk_token = unk.map(|i| tokens[i as usize].clone());
+            let merges = spm_merges(&tokens, &scores);
+            let model = json!({
+                "type": "BPE", "dropout": null, "unk_token": unk_token, "continuing_subword_prefix": null,
+                "end_of_word_suffix": null, "fuse_unk": true, "byte_fallback": true, "ignore_merges": false,
+                "vocab": vocab_map(&tokens), "merges": merges,
+            });
+            let replace = json!({"type": "Replace", "pattern": {"String": " "}, "content": "\u{2581}"});
+            let normalizer = if add_space_prefix {
+                json!({"type": "Sequence", "normalizers": [{"type": "Prepend", "prepend": "\u{2581}"}, replace]})
+            } else {
+                replace
+            };
+            let mut steps = vec![
+                json!({"type": "Replace", "pattern": {"String": "\u{2581}"}, "content": " "}),
+                json!({"type": "ByteFallback"}),
+                json!({"type": "Fuse"}),
+            ];
+            if add_space_prefix {
+                steps.push(json!({"type": "Strip", "content": " ", "start": 1, "stop": 0}));
+            }
+            let decoder = json!({"type": "Sequence", "decoders": steps});
+            (tokens, model, normalizer, Value::Null, decoder, true, false)
+        }
+        other => {
+            return Err(EngineError::file(
+                &h.path,
+                format!("uses the tokenizer model `{other}`, which mlxb cannot rebuild (it supports gpt2 byte-level BPE and llama SentencePiece BPE)"),
+            ))
+        }
+    };
+
+    let add_bos = h.bool_opt("tokenizer.ggml.add_bos_token")?.unwrap_or(default_bos) && bos.is_some();
+    let add_eos = h.bool_opt("tokenizer.ggml.add_eos_token")?.unwrap_or(false) && eos.is_some();
+    let tok = |i: Option<u32>| i.map(|i| tokens[i as usize].clone());
+    let alphabet: Option<std::collections::HashSet<char>> =
+        byte_level.then(|| byte_to_char().iter().copied().collect());
+    let added: Vec<Value> = (0..n)
+        .filter(|&i| types[i] == TYPE_CONTROL || types[i] == TYPE_USER_DEFINED)
+        // A control token outside the byte alphabet is a llama.cpp mislabel (transformers skips it too).
+        .filter(|&i| alphabet.as_ref().is_none_or(|a| raw_tokens[i].chars().all(|c| a.contains(&c))))
+        .map(|i| {
+            json!({
+                "id": i, "content": tokens[i], "single_word": false, "lstrip": false, "rstrip": false,
+                "normalized": false, "special": types[i] == TYPE_CONTROL,
+            })
+        })
+        .collect();
+
+    let post_processor = template_processor(add_bos.then(|| tok(bos)).flatten(), add_eos.then(|| tok(eos)).flatten(), bos, eos);
+    let post_processor = match (byte_level, post_processor) {
+        (true, None) => json!({"type": "ByteLevel", "add_prefix_space": true, "trim_offsets": false, "use_regex": true}),
+        (true, Some(t)) => json!({"type": "Sequence", "processors": [
+            {"type": "ByteLevel", "add_prefix_space": true, "trim_offsets": false, "use_regex": true}, t]}),
+        (false, p) => p.unwrap_or(Value::Null),
+    };
+    let tokenizer_json = json!({
+        "version": "1.0", "truncation": null, "padding": null, "added_tokens": added,
+        "normalizer": normalizer, "pre_tokenizer": pre_tokenizer, "post_processor": post_processor,
+        "decoder": decoder, "model": model,
+    });
+
+    let mut cfg = Map::new();
+    cfg.insert("tokenizer_class".into(), json!("PreTrainedTokenizerFast"));
+    cfg.insert("add_bos_token".into(), json!(add_bos));
+    cfg.insert("add_eos_token".into(), json!(add_eos));
+    for (key, idx) in [("bos_token", bos), ("eos_token", eos), ("unk_token", unk), ("pad_token", pad)] {
+        if let Some(t) = tok(idx) {
+            cfg.insert(key.into(), json!(t));
+        }
+    }
+    cfg.insert("clean_up_tokenization_spaces".into(), json!(false));
+    if let Some(c) = context_length {
+        cfg.insert("model_max_length".into(), json!(c));
+    }
+    if let Some(t) = h.get("tokenizer.chat_template").and_then(MetaValue::as_str) {
+        cfg.insert("chat_template".into(), json!(t));
+    }
+    Ok(TokenizerFiles {
+        tokenizer_json,
+        tokenizer_config: Value::Object(cfg),
+        bos_id: bos,
+        eos_ids,
+        pad_id: pad,
+        vocab_len: n,
+    })
+}
+
+fn vocab_map(tokens: &[String]) -> Value {
+    let mut m = Map::new();
+    for (i, t) in tokens.iter().enumerate() {
+        m.insert(t.clone(), json!(i));
+    }
+    Value::Object(m)
+}
+
+/// A `TemplateProcessing` post-processor adding BOS and/or EOS, as transformers builds it.
+fn template_processor(bos: Option<String>, eos: Option<String>, bos_id: Option<u32>, eos_id: Option<u32>) -> Option<Value> {
+    if bos.is_none() && eos.is_none() {
+        return None;
+    }
+    let special = |t: &str, type_id: u32| json!({"SpecialToken": {"id": t, "type_id": type_id}});
+    let seq = |s: &str, type_id: u32| json!({"Sequence": {"id": s, "type_id": type_id}});
+    let part = |s: &str, type_id: u32| {
+        let mut v = Vec::new();
+        v.extend(bos.as_deref().map(|b| special(b, type_id)));
+        v.push(seq(s, type_id));
+        v.extend(eos.as_deref().map(|e| special(e, type_id)));
+        v
+    };
+    let mut specials = Map::new();
+    for (t, i) in [(bos.as_deref(), bos_id), (eos.as_deref(), eos_id)] {
+        if let (Some(t), Some(i)) = (t, i) {
+            specials.insert(t.to_owned(), json!({"id": t, "ids": [i], "tokens": [t]}));
+        }
+    }
+    let mut pair = part("A", 0);
+    pair.extend(part("B", 1));
+    Some(json!({"type": "TemplateProcessing", "single": part("A", 0), "pair": pair, "special_tokens": specials}))
+}
+
+/// Merges implied by a SentencePiece BPE vocabulary, exactly as transformers'
+/// `generate_merges` derives them: every split of every token into two vocabulary pieces,
+/// ordered by the token's score (best first), then by longer left piece, then longer right piece.
+pub fn spm_merges(tokens: &[String], scores: &[f64]) -> Vec<[String; 2]> {
+    let mut vocab: HashMap<&str, usize> = HashMap::with_capacity(tokens.len());
+    for (i, t) in tokens.iter().enumerate() {
+        vocab.insert(t.as_str(), i);
+    }
+    // dict(zip(tokens, scores)): first occurrence fixes the order, the last one the score.
+    let mut order: Vec<&str> = Vec::with_capacity(tokens.len());
+    let mut score_of: HashMap<&str, f64> = HashMap::with_capacity(tokens.len());
+    for (t, &s) in tokens.iter().zip(scores) {
+        if score_of.insert(t.as_str(), s).is_none() {
+            order.push(t.as_str());
+        }
+    }
+    struct Merge<'a> {
+        l: &'a str,
+        r: &'a str,
+        score: f64,
+        ll: usize,
+        rl: usize,
+    }
+    let mut merges: Vec<Merge> = Vec::new();
+    for t in order {
+        let score = score_of[t];
+        let mut local: Vec<Merge> = t
+            .char_indices()
+            .skip(1)
+            .filter_map(|(at, _)| {
+                let (l, r) = t.split_at(at);
+                (vocab.contains_key(l) && vocab.contains_key(r)).then(|| Merge {
+                    l,
+                    r,
+                    score,
+                    ll: l.chars().count(),
+                    rl: r.chars().count(),
+                })
+            })
+            .collect();
+        local.sort_by_key(|m| (vocab[m.l], vocab[m.r]));
+        merges.extend(local);
+    }
+    // Python's sorted(..., reverse=True) is stable: equal keys keep their order.
+    merges.sort_by(|a, b| {
+        b.score
+            .partial_cmp(&a.score)
+            .unwrap_or(std::cmp::Ordering::Equal)
+            .then(b.ll.cmp(&a.ll))
+            .then(b.rl.cmp(&a.rl))
+    });
+    merges.into_iter().map(|m| [m.l.to_owned(), m.r.to_owned()]).collect()
+}

@@ -1,0 +1,84 @@
+//! The `self` drafter (early exit): the target's own first K layers, then its final norm and
+//! LM head. A real drafter for any target without training. Its caches start as copies of
+//! the target's first K caches after the prompt (identical computations), so it costs no
+//! extra prefill.
+
+use super::autoregressive::CachedDrafter;
+use super::source::{Draft, DraftSource, TargetView};
+use crate::engine::error::{EngineError, Result};
+use crate::engine::models::ForwardOpts;
+
+/// The `self` drafter.
+pub struct EarlyExitSource {
+    layers: usize,
+    state: Option<CachedDrafter>,
+}
+
+impl EarlyExitSource {
+    /// Drafts with the first `layers` layers of the target.
+    pub fn new(layers: usize) -> Self {
+        Self {
+            layers,
+            state: None,
+        }
+    }
+
+    fn opts(&self) -> ForwardOpts {
+        ForwardOpts {
+            exit_after: Some(self.layers),
+            taps: Vec::new(),
+        }
+    }
+}
+
+impl DraftSource for EarlyExitSource {
+    fn name(&self) -> &'static str {
+        "self"
+    }
+
+    fn begin(&mut self, target: TargetView<'_>, prompt: &[u32]) -> Result<()> {
+        let total = target.caches.len();
+        if self.layers == 0 || self.layers >= total {
+            return Err(EngineError::Input(format!(
+                "--draft-layers {} is out of range: the target has {total} layers (use 1..{})",
+                self.layers,
+                total - 1
+            )));
+        }
+        let mut caches = target.model.make_caches();
+        caches.truncate(self.layers);
+        for (own, theirs) in caches.iter_mut().zip(target.caches.iter()) {
+            own.restore(theirs.snapshot())?;
+        }
+        self.state = Some(CachedDrafter::new(caches, prompt.to_vec()));
+        Ok(())
+    }
+
+    fn draft(&mut self, target: TargetView<'_>, sequence: &[u32], n: usize) -> Result<Draft> {
+        let opts = self.opts();
+        let state = self
+            .state
+            .as_mut()
+            .ok_or_else(|| EngineError::Runtime("self drafter used before begin".into()))?;
+        let model = target.model;
+        let tokens = state.draft(sequence, n, &mut |x, c| {
+            Ok(model.forward_ext(x, c, &opts)?.logits)
+        })?;
+        Ok(Draft {
+            tokens,
+            probs: None,
+        })
+    }
+
+    fn commit(&mut self, target: TargetView<'_>, committed: usize) -> Result<()> {
+        let opts = self.opts();
+        let state = self
+            .state
+            .as_mut()
+            .ok_or_else(|| EngineError::Runtime("self drafter used before begin".into()))?;
+        let model = target.model;
+        state.commit(committed, &mut |x, c| {
+            Ok(model.forward_ext(x, c, &opts)?.logits)
+        })
+    }
+}

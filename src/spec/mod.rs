@@ -1,0 +1,17 @@
+//! Speculative decoding: one seam ([`source::DraftSource`]) every drafter plugs into, and one
+//! executor ([`executor`]) that drafts, verifies the block in one target forward, accepts,
+//! rolls every cache back exactly and emits — driven by the engine's single generation loop.
+//!
+//! Roles are split by file: `source` (the seam and provider options), `executor` (the round
+//! driver), `verify` (acceptance policies), `rollback` (exact cache rewind), `metrics`
+//! (vLLM-style acceptance counters), and one file per drafter.
+
+pub mod autoregressive;
+pub mod early_exit;
+pub mod executor;
+pub mod metrics;
+pub mod ngram;
+pub mod rollback;
+pub mod source;
+pub mod two_model;
+pub mod verify;

@@ -1,0 +1,73 @@
+//! Prompt-lookup drafting: find the latest earlier occurrence of the sequence's last n-gram
+//! (longest first) and propose what followed it. No model, no state.
+
+use super::source::{Draft, DraftSource, TargetView};
+use crate::engine::error::Result;
+
+/// The `ngram` drafter.
+pub struct NgramSource {
+    max: usize,
+    min: usize,
+}
+
+impl NgramSource {
+    /// Matches n-grams of `min..=max` tokens.
+    pub fn new(min: usize, max: usize) -> Self {
+        Self { max, min }
+    }
+
+    /// The continuation of the latest earlier match of the last n-gram, at most `n` tokens.
+    pub fn lookup(&self, seq: &[u32], n: usize) -> Vec<u32> {
+        for size in (self.min..=self.max).rev() {
+            if seq.len() <= size {
+                continue;
+            }
+            let pattern = &seq[seq.len() - size..];
+            // Earlier occurrences only (the match must end before the pattern itself starts
+            // or at least leave one token to continue with), latest first.
+            for start in (0..seq.len() - size).rev() {
+                if &seq[start..start + size] == pattern {
+                    let from = start + size;
+                    let to = (from + n).min(seq.len());
+                    if from < to {
+                        return seq[from..to].to_vec();
+                    }
+                }
+            }
+        }
+        Vec::new()
+    }
+}
+
+impl DraftSource for NgramSource {
+    fn name(&self) -> &'static str {
+        "ngram"
+    }
+
+    fn draft(&mut self, _target: TargetView<'_>, sequence: &[u32], n: usize) -> Result<Draft> {
+        Ok(Draft {
+            tokens: self.lookup(sequence, n),
+            probs: None,
+        })
+    }
+
+    fn commit(&mut self, _target: TargetView<'_>, _committed: usize) -> Result<()> {
+        Ok(())
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    #[test]
+    fn continues_the_latest_longest_match() {
+        let s = NgramSource::new(1, 3);
+        // "1 2 3 9 ... 1 2 3" → continue after the earlier "1 2 3" with "9 8".
+        assert_eq!(s.lookup(&[1, 2, 3, 9, 8, 7, 1, 2, 3], 2), vec![9, 8]);
+        // No earlier occurrence of any suffix → nothing.
+        assert_eq!(s.lookup(&[1, 2, 3, 4], 3), Vec::<u32>::new());
+        // Latest occurrence wins.
+        assert_eq!(s.lookup(&[5, 1, 5, 2, 5], 1), vec![2]);
+    }
+}
