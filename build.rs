@@ -8,6 +8,17 @@ fn main() {
         println!("cargo:rustc-link-arg=-Wl,-rpath,{dir}");
         println!("cargo:rustc-env=MLXB_RUNTIME_LIB_DIR={dir}");
     }
+    // The commit being built, for benchmark result files (rows of different builds differ).
+    let commit = std::process::Command::new("git")
+        .args(["rev-parse", "--short=10", "HEAD"])
+        .output()
+        .ok()
+        .filter(|o| o.status.success())
+        .map(|o| String::from_utf8_lossy(&o.stdout).trim().to_owned())
+        .unwrap_or_else(|| "unknown".to_owned());
+    println!("cargo:rustc-env=MLXB_GIT_COMMIT={commit}");
+    println!("cargo:rerun-if-changed=.git/HEAD");
+    println!("cargo:rerun-if-changed=.git/refs/heads");
     let version = std::env::var("DEP_MLX_VERSION").unwrap_or_default();
     println!("cargo:rustc-env=MLXB_BUILT_MLX_VERSION={version}");
 }

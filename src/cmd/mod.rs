@@ -1,5 +1,6 @@
 //! Subcommands: one module each with its argument struct and thin glue; no model math here.
 
+pub mod bench;
 pub mod common;
 pub mod convert;
 pub mod generate;
@@ -30,6 +31,8 @@ pub struct Cli {
 pub enum Command {
     /// Generate text for one prompt (like `mlx_lm generate`).
     Generate(generate::GenerateArgs),
+    /// Measure prefill/decode speed like llama-bench, optionally against mlx-lm in the same run.
+    Bench(bench::BenchArgs),
     /// Compare mlxb with mlx-lm bit for bit on one prompt (greedy ids and logprobs).
     Parity(parity::ParityArgs),
     /// Import a GGUF file (llama.cpp) into an MLX-format model directory.
@@ -52,6 +55,7 @@ pub fn run(cli: Cli) -> ExitCode {
     report(match command {
         Command::Generate(a) => generate::run(a),
         Command::Parity(a) => parity::run(a),
+        Command::Bench(a) => bench::run(a),
         Command::Convert(a) => convert::run(a),
     })
 }

@@ -5,6 +5,7 @@ pub mod chat_template;
 pub mod detokenizer;
 pub mod error;
 pub mod flags;
+pub mod fsutil;
 pub mod generate;
 pub mod gguf;
 pub mod models;

@@ -295,3 +295,51 @@ fn check_safetensors_header(path: &Path) -> Result<()> {
     }
     Ok(())
 }
+
+/// Weight bytes and parameter count of the checkpoint in `dir`, read from the safetensors
+/// headers (quantized weights count `32 / bits` parameters per packed u32; scales and biases
+/// of quantized layers are not parameters). Used by `mlxb bench`'s size/params columns.
+pub fn checkpoint_size(dir: &Path, quant_bits: Option<i32>) -> Result<(u64, u64)> {
+    use std::io::Read;
+    let mut bytes = 0u64;
+    let mut params = 0u64;
+    let entries =
+        std::fs::read_dir(dir).map_err(|e| EngineError::file(dir, format!("cannot read ({e})")))?;
+    for entry in entries.filter_map(|e| e.ok()) {
+        let path = entry.path();
+        let name = path.file_name().and_then(|n| n.to_str()).unwrap_or("");
+        if !(name.starts_with("model") && name.ends_with(".safetensors")) {
+            continue;
+        }
+        check_safetensors_header(&path)?;
+        let mut f = std::fs::File::open(&path)
+            .map_err(|e| EngineError::file(&path, format!("cannot open ({e})")))?;
+        let mut n = [0u8; 8];
+        f.read_exact(&mut n)
+            .map_err(|e| EngineError::file(&path, format!("cannot read ({e})")))?;
+        let mut header = vec![0u8; u64::from_le_bytes(n) as usize];
+        f.read_exact(&mut header)
+            .map_err(|e| EngineError::file(&path, format!("cannot read ({e})")))?;
+        let json: serde_json::Value = serde_json::from_slice(&header)
+            .map_err(|e| EngineError::file(&path, format!("bad header ({e})")))?;
+        for (tensor, info) in json.as_object().into_iter().flatten() {
+            let Some(off) = info.get("data_offsets").and_then(|o| o.as_array()) else {
+                continue;
+            };
+            let (a, b) = (off[0].as_u64().unwrap_or(0), off[1].as_u64().unwrap_or(0));
+            bytes += b.saturating_sub(a);
+            let elems: u64 = info["shape"]
+                .as_array()
+                .map(|s| s.iter().filter_map(|d| d.as_u64()).product())
+                .unwrap_or(0);
+            let quantized_aux = quant_bits.is_some()
+                && (tensor.ends_with(".scales") || tensor.ends_with(".biases"));
+            params += match (info["dtype"].as_str(), quant_bits) {
+                _ if quantized_aux => 0,
+                (Some("U32"), Some(bits)) => elems * 32 / bits.max(1) as u64,
+                _ => elems,
+            };
+        }
+    }
+    Ok((bytes, params))
+}

@@ -1,0 +1,51 @@
+"""mlx-lm side of `mlxb bench --baseline mlx-lm`: a persistent worker that loads the model once
+and answers timing requests, one JSON object per line on stdin/stdout, so mlxb can interleave
+its own repetitions with mlx-lm's in one invocation.
+
+request:  {"op": "pp", "context": [...], "prompt": [...], "prefill_step_size": 2048}
+          {"op": "tg", "prompt": [...], "n": 128}
+reply:    {"seconds": float, "tokens": int}
+"""
+import json
+import sys
+import time
+from pathlib import Path
+
+import mlx.core as mx
+from mlx_lm.generate import generate_step
+from mlx_lm.models.cache import make_prompt_cache
+from mlx_lm.utils import load_model
+
+
+def prefill(model, cache, tokens, step):
+    for i in range(0, len(tokens), step):
+        model(mx.array(tokens[i : i + step])[None], cache=cache)
+        mx.eval([c.state for c in cache])
+
+
+def main(model_dir):
+    model, _ = load_model(Path(model_dir))
+    print(json.dumps({"ready": True}), flush=True)
+    for line in sys.stdin:
+        req = json.loads(line)
+        if req["op"] == "pp":
+            cache = make_prompt_cache(model)
+            step = req.get("prefill_step_size", 2048)
+            prefill(model, cache, req["context"], step)
+            t0 = time.perf_counter()
+            prefill(model, cache, req["prompt"], step)
+            out = {"seconds": time.perf_counter() - t0, "tokens": len(req["prompt"])}
+        else:
+            n = 0
+            t0 = None
+            for _tok, _lp in generate_step(mx.array(req["prompt"]), model, max_tokens=req["n"]):
+                if n == 0:
+                    t0 = time.perf_counter()
+                n += 1
+            # Like mlx-lm's own generation_tps: the first token belongs to the prompt phase.
+            out = {"seconds": time.perf_counter() - t0, "tokens": n - 1}
+        print(json.dumps(out), flush=True)
+
+
+if __name__ == "__main__":
+    main(sys.argv[1])
