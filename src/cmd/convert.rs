@@ -40,7 +40,10 @@ pub fn run(args: ConvertArgs) -> anyhow::Result<()> {
         DtypeArg::F16 => OutDtype::F16,
         DtypeArg::Bf16 => OutDtype::BF16,
     };
-    let opts = ImportOptions { dtype, keep_quant: args.keep_quant };
+    let opts = ImportOptions {
+        dtype,
+        keep_quant: args.keep_quant,
+    };
     let s = gguf::import_with_progress(&args.gguf, &args.out, &opts)?;
     eprintln!(
         "mlxb: wrote {} ({}, {} tensors, {} kept quantized, {:.1} MB of weights) in {:.1} s",

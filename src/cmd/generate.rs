@@ -1,13 +1,15 @@
 //! `mlxb generate`: one prompt in, streamed text out, with mlx-lm's footer or a JSON object.
 
 use super::common::{ModelArgs, PromptArgs, SamplingArgs, SpecArgs};
-use crate::engine::flags::Forks;
-use crate::engine::generate::{Flow, GenerationStats, Generator, Speculation};
-use crate::engine::sample::{self, LogitsProcessors, Sampler};
+use super::flags::{open_session, ForkArgs};
+use crate::engine::error::EngineError;
+use crate::engine::generate::{Flow, GenerationStats};
 use crate::engine::session::{resolve_model, Session};
-use crate::engine::tokenizer::StreamingDetokenizer;
+use crate::engine::text::{generate_text_traced, DraftPlan, TextEvent};
+use crate::spec::dspark::drafter::PruneMode;
 use crate::spec::metrics::SpecMetrics;
-use crate::spec::source::{open_source, DraftSource};
+use crate::spec::source::open_source_pruned;
+use crate::spec::trace::{JsonlTrace, TraceSink};
 use clap::Args;
 use std::io::Write;
 
@@ -22,87 +24,51 @@ pub struct GenerateArgs {
     pub sampling: SamplingArgs,
     #[command(flatten)]
     pub spec: SpecArgs,
+    #[command(flatten)]
+    pub forks: ForkArgs,
     /// Print mlx-lm's separators and timing footer.
     #[arg(long)]
     pub verbose: bool,
     /// Print one JSON object (text, token ids, timings) instead of streaming text.
     #[arg(long)]
     pub json: bool,
+    /// The prompt as token ids (`0,45,74,...`), fed as-is: no tokenizer, no chat template
+    /// (replaces `--prompt`).
+    #[arg(long, value_delimiter = ',', num_args = 1..)]
+    pub prompt_ids: Option<Vec<u32>>,
+    /// Write one JSON object per speculative round to FILE (JSONL; see `spec::trace`).
+    #[arg(long, value_name = "FILE")]
+    pub spec_trace: Option<std::path::PathBuf>,
+    /// DSpark draft-length pruning: `keep-first` (position 0 always survives), `deepspec`
+    /// (DeepSpec's rule, position 0 included) or `survival` (cumulative product).
+    #[arg(long, value_enum, default_value_t = PruneMode::KeepFirst)]
+    pub dspark_prune: PruneMode,
 }
 
-/// What one generation produced.
-pub struct Outcome {
-    /// Decoded text (EOS excluded).
-    pub text: String,
-    /// Generated ids (EOS included when it ended the generation).
-    pub token_ids: Vec<u32>,
-    /// "stop" (EOS) or "length".
-    pub finish_reason: &'static str,
-    /// Timings and memory.
-    pub stats: GenerationStats,
-    /// Acceptance metrics when a drafter was attached.
-    pub spec: Option<SpecMetrics>,
-}
-
-/// Runs the generation, streaming text segments to `on_text` as they complete.
-pub fn run_generation(
-    session: &mut Session,
-    prompt_ids: &[u32],
-    sampling: &SamplingArgs,
-    model_args: &ModelArgs,
-    draft: Option<(Box<dyn DraftSource>, &SpecArgs)>,
-    mut on_text: impl FnMut(&str),
-) -> anyhow::Result<Outcome> {
-    if let Some(s) = sampling.seed {
-        sample::seed(s)?;
-    }
-    let eos = session.tokenizer.eos_token_ids();
-    let mut specials = session.tokenizer.encode("\n", false)?;
-    specials.extend(eos.iter().copied());
-    let mut sampler = Sampler::new(&sampling.sampler(specials))?;
-    let mut processors = LogitsProcessors::new(&sampling.processors())?;
-    let cfg = sampling.generate_config(model_args);
-    let mut detok = StreamingDetokenizer::new(&session.tokenizer);
-    let mut ids = Vec::new();
-    let mut text = String::new();
-    let mut finish_reason = "length";
-    let mut generator = Generator::new(session.model.model.as_mut(), &mut sampler, &mut processors);
-    if let Some((source, spec)) = draft {
-        generator = generator.with_speculation(Speculation {
-            source,
-            num_draft_tokens: spec.num_draft_tokens,
-            verify: spec.spec_verify,
-            temp: sampling.temp,
-            metrics: SpecMetrics::default(),
-        });
-    }
-    let (stats, spec_metrics) = generator.run(prompt_ids, &cfg, |step| {
-        ids.push(step.token);
-        if eos.contains(&step.token) {
-            finish_reason = "stop";
-            return Ok(Flow::Stop);
+/// The prompt ids: `--prompt-ids` as given (each checked against the vocabulary), else the
+/// tokenized `--prompt`.
+fn prompt_ids(args: &GenerateArgs, session: &Session) -> anyhow::Result<Vec<u32>> {
+    if let Some(ids) = &args.prompt_ids {
+        let vocab = session.model.model.vocab_size();
+        if ids.is_empty() {
+            return Err(
+                EngineError::Input("--prompt-ids is empty; give at least one id".into()).into(),
+            );
         }
-        detok.add_token(step.token);
-        let seg = detok.last_segment();
-        if !seg.is_empty() {
-            on_text(&seg);
-            text.push_str(&seg);
+        if let Some(bad) = ids.iter().find(|&&t| t as i64 >= vocab as i64) {
+            return Err(EngineError::Input(format!(
+                "--prompt-ids has id {bad}, outside the model's vocabulary of {vocab} tokens"
+            ))
+            .into());
         }
-        Ok(Flow::Continue)
-    })?;
-    detok.finalize();
-    let seg = detok.last_segment();
-    if !seg.is_empty() {
-        on_text(&seg);
-        text.push_str(&seg);
+        return Ok(ids.clone());
     }
-    Ok(Outcome {
-        text,
-        token_ids: ids,
-        finish_reason,
-        stats,
-        spec: spec_metrics,
-    })
+    let prompt = args.prompt.text()?;
+    Ok(session.tokenizer.prompt_ids(
+        &prompt,
+        args.prompt.system_prompt.as_deref(),
+        !args.prompt.ignore_chat_template,
+    )?)
 }
 
 /// mlx-lm's footer lines.
@@ -120,44 +86,56 @@ pub fn footer(stats: &GenerationStats) -> String {
 /// Entry point of `mlxb generate`.
 pub fn run(args: GenerateArgs) -> anyhow::Result<()> {
     let dir = resolve_model(args.model.model.as_deref())?;
-    let mut session = Session::open(&dir, Forks::default())?;
-    let prompt = args.prompt.text()?;
-    let use_template = !args.prompt.ignore_chat_template;
-    let prompt_ids = session.tokenizer.prompt_ids(
-        &prompt,
-        args.prompt.system_prompt.as_deref(),
-        use_template,
-    )?;
+    let (mut session, forks) = open_session(&dir, &args.forks)?;
+    let prompt_ids = prompt_ids(&args, &session)?;
+    let spec_opts = args.spec.options();
+    if args.spec_trace.is_some() && spec_opts.is_none() {
+        return Err(EngineError::Input(
+            "--spec-trace records speculative rounds; give a drafter (--drafter, --draft-model, --draft-kind, --draft-layers)".into(),
+        )
+        .into());
+    }
+    let mut trace = args
+        .spec_trace
+        .as_deref()
+        .map(JsonlTrace::create)
+        .transpose()?;
     let stream = !args.json;
     if args.verbose && stream {
         println!("==========");
     }
-    let draft = match args.spec.options() {
-        Some(opts) => Some((
-            open_source(
+    let draft = match spec_opts {
+        Some(opts) => Some(DraftPlan::new(
+            open_source_pruned(
                 &opts,
+                args.dspark_prune,
                 &session,
-                Forks::default(),
+                forks,
                 args.model.prefill_step_size,
             )?,
-            &args.spec,
+            &opts,
         )),
         None => None,
     };
     let mut stdout = std::io::stdout();
-    let outcome = run_generation(
-        &mut session,
-        &prompt_ids,
-        &args.sampling,
-        &args.model,
-        draft,
-        |seg| {
-            if stream {
-                let _ = write!(stdout, "{seg}");
-                let _ = stdout.flush();
-            }
-        },
-    )?;
+    let params = args.sampling.text_params(&args.model);
+    let sink = trace
+        .as_mut()
+        .map(|t| -> Box<dyn TraceSink + '_> { Box::new(t) });
+    let outcome = generate_text_traced(&mut session, &prompt_ids, &params, draft, sink, |event| {
+        let seg = match event {
+            TextEvent::Token { text, .. } => text,
+            TextEvent::Tail(text) => text,
+        };
+        if stream && !seg.is_empty() {
+            let _ = write!(stdout, "{seg}");
+            let _ = stdout.flush();
+        }
+        Ok(Flow::Continue)
+    })?;
+    if let Some(t) = trace.as_mut() {
+        t.flush()?;
+    }
     if args.json {
         let s = &outcome.stats;
         let obj = serde_json::json!({
@@ -165,7 +143,7 @@ pub fn run(args: GenerateArgs) -> anyhow::Result<()> {
             "text": outcome.text,
             "prompt_token_ids": prompt_ids,
             "token_ids": outcome.token_ids,
-            "finish_reason": outcome.finish_reason,
+            "finish_reason": outcome.finish_reason.as_str(),
             "prompt_tokens": s.prompt_tokens,
             "prompt_tps": s.prompt_tps(),
             "generation_tokens": s.generation_tokens,

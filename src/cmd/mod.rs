@@ -3,8 +3,13 @@
 pub mod bench;
 pub mod common;
 pub mod convert;
+pub mod dspark_init;
+pub mod flags;
 pub mod generate;
+pub mod models;
 pub mod parity;
+pub mod serve;
+pub mod train_dspark;
 
 use clap::{Parser, Subcommand};
 use std::process::ExitCode;
@@ -35,8 +40,18 @@ pub enum Command {
     Bench(bench::BenchArgs),
     /// Compare mlxb with mlx-lm bit for bit on one prompt (greedy ids and logprobs).
     Parity(parity::ParityArgs),
+    /// Show what --l1/--l2/--l3 and fork flags resolve to and which oracle that keeps.
+    Flags(flags::FlagsArgs),
+    /// Serve the model over an OpenAI-compatible HTTP API (with speculative decoding and /metrics).
+    Serve(serve::ServeArgs),
     /// Import a GGUF file (llama.cpp) into an MLX-format model directory.
     Convert(convert::ConvertArgs),
+    /// Write a randomly initialised DSpark drafter for a target.
+    DsparkInit(dspark_init::DsparkInitArgs),
+    /// List the supported model types, or check whether `--model DIR` is supported and why not.
+    Models(models::ModelsArgs),
+    /// Regenerate data with the target, cache its hidden states and train a DSpark drafter.
+    TrainDspark(train_dspark::TrainDsparkArgs),
 }
 
 /// Runs the parsed command line and maps errors to exit codes (2 = the user's input).
@@ -55,8 +70,13 @@ pub fn run(cli: Cli) -> ExitCode {
     report(match command {
         Command::Generate(a) => generate::run(a),
         Command::Parity(a) => parity::run(a),
+        Command::Flags(a) => flags::run(a),
         Command::Bench(a) => bench::run(a),
+        Command::Serve(a) => serve::run(a),
         Command::Convert(a) => convert::run(a),
+        Command::DsparkInit(a) => dspark_init::run(a),
+        Command::Models(a) => models::run(a),
+        Command::TrainDspark(a) => train_dspark::run(a),
     })
 }
 

@@ -2,12 +2,13 @@
 //! compares token ids and full-vocabulary logprobs of every step, bit for bit.
 
 use super::common::{ModelArgs, PromptArgs};
+use super::flags::{open_session, ForkArgs};
 use crate::engine::error::EngineError;
-use crate::engine::flags::Forks;
+use crate::engine::flags::{KvQuant, Tier};
 use crate::engine::generate::{Flow, GenerateConfig, Generator};
 use crate::engine::oracle;
 use crate::engine::sample::{LogitsProcessors, ProcessorConfig, Sampler, SamplerConfig};
-use crate::engine::session::{resolve_model, Session};
+use crate::engine::session::resolve_model;
 use clap::Args;
 use mlx_rs::ops::indexing::IndexOp;
 use mlx_rs::{Array, Dtype};
@@ -25,6 +26,10 @@ pub struct ParityArgs {
     /// Print one JSON object instead of the table.
     #[arg(long)]
     pub json: bool,
+    /// Forks to run mlxb with; the combination must keep L1 (mlx-lm is the L1 oracle, run
+    /// with the same --kv-bits/--kv-group-size/--quantized-kv-start).
+    #[command(flatten)]
+    pub forks: ForkArgs,
 }
 
 /// The comparison of one run.
@@ -98,7 +103,21 @@ pub fn compare(
 /// Entry point of `mlxb parity`.
 pub fn run(args: ParityArgs) -> anyhow::Result<()> {
     let dir = resolve_model(args.model.model.as_deref())?;
-    let mut session = Session::open(&dir, Forks::default())?;
+    let resolution = args.forks.resolve()?;
+    let leaving: Vec<String> = resolution
+        .values
+        .iter()
+        .filter(|r| r.keeps > Tier::L1)
+        .map(|r| format!("--{} {}", r.fork.name, r.value))
+        .collect();
+    if !leaving.is_empty() {
+        return Err(EngineError::Input(format!(
+            "parity compares with mlx-lm, the L1 oracle, but {} leave L1; drop them",
+            leaving.join(", ")
+        ))
+        .into());
+    }
+    let (mut session, forks) = open_session(&dir, &args.forks)?;
     let prompt = args.prompt.text()?;
     let ids = session.tokenizer.prompt_ids(
         &prompt,
@@ -110,6 +129,12 @@ pub fn run(args: ParityArgs) -> anyhow::Result<()> {
         "prompt_ids": ids,
         "max_tokens": args.max_tokens,
         "prefill_step_size": args.model.prefill_step_size,
+        "kv_bits": match forks.kv_quant {
+            KvQuant::Bits(b) => Some(b),
+            _ => None,
+        },
+        "kv_group_size": forks.kv_group_size,
+        "quantized_kv_start": forks.quantized_kv_start,
     });
     let trace = oracle::trace(&request)?;
 
@@ -120,14 +145,13 @@ pub fn run(args: ParityArgs) -> anyhow::Result<()> {
         prefill_step_size: args.model.prefill_step_size,
     };
     let mut ours = Vec::new();
-    Generator::new(session.model.model.as_mut(), &mut sampler, &mut processors).run(
-        &ids,
-        &cfg,
-        |s| {
+    let plan = session.model.plan.clone();
+    Generator::new(session.model.model.as_mut(), &mut sampler, &mut processors)
+        .with_plan(&plan)
+        .run(&ids, &cfg, |s| {
             ours.push((s.token, s.logprobs.clone()));
             Ok(Flow::Continue)
-        },
-    )?;
+        })?;
     let report = compare(&ours, &trace.ids, trace.logprobs.as_ref())?;
     if args.json {
         println!("{}", serde_json::to_string(&report)?);

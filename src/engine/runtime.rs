@@ -100,6 +100,21 @@ pub fn check() -> Result<()> {
     Ok(())
 }
 
+/// Waits until everything queued on this thread's default stream has run. The decode loop
+/// queues one step ahead, so a generation ends with work still in flight; a process that
+/// exits meanwhile frees MLX's allocator under that work (a heap-corruption abort).
+pub fn synchronize() -> Result<()> {
+    // SAFETY: a plain FFI call without arguments; it only blocks this thread.
+    let rc = unsafe { mlx_sys::mlx_synchronize_default() };
+    if rc == 0 {
+        Ok(())
+    } else {
+        Err(EngineError::Runtime(
+            "MLX could not synchronize its default stream".into(),
+        ))
+    }
+}
+
 /// The multi-line text of `mlxb --version`.
 pub fn version_report() -> String {
     let mlx = mlx_version().unwrap_or_else(|e| format!("unknown ({e})"));

@@ -48,7 +48,11 @@ impl DraftSource for EarlyExitSource {
         let mut caches = target.model.make_caches();
         caches.truncate(self.layers);
         for (own, theirs) in caches.iter_mut().zip(target.caches.iter()) {
-            own.restore(theirs.snapshot())?;
+            // A copy of the target's cache, of its kind (it may be quantized by now).
+            match theirs.clone_box() {
+                Some(c) => *own = c,
+                None => own.restore(theirs.snapshot())?,
+            }
         }
         self.state = Some(CachedDrafter::new(caches, prompt.to_vec()));
         Ok(())

@@ -10,6 +10,7 @@ use super::verify::{reject_step, target_distribution, Decision};
 use crate::engine::error::{EngineError, Result};
 use crate::engine::generate::{Flow, GenerateConfig, GenerationStats, Generator, Step};
 use crate::spec::metrics::SpecMetrics;
+use crate::spec::trace::RoundTrace;
 use mlx_rs::ops::indexing::{argmax_axis, IndexOp};
 use mlx_rs::transforms::eval;
 use mlx_rs::{memory, ops, Array};
@@ -72,6 +73,10 @@ impl Generator<'_> {
                 .as_mut()
                 .ok_or_else(|| EngineError::Runtime("no drafter attached".into()))?;
             spec.metrics.drafter = spec.source.name().to_owned();
+            if let Some(block) = spec.source.block_size() {
+                spec.num_draft_tokens = block;
+            }
+            spec.source.configure_sampling(spec.temp, spec.verify);
             spec.source.begin(
                 TargetView {
                     model: &mut *self.model,
@@ -104,10 +109,15 @@ impl Generator<'_> {
             .spec
             .as_mut()
             .ok_or_else(|| EngineError::Runtime("no drafter attached".into()))?;
-        let k = spec.num_draft_tokens.min(remaining.saturating_sub(1));
+        // A block must not straddle the switch to quantized KV caches (see `max_draft`).
+        let k = spec
+            .num_draft_tokens
+            .min(remaining.saturating_sub(1))
+            .min(self.plan.max_draft(self.positions).unwrap_or(usize::MAX));
         let anchor = *seq
             .last()
             .ok_or_else(|| EngineError::Runtime("empty sequence".into()))?;
+        let emitted_before = out.emitted;
         let mut draft = if k > 0 {
             spec.source.draft(
                 TargetView {
@@ -150,6 +160,7 @@ impl Generator<'_> {
             |t, caches| model.forward(&ids(t).expand_dims(0)?, caches).map(|_| ()),
         )?;
         self.positions = keep;
+        self.plan.quantize(&mut self.caches)?;
         let spec = self
             .spec
             .as_mut()
@@ -157,6 +168,26 @@ impl Generator<'_> {
         spec.metrics.record(m, accepted);
         if how == Rewind::Replayed {
             spec.metrics.replays += 1;
+        }
+        if let Some((sink, rounds)) = self.trace.as_mut() {
+            let emitted = out.emitted - emitted_before;
+            let trace = RoundTrace {
+                round: *rounds,
+                anchor_pos: base,
+                anchor,
+                proposed: draft.tokens.clone(),
+                accepted,
+                next: out.last.filter(|_| emitted > accepted),
+                ..RoundTrace::default()
+            };
+            // Without a draft call this round (k = 0) the drafter's note is stale.
+            let note = if k > 0 {
+                spec.source.round_note()
+            } else {
+                None
+            };
+            sink.record(&trace.with_note(note))?;
+            *rounds += 1;
         }
         spec.source.commit(
             TargetView {

@@ -4,14 +4,17 @@
 //!
 //! Roles are split by file: `source` (the seam and provider options), `executor` (the round
 //! driver), `verify` (acceptance policies), `rollback` (exact cache rewind), `metrics`
-//! (vLLM-style acceptance counters), and one file per drafter.
+//! (vLLM-style acceptance counters), `trace` (per-round JSONL traces), and one file per drafter (`dspark/` is a directory).
 
+pub mod assistant;
 pub mod autoregressive;
+pub mod dspark;
 pub mod early_exit;
 pub mod executor;
 pub mod metrics;
 pub mod ngram;
 pub mod rollback;
 pub mod source;
+pub mod trace;
 pub mod two_model;
 pub mod verify;

@@ -2,6 +2,7 @@
 
 use crate::engine::error::{EngineError, Result};
 use crate::engine::models::{Caches, LanguageModel};
+use crate::spec::dspark::drafter::PruneMode;
 use mlx_rs::Array;
 use std::path::PathBuf;
 
@@ -42,7 +43,8 @@ pub trait DraftSource {
     }
 
     /// Called once after the target has processed the whole prompt (its caches hold
-    /// `prompt.len()` positions) and before the first draft.
+    /// `prompt.len()` positions) and before the first draft. It starts the drafter afresh:
+    /// nothing from an earlier generation may survive it (a server reuses one drafter).
     fn begin(&mut self, _target: TargetView<'_>, _prompt: &[u32]) -> Result<()> {
         Ok(())
     }
@@ -54,6 +56,55 @@ pub trait DraftSource {
     /// Tells the drafter that the first `committed` positions of the sequence it last saw
     /// plus the accepted part of its draft are final; anything it computed beyond is stale.
     fn commit(&mut self, target: TargetView<'_>, committed: usize) -> Result<()>;
+
+    /// The tokens per round this drafter was built for, overriding `--num-draft-tokens` (a
+    /// DSpark checkpoint's trained block size); `None` = take the option.
+    fn block_size(&self) -> Option<usize> {
+        None
+    }
+
+    /// Tells the drafter how the target samples and verifies, once before [`Self::begin`]
+    /// (a drafter may then sample its proposals at the same temperature and return `probs`).
+    fn configure_sampling(&mut self, _temp: f64, _verify: VerifyMode) {}
+
+    /// What this drafter adds to the trace of its latest [`Self::draft`] call (confidences,
+    /// threshold, pruning mode); `None` = nothing beyond the tokens.
+    fn round_note(&self) -> Option<super::trace::RoundNote> {
+        None
+    }
+}
+
+/// A borrowed drafter drafts like the drafter itself, so one drafter can serve many
+/// generations in turn (each generation's [`DraftSource::begin`] starts it afresh).
+/// Every trait method must be forwarded here, defaulted ones included.
+impl<T: DraftSource + ?Sized> DraftSource for &mut T {
+    fn name(&self) -> &'static str {
+        (**self).name()
+    }
+    fn tap_layers(&self) -> Vec<usize> {
+        (**self).tap_layers()
+    }
+    fn observe_taps(&mut self, first_position: usize, taps: Vec<Array>) -> Result<()> {
+        (**self).observe_taps(first_position, taps)
+    }
+    fn begin(&mut self, target: TargetView<'_>, prompt: &[u32]) -> Result<()> {
+        (**self).begin(target, prompt)
+    }
+    fn draft(&mut self, target: TargetView<'_>, sequence: &[u32], n: usize) -> Result<Draft> {
+        (**self).draft(target, sequence, n)
+    }
+    fn commit(&mut self, target: TargetView<'_>, committed: usize) -> Result<()> {
+        (**self).commit(target, committed)
+    }
+    fn block_size(&self) -> Option<usize> {
+        (**self).block_size()
+    }
+    fn configure_sampling(&mut self, temp: f64, verify: VerifyMode) {
+        (**self).configure_sampling(temp, verify)
+    }
+    fn round_note(&self) -> Option<super::trace::RoundNote> {
+        (**self).round_note()
+    }
 }
 
 /// Which drafter to use.
@@ -66,6 +117,10 @@ pub enum DraftKind {
     /// Early exit: the target's own first K layers plus its final norm and LM head.
     #[value(name = "self")]
     SelfLayers,
+    /// A DSpark (or DFlash) block drafter conditioned on the target's hidden states.
+    Dspark,
+    /// Gemma 4's KV-borrowing MTP assistant (`gemma4_assistant`) for a gemma4_text target.
+    Assistant,
 }
 
 /// How drafted tokens are verified.
@@ -84,7 +139,7 @@ pub enum VerifyMode {
 pub struct SpecOptions {
     /// The drafter kind.
     pub kind: DraftKind,
-    /// Draft model directory (for `model`).
+    /// Draft model directory (for `model`), or DSpark checkpoint directory (for `dspark`).
     pub draft_model: Option<PathBuf>,
     /// Tokens drafted per round.
     pub num_draft_tokens: usize,
@@ -96,6 +151,9 @@ pub struct SpecOptions {
     pub ngram_min: usize,
     /// Verification rule.
     pub verify: VerifyMode,
+    /// DSpark: one confidence threshold for every draft position past the first (overrides
+    /// the checkpoint's calibrated table and `MLXB_DSPARK_MINCONF`).
+    pub dspark_min_conf: Option<f64>,
 }
 
 impl SpecOptions {
@@ -110,6 +168,22 @@ impl SpecOptions {
             DraftKind::Model if self.draft_model.is_none() => Err(EngineError::Input(
                 "--draft-kind model needs --draft-model DIR".into(),
             )),
+            DraftKind::Dspark if self.draft_model.is_none() => Err(EngineError::Input(
+                "--draft-kind dspark needs --drafter DIR (a DSpark checkpoint)".into(),
+            )),
+            DraftKind::Assistant if self.draft_model.is_none() => Err(EngineError::Input(
+                "--draft-kind assistant needs --draft-model DIR (a gemma4_assistant checkpoint)"
+                    .into(),
+            )),
+            _ if self
+                .dspark_min_conf
+                .is_some_and(|c| !(0.0..=1.0).contains(&c)) =>
+            {
+                Err(EngineError::Input(format!(
+                    "--dspark-min-conf {:?} is out of range; give a confidence between 0 and 1",
+                    self.dspark_min_conf.unwrap_or_default()
+                )))
+            }
             DraftKind::SelfLayers if self.draft_layers.is_none() => Err(EngineError::Input(
                 "--draft-kind self needs --draft-layers K (layers of the target to run)".into(),
             )),
@@ -131,6 +205,17 @@ pub fn open_source(
     forks: crate::engine::flags::Forks,
     prefill_step: usize,
 ) -> Result<Box<dyn DraftSource>> {
+    open_source_pruned(opts, PruneMode::default(), session, forks, prefill_step)
+}
+
+/// [`open_source`] with a DSpark pruning rule (`--dspark-prune`; other drafters ignore it).
+pub fn open_source_pruned(
+    opts: &SpecOptions,
+    prune: PruneMode,
+    session: &crate::engine::session::Session,
+    forks: crate::engine::flags::Forks,
+    prefill_step: usize,
+) -> Result<Box<dyn DraftSource>> {
     opts.validate()?;
     Ok(match opts.kind {
         DraftKind::Ngram => Box::new(super::ngram::NgramSource::new(
@@ -140,6 +225,24 @@ pub fn open_source(
         DraftKind::SelfLayers => Box::new(super::early_exit::EarlyExitSource::new(
             opts.draft_layers.unwrap_or(0),
         )),
+        DraftKind::Dspark => open_dspark(opts, prune, session, forks)?,
+        DraftKind::Assistant => open_assistant(opts, session, forks)?,
+        DraftKind::Model
+            if opts
+                .draft_model
+                .as_deref()
+                .is_some_and(super::assistant::config::is_artifact) =>
+        {
+            open_assistant(opts, session, forks)?
+        }
+        DraftKind::Model
+            if opts
+                .draft_model
+                .as_deref()
+                .is_some_and(super::dspark::checkpoint::is_artifact) =>
+        {
+            open_dspark(opts, prune, session, forks)?
+        }
         DraftKind::Model => {
             let dir = opts.draft_model.as_deref().ok_or_else(|| {
                 EngineError::Input("--draft-kind model needs --draft-model DIR".into())
@@ -153,4 +256,47 @@ pub fn open_source(
             )?)
         }
     })
+}
+
+/// Opens the DSpark drafter at `opts.draft_model` for the session's target.
+fn open_dspark(
+    opts: &SpecOptions,
+    prune: PruneMode,
+    session: &crate::engine::session::Session,
+    forks: crate::engine::flags::Forks,
+) -> Result<Box<dyn DraftSource>> {
+    let dir = opts.draft_model.as_deref().ok_or_else(|| {
+        EngineError::Input("--draft-kind dspark needs --drafter DIR (a DSpark checkpoint)".into())
+    })?;
+    let min_conf = match opts.dspark_min_conf {
+        Some(c) => Some(c),
+        None => super::dspark::drafter::min_conf_from_env()?,
+    };
+    Ok(Box::new(
+        super::dspark::drafter::DsparkSource::open(
+            dir,
+            session.model.model.as_ref(),
+            min_conf,
+            forks,
+        )?
+        .with_prune(prune),
+    ))
+}
+
+/// Opens the Gemma 4 assistant at `opts.draft_model` for the session's (gemma4_text) target.
+fn open_assistant(
+    opts: &SpecOptions,
+    session: &crate::engine::session::Session,
+    forks: crate::engine::flags::Forks,
+) -> Result<Box<dyn DraftSource>> {
+    let dir = opts.draft_model.as_deref().ok_or_else(|| {
+        EngineError::Input(
+            "--draft-kind assistant needs --draft-model DIR (a gemma4_assistant checkpoint)".into(),
+        )
+    })?;
+    Ok(Box::new(super::assistant::drafter::AssistantSource::open(
+        dir,
+        &session.dir,
+        forks,
+    )?))
 }

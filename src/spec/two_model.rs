@@ -75,6 +75,8 @@ impl DraftSource for TwoModelSource {
     }
 
     fn begin(&mut self, _target: TargetView<'_>, prompt: &[u32]) -> Result<()> {
+        // Start from empty caches: the same drafter may serve one generation after another.
+        self.state = CachedDrafter::new(self.model.make_caches(), Vec::new());
         let model = &mut self.model;
         self.state
             .prefill(prompt, self.prefill_step, &mut |x, c| model.forward(x, c))

@@ -104,3 +104,85 @@ pub fn prompt_ids(n: usize, vocab: u32, salt: u32) -> Vec<u32> {
         .map(|i| 3 + (i * 7919 + salt * 104729) % (vocab - 3))
         .collect()
 }
+
+/// Greedy generation of `max_tokens` ids through mlxb's one loop, speculative when `source` is
+/// given (`k` drafts per round, token-match verification); returns the ids and the drafter's
+/// acceptance metrics.
+pub fn greedy_ids(
+    model: &mut dyn mlxb::engine::models::LanguageModel,
+    prompt: &[u32],
+    source: Option<Box<dyn mlxb::spec::source::DraftSource + '_>>,
+    k: usize,
+    max_tokens: usize,
+) -> (Vec<i32>, Option<mlxb::spec::metrics::SpecMetrics>) {
+    use mlxb::engine::generate::{Flow, GenerateConfig, Generator, Speculation};
+    use mlxb::engine::sample::{LogitsProcessors, ProcessorConfig, Sampler, SamplerConfig};
+    let mut sampler = Sampler::new(&SamplerConfig::default()).unwrap();
+    let mut processors = LogitsProcessors::new(&ProcessorConfig::default()).unwrap();
+    let mut g = Generator::new(model, &mut sampler, &mut processors);
+    if let Some(source) = source {
+        g = g.with_speculation(Speculation {
+            source,
+            num_draft_tokens: k,
+            verify: mlxb::spec::source::VerifyMode::Match,
+            temp: 0.0,
+            metrics: Default::default(),
+        });
+    }
+    let mut ids = vec![];
+    let cfg = GenerateConfig {
+        max_tokens,
+        prefill_step_size: 2048,
+    };
+    let (_, metrics) = g
+        .run(prompt, &cfg, |s| {
+            ids.push(s.token as i32);
+            Ok(Flow::Continue)
+        })
+        .unwrap();
+    (ids, metrics)
+}
+
+/// Runs the `mlxb` binary with `args`; returns (exit code, stdout, stderr).
+pub fn run_mlxb(args: &[&str]) -> (i32, String, String) {
+    let out = Command::new(mlxb()).args(args).output().unwrap();
+    (
+        out.status.code().unwrap_or(-1),
+        String::from_utf8_lossy(&out.stdout).into_owned(),
+        String::from_utf8_lossy(&out.stderr).into_owned(),
+    )
+}
+
+/// Rewrites `dir/config.json` through `f`.
+pub fn edit_config(dir: &Path, f: impl FnOnce(&mut serde_json::Value)) {
+    let p = dir.join("config.json");
+    let mut c: serde_json::Value =
+        serde_json::from_str(&std::fs::read_to_string(&p).unwrap()).unwrap();
+    f(&mut c);
+    std::fs::write(p, c.to_string()).unwrap();
+}
+
+/// The tiny llama config the speculative tests share (4 layers, width 64, vocabulary 384, tied
+/// head), with `extra` fields added or replaced.
+pub fn tiny_llama(extra: serde_json::Value) -> serde_json::Value {
+    let mut c = serde_json::json!({
+        "model_type": "llama", "hidden_size": 64, "num_hidden_layers": 4, "intermediate_size": 128,
+        "num_attention_heads": 4, "num_key_value_heads": 2, "rms_norm_eps": 1e-5,
+        "vocab_size": 384, "tie_word_embeddings": true
+    });
+    if let (Some(c), Some(extra)) = (c.as_object_mut(), extra.as_object()) {
+        c.extend(extra.clone());
+    }
+    c
+}
+
+/// With a wrapped sliding window (`wraps`), rollback must have gone through snapshot + replay;
+/// otherwise every rewind is a trim.
+pub fn assert_rollback_path(m: &mlxb::spec::metrics::SpecMetrics, wraps: bool) {
+    assert_eq!(
+        m.replays > 0,
+        wraps,
+        "unexpected rollback path: {:?}",
+        m.to_json()
+    );
+}

@@ -11,7 +11,7 @@ from pathlib import Path
 
 import mlx.core as mx
 import mlx.nn as nn
-from mlx.utils import tree_flatten, tree_map
+from mlx.utils import tree_flatten, tree_map, tree_map_with_path
 from mlx_lm.utils import quantize_model, save_config, save_model
 
 CORPUS = (
@@ -72,6 +72,9 @@ def main():
     # Top-level modules to leave out of the checkpoint (e.g. gemma3's lm_head, so that loading
     # ties the head to the embedding as real gemma3 checkpoints do).
     drop_modules = config.pop("_drop_modules", [])
+    # Save the tensors as an unconverted Hugging Face checkpoint would have them, so that loading
+    # goes through the model's `sanitize` (see to_hf_layout).
+    hf_layout = config.pop("_hf_layout", False)
 
     module = importlib.import_module(f"mlx_lm.models.{config['model_type']}")
     args = module.ModelArgs.from_dict(config)
@@ -88,12 +91,63 @@ def main():
     for name in drop_modules:
         model.pop(name)
     dtype = {"bf16": mx.bfloat16, "f32": mx.float32, "f16": mx.float16}[a.dtype]
-    model.set_dtype(dtype)
+    # As mlx_lm.convert casts: floating parameters, except where the model's cast_predicate
+    # keeps them (qwen3_5's A_log stays float32).
+    cast = getattr(model, "cast_predicate", lambda _: True)
+    model.update(
+        tree_map_with_path(
+            lambda k, v: v.astype(dtype) if cast(k) and mx.issubdtype(v.dtype, mx.floating) else v,
+            model.parameters(),
+        )
+    )
     if a.quant_bits:
         model, config = quantize_model(model, config, a.quant_group, a.quant_bits)
     mx.eval(model.parameters())
     save_model(out, model)
     save_config(config, out / "config.json")
+    if hf_layout:
+        for f in out.glob("model*.safetensors"):
+            w = to_hf_layout(config, mx.load(str(f)))
+            mx.save_safetensors(str(f), w, metadata={"format": "mlx"})
+
+
+def to_hf_layout(config, w):
+    """The inverse of mlx-lm's sanitize for the families that have one: per-expert or fused
+    expert tensors, HF conv layout and `w - 1` norms (qwen3_5), HF key prefixes, and the extra
+    tensors sanitize drops (MTP / vision heads, KV projections of gemma4's KV-shared layers)."""
+    mt = config["model_type"]
+    out = {}
+    for k, v in w.items():
+        if mt == "qwen3_moe" and ".mlp.switch_mlp." in k:
+            base, n = k.split(".switch_mlp.")
+            for e in range(v.shape[0]):
+                out[f"{base}.experts.{e}.{n}"] = v[e]
+            continue
+        if mt in ("qwen3_5", "qwen3_5_moe"):
+            if "conv1d.weight" in k:
+                v = v.moveaxis(2, 1)
+            norms = (".input_layernorm.weight", ".post_attention_layernorm.weight",
+                     "model.norm.weight", ".q_norm.weight", ".k_norm.weight")
+            if v.ndim == 1 and any(k.endswith(s) for s in norms):
+                v = v - 1.0
+            k = k.replace("language_model.model.", "model.language_model.")
+            k = k.replace("language_model.lm_head", "lm_head")
+        out[k] = v
+    for k in list(out):
+        for sw, hf in ((".switch_mlp.", ".experts."), (".experts.switch_glu.", ".experts.")):
+            if mt in ("qwen3_5_moe", "gemma4_text") and sw in k and k.endswith("gate_proj.weight"):
+                base = k.split(sw)[0]
+                up = out.pop(f"{base}{sw}up_proj.weight")
+                out[f"{base}{hf}gate_up_proj"] = mx.concatenate([out.pop(k), up], axis=-2)
+                out[f"{base}{hf}down_proj"] = out.pop(f"{base}{sw}down_proj.weight")
+    if mt in ("qwen3_5", "qwen3_5_moe"):
+        out["mtp.fc.weight"] = mx.zeros((4, 4))
+        out["model.visual.patch_embed.weight"] = mx.zeros((4, 4))
+    if mt == "gemma4_text" and config.get("num_kv_shared_layers", 0) > 0:
+        last = config["num_hidden_layers"] - 1
+        out[f"model.layers.{last}.self_attn.k_proj.weight"] = mx.zeros((4, 4))
+        out[f"model.layers.{last}.self_attn.rotary_emb.inv_freq"] = mx.zeros((4,))
+    return out
 
 
 if __name__ == "__main__":

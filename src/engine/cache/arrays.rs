@@ -90,4 +90,8 @@ impl KvCache for ArraysCache {
     fn as_arrays_mut(&mut self) -> Option<&mut ArraysCache> {
         Some(self)
     }
+
+    fn clone_box(&self) -> Option<Box<dyn KvCache>> {
+        Some(Box::new(self.clone()))
+    }
 }

@@ -62,7 +62,10 @@ pub struct ImportOptions {
 
 impl Default for ImportOptions {
     fn default() -> Self {
-        Self { dtype: OutDtype::F32, keep_quant: false }
+        Self {
+            dtype: OutDtype::F32,
+            keep_quant: false,
+        }
     }
 }
 
@@ -126,7 +129,9 @@ fn hparams(h: &GgufHeader) -> Result<Hparams> {
         return Err(h.missing(&k("attention.head_count"), "a positive integer"));
     }
     let n_head_kv = h.uint_opt(&k("attention.head_count_kv"))?.unwrap_or(n_head);
-    let head_dim = h.uint_opt(&k("attention.key_length"))?.unwrap_or(hidden / n_head);
+    let head_dim = h
+        .uint_opt(&k("attention.key_length"))?
+        .unwrap_or(hidden / n_head);
     if n_head_kv == 0 || n_head % n_head_kv != 0 || head_dim == 0 || head_dim % 2 != 0 {
         return Err(EngineError::file(
             &h.path,
@@ -135,7 +140,10 @@ fn hparams(h: &GgufHeader) -> Result<Hparams> {
     }
     if let Some(v) = h.uint_opt(&k("attention.value_length"))? {
         if v != head_dim {
-            return Err(EngineError::file(&h.path, "has different key and value head sizes, which mlxb cannot import"));
+            return Err(EngineError::file(
+                &h.path,
+                "has different key and value head sizes, which mlxb cannot import",
+            ));
         }
     }
     if let Some(r) = h.uint_opt(&k("rope.dimension_count"))? {
@@ -148,7 +156,10 @@ fn hparams(h: &GgufHeader) -> Result<Hparams> {
     }
     if let Some(t) = h.get(&k("rope.scaling.type")).and_then(|v| v.as_str()) {
         if t != "none" && !(t == "linear" && arch == Arch::Gemma3) {
-            return Err(EngineError::file(&h.path, format!("uses `{t}` rope scaling, which mlxb cannot import")));
+            return Err(EngineError::file(
+                &h.path,
+                format!("uses `{t}` rope scaling, which mlxb cannot import"),
+            ));
         }
     }
     Ok(Hparams {
@@ -182,9 +193,25 @@ fn one_or_many(ids: &[u32]) -> Value {
     }
 }
 
-fn model_config(h: &GgufHeader, hp: &Hparams, tok: &vocab::TokenizerFiles, tied: bool) -> Result<Map<String, Value>> {
+fn model_config(
+    h: &GgufHeader,
+    hp: &Hparams,
+    tok: &vocab::TokenizerFiles,
+    tied: bool,
+) -> Result<Map<String, Value>> {
     let k = |s: &str| format!("{}.{s}", hp.prefix);
-    let vocab_size = h.uint_opt(&k("vocab_size"))?.unwrap_or(tok.vocab_len as u64);
+    // The embedding's row count is what the weights hold (vocabularies may be padded).
+    let embedding_rows = h
+        .tensors
+        .iter()
+        .find(|t| t.name == "token_embd.weight")
+        .and_then(|t| t.dims.get(1).copied());
+    let vocab_size = match embedding_rows {
+        Some(rows) => rows,
+        None => h
+            .uint_opt(&k("vocab_size"))?
+            .unwrap_or(tok.vocab_len as u64),
+    };
     let mut c = Map::new();
     let mut set = |key: &str, v: Value| {
         c.insert(key.to_owned(), v);
@@ -223,13 +250,29 @@ fn model_config(h: &GgufHeader, hp: &Hparams, tok: &vocab::TokenizerFiles, tied:
         Arch::Gemma3 => {
             // llama.cpp fixes what the GGUF does not store: every 6th layer is global, local
             // layers use rope base 10000, and queries are scaled by head_dim (hidden/heads for 27B).
-            let pattern = h.uint_opt(&k("attention.sliding_window_pattern"))?.unwrap_or(6).max(1);
+            let pattern = h
+                .uint_opt(&k("attention.sliding_window_pattern"))?
+                .unwrap_or(6)
+                .max(1);
             let layer_types: Vec<&str> = (0..hp.n_layer)
-                .map(|i| if (i + 1) % pattern == 0 { "full_attention" } else { "sliding_attention" })
+                .map(|i| {
+                    if (i + 1) % pattern == 0 {
+                        "full_attention"
+                    } else {
+                        "sliding_attention"
+                    }
+                })
                 .collect();
-            let scalar = if hp.n_layer == 62 { hp.hidden / hp.n_head } else { hp.head_dim };
+            let scalar = if hp.n_layer == 62 {
+                hp.hidden / hp.n_head
+            } else {
+                hp.head_dim
+            };
             let rope_scaling = match h.float_opt(&k("rope.scaling.factor"))? {
-                Some(f) if h.get(&k("rope.scaling.type")).and_then(|v| v.as_str()) == Some("linear") => {
+                Some(f)
+                    if h.get(&k("rope.scaling.type")).and_then(|v| v.as_str())
+                        == Some("linear") =>
+                {
                     json!({"rope_type": "linear", "factor": f32_json(f)})
                 }
                 _ => Value::Null,
@@ -241,7 +284,10 @@ fn model_config(h: &GgufHeader, hp: &Hparams, tok: &vocab::TokenizerFiles, tied:
             set("rope_local_base_freq", json!(10_000.0));
             set("rope_scaling", rope_scaling);
             set("query_pre_attn_scalar", json!(scalar));
-            set("sliding_window", json!(h.uint_opt(&k("attention.sliding_window"))?.unwrap_or(512)));
+            set(
+                "sliding_window",
+                json!(h.uint_opt(&k("attention.sliding_window"))?.unwrap_or(512)),
+            );
             set("sliding_window_pattern", json!(pattern));
             set("layer_types", json!(layer_types));
             set("final_logit_softcapping", Value::Null);
@@ -285,7 +331,10 @@ fn hf_name(arch: Arch, name: &str) -> Option<String> {
 
 /// Whether the weight belongs to a module MLX can quantize (linear layers and the embedding).
 fn quantizable(hf: &str, t: &TensorInfo) -> bool {
-    t.dims.len() == 2 && (hf.ends_with("_proj.weight") || hf == "model.embed_tokens.weight" || hf == "lm_head.weight")
+    t.dims.len() == 2
+        && (hf.ends_with("_proj.weight")
+            || hf == "model.embed_tokens.weight"
+            || hf == "lm_head.weight")
 }
 
 /// A tensor on its way to the output.
@@ -293,21 +342,41 @@ enum Loaded {
     /// float32 values.
     Dense(Array),
     /// MLX affine quantization with group size 32.
-    Quant { w: Array, scales: Array, biases: Array, bits: i32 },
+    Quant {
+        w: Array,
+        scales: Array,
+        biases: Array,
+        bits: i32,
+    },
 }
 
 impl Loaded {
     fn map(self, f: impl Fn(&Array) -> Result<Array>) -> Result<Loaded> {
         Ok(match self {
             Loaded::Dense(a) => Loaded::Dense(f(&a)?),
-            Loaded::Quant { w, scales, biases, bits } => Loaded::Quant { w: f(&w)?, scales: f(&scales)?, biases: f(&biases)?, bits },
+            Loaded::Quant {
+                w,
+                scales,
+                biases,
+                bits,
+            } => Loaded::Quant {
+                w: f(&w)?,
+                scales: f(&scales)?,
+                biases: f(&biases)?,
+                bits,
+            },
         })
     }
 
     fn dense(self) -> Result<Array> {
         Ok(match self {
             Loaded::Dense(a) => a,
-            Loaded::Quant { w, scales, biases, bits } => mlx_rs::ops::dequantize(&w, &scales, &biases, 32, bits)?,
+            Loaded::Quant {
+                w,
+                scales,
+                biases,
+                bits,
+            } => mlx_rs::ops::dequantize(&w, &scales, &biases, 32, bits)?,
         })
     }
 }
@@ -327,8 +396,18 @@ impl Source {
             Source::Mlx(file) => {
                 let get = |key: &str| -> Result<Array> {
                     file.get_array(key)
-                        .map_err(|e| EngineError::file(&h.path, format!("MLX cannot read tensor `{key}` ({e})")))?
-                        .ok_or_else(|| EngineError::file(&h.path, format!("MLX's reader has no tensor `{key}`")))
+                        .map_err(|e| {
+                            EngineError::file(
+                                &h.path,
+                                format!("MLX cannot read tensor `{key}` ({e})"),
+                            )
+                        })?
+                        .ok_or_else(|| {
+                            EngineError::file(
+                                &h.path,
+                                format!("MLX's reader has no tensor `{key}`"),
+                            )
+                        })
                 };
                 let w = get(&t.name)?;
                 let bits = match t.ggml_type {
@@ -349,10 +428,19 @@ impl Source {
                 if w.shape() != packed_shape.as_slice() {
                     return Err(EngineError::file(
                         &h.path,
-                        format!("MLX read tensor `{}` with shape {:?}, expected {packed_shape:?}", t.name, w.shape()),
+                        format!(
+                            "MLX read tensor `{}` with shape {:?}, expected {packed_shape:?}",
+                            t.name,
+                            w.shape()
+                        ),
                     ));
                 }
-                let q = Loaded::Quant { w, scales, biases, bits };
+                let q = Loaded::Quant {
+                    w,
+                    scales,
+                    biases,
+                    bits,
+                };
                 if want_quant {
                     Ok(q)
                 } else {
@@ -366,13 +454,18 @@ impl Source {
                 drop(bytes);
                 match decoded {
                     Decoded::Affine(a) if want_quant && a.group == 32 => {
-                        let groups = shape.clone();
-                        let (rows, cols) = (groups[0], groups[1]);
+                        // `quantizable` only admits matrices.
+                        let (rows, cols) = (shape[0], shape[1]);
                         let words = a.pack();
                         let w = Array::from_slice(&words, &[rows, cols * a.bits as i32 / 32]);
                         let scales = Array::from_slice(&a.scales, &[rows, cols / 32]);
                         let biases = Array::from_slice(&a.biases, &[rows, cols / 32]);
-                        Ok(Loaded::Quant { w, scales, biases, bits: a.bits as i32 })
+                        Ok(Loaded::Quant {
+                            w,
+                            scales,
+                            biases,
+                            bits: a.bits as i32,
+                        })
                     }
                     d => Ok(Loaded::Dense(Array::from_slice(&d.into_dense(), &shape))),
                 }
@@ -404,29 +497,46 @@ impl Staging {
             Some(p) if !p.as_os_str().is_empty() => p.to_path_buf(),
             _ => PathBuf::from("."),
         };
-        std::fs::create_dir_all(&parent)
-            .map_err(|e| EngineError::file(&parent, format!("cannot create the output's parent directory ({e})")))?;
-        let name = out.file_name().map(|n| n.to_string_lossy().into_owned()).unwrap_or_else(|| "model".into());
+        std::fs::create_dir_all(&parent).map_err(|e| {
+            EngineError::file(
+                &parent,
+                format!("cannot create the output's parent directory ({e})"),
+            )
+        })?;
+        let name = out
+            .file_name()
+            .map(|n| n.to_string_lossy().into_owned())
+            .unwrap_or_else(|| "model".into());
         let path = parent.join(format!(".{name}.partial-{}", std::process::id()));
         let _ = std::fs::remove_dir_all(&path);
-        std::fs::create_dir(&path).map_err(|e| EngineError::file(&path, format!("cannot create a staging directory ({e})")))?;
+        std::fs::create_dir(&path).map_err(|e| {
+            EngineError::file(&path, format!("cannot create a staging directory ({e})"))
+        })?;
         Ok(Self { path, done: false })
     }
 
     fn write(&self, name: &str, bytes: &[u8]) -> Result<()> {
         let p = self.path.join(name);
-        std::fs::write(&p, bytes).map_err(|e| EngineError::file(&p, format!("cannot be written ({e})")))
+        std::fs::write(&p, bytes)
+            .map_err(|e| EngineError::file(&p, format!("cannot be written ({e})")))
     }
 
     fn write_json(&self, name: &str, v: &Value, pretty: bool) -> Result<()> {
-        let text = if pretty { serde_json::to_string_pretty(v) } else { serde_json::to_string(v) }
-            .map_err(|e| EngineError::Input(format!("cannot serialize {name} ({e})")))?;
+        let text = if pretty {
+            serde_json::to_string_pretty(v)
+        } else {
+            serde_json::to_string(v)
+        }
+        .map_err(|e| EngineError::Input(format!("cannot serialize {name} ({e})")))?;
         self.write(name, text.as_bytes())
     }
 
     fn commit(mut self, out: &Path) -> Result<()> {
         std::fs::rename(&self.path, out).map_err(|e| {
-            EngineError::file(out, format!("cannot move the finished import into place ({e}); does it already exist?"))
+            EngineError::file(
+                out,
+                format!("cannot move the finished import into place ({e}); does it already exist?"),
+            )
         })?;
         self.done = true;
         Ok(())
@@ -451,7 +561,10 @@ pub fn import_gguf(
 ) -> Result<ImportSummary> {
     let start = Instant::now();
     if out.exists() {
-        return Err(EngineError::file(out, "already exists; mlxb writes a new directory and never overwrites one"));
+        return Err(EngineError::file(
+            out,
+            "already exists; mlxb writes a new directory and never overwrites one",
+        ));
     }
     let h = GgufHeader::open(src)?;
     let hp = hparams(&h)?;
@@ -463,13 +576,24 @@ pub fn import_gguf(
             return Err(EngineError::file(src, "carries llama3-style rope frequency factors (`rope_freqs.weight`), which mlxb cannot import"));
         }
         let hf = hf_name(hp.arch, &t.name).ok_or_else(|| {
-            EngineError::file(src, format!("has tensor `{}`, which mlxb does not know for architecture {}", t.name, hp.prefix))
+            EngineError::file(
+                src,
+                format!(
+                    "has tensor `{}`, which mlxb does not know for architecture {}",
+                    t.name, hp.prefix
+                ),
+            )
         })?;
         if !t.ggml_type.is_supported() {
             let names: Vec<&str> = quant::SUPPORTED.iter().map(|t| t.name()).collect();
             return Err(EngineError::file(
                 src,
-                format!("has tensor `{}` of type {}, which mlxb cannot decode (supported: {})", t.name, t.ggml_type.name(), names.join(", ")),
+                format!(
+                    "has tensor `{}` of type {}, which mlxb cannot decode (supported: {})",
+                    t.name,
+                    t.ggml_type.name(),
+                    names.join(", ")
+                ),
             ));
         }
         plan.push((t, hf));
@@ -478,9 +602,13 @@ pub fn import_gguf(
     let tok = vocab::build(&h, &hp.prefix, hp.context)?;
     let mut config = model_config(&h, &hp, &tok, tied)?;
 
-    let use_mlx = src.extension().is_some_and(|e| e == "gguf") && h.tensors.iter().all(|t| t.ggml_type.mlx_reads());
+    let use_mlx = src.extension().is_some_and(|e| e == "gguf")
+        && h.tensors.iter().all(|t| t.ggml_type.mlx_reads());
     let source = if use_mlx {
-        Source::Mlx(GgufFile::load(src).map_err(|e| EngineError::file(src, format!("MLX cannot read it ({e})")))?)
+        Source::Mlx(
+            GgufFile::load(src)
+                .map_err(|e| EngineError::file(src, format!("MLX cannot read it ({e})")))?,
+        )
     } else {
         Source::Own
     };
@@ -501,7 +629,14 @@ pub fn import_gguf(
             if let Some(n) = heads {
                 let rows = t.mlx_shape()[0] as u64;
                 if rows != n * hp.head_dim {
-                    return Err(EngineError::file(src, format!("tensor `{}` has {rows} rows, expected {}", t.name, n * hp.head_dim)));
+                    return Err(EngineError::file(
+                        src,
+                        format!(
+                            "tensor `{}` has {rows} rows, expected {}",
+                            t.name,
+                            n * hp.head_dim
+                        ),
+                    ));
                 }
                 loaded = loaded.map(|a| unpermute_rows(a, n as i32))?;
             }
@@ -517,7 +652,12 @@ pub fn import_gguf(
                 a.eval()?;
                 arrays.insert(hf.clone(), a);
             }
-            Loaded::Quant { w, scales, biases, bits } => {
+            Loaded::Quant {
+                w,
+                scales,
+                biases,
+                bits,
+            } => {
                 let module = hf.strip_suffix(".weight").unwrap_or(hf).to_owned();
                 let (scales, biases) = (scales.as_dtype(dtype)?, biases.as_dtype(dtype)?);
                 for a in [&w, &scales, &biases] {
@@ -589,7 +729,10 @@ fn quantization_section(bits: &BTreeMap<String, i32>) -> Option<Value> {
     for &b in bits.values() {
         *counts.entry(b).or_default() += 1;
     }
-    let default = counts.iter().max_by_key(|(b, n)| (**n, -**b)).map(|(b, _)| *b)?;
+    let default = counts
+        .iter()
+        .max_by_key(|(b, n)| (**n, -**b))
+        .map(|(b, _)| *b)?;
     let mut q = Map::new();
     q.insert("group_size".into(), json!(32));
     q.insert("bits".into(), json!(default));
@@ -605,10 +748,14 @@ fn quantization_section(bits: &BTreeMap<String, i32>) -> Option<Value> {
 /// [`import_gguf`] with a progress bar on stderr (hidden when stderr is not a terminal).
 pub fn import_with_progress(src: &Path, out: &Path, opts: &ImportOptions) -> Result<ImportSummary> {
     let bar = indicatif::ProgressBar::new(0);
-    let style = indicatif::ProgressStyle::with_template("{msg} [{bar:30}] {pos}/{len} tensors {elapsed}")
-        .unwrap_or_else(|_| indicatif::ProgressStyle::default_bar());
+    let style =
+        indicatif::ProgressStyle::with_template("{msg} [{bar:30}] {pos}/{len} tensors {elapsed}")
+            .unwrap_or_else(|_| indicatif::ProgressStyle::default_bar());
     bar.set_style(style.progress_chars("=> "));
-    let name = src.file_name().map(|n| n.to_string_lossy().into_owned()).unwrap_or_default();
+    let name = src
+        .file_name()
+        .map(|n| n.to_string_lossy().into_owned())
+        .unwrap_or_default();
     bar.set_message(format!("importing {name}"));
     let result = import_gguf(src, out, opts, &mut |done, total| {
         bar.set_length(total as u64);

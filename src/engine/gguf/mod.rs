@@ -241,7 +241,12 @@ impl GgufHeader {
             .metadata()
             .map_err(|e| EngineError::file(path, format!("cannot be read ({e})")))?
             .len();
-        let mut r = HeaderReader { inner: BufReader::with_capacity(1 << 20, file), pos: 0, len, path };
+        let mut r = HeaderReader {
+            inner: BufReader::with_capacity(1 << 20, file),
+            pos: 0,
+            len,
+            path,
+        };
         if len < 4 || &r.array::<4>("the magic number")? != MAGIC {
             return Err(EngineError::file(
                 path,
@@ -314,7 +319,10 @@ impl GgufHeader {
                 .try_fold(1u64, |acc, &d| acc.checked_mul(d))
                 .filter(|&n| n > 0 && dims.iter().all(|&d| d <= i32::MAX as u64))
                 .ok_or_else(|| {
-                    EngineError::file(path, format!("is corrupt: tensor `{name}` has shape {dims:?}"))
+                    EngineError::file(
+                        path,
+                        format!("is corrupt: tensor `{name}` has shape {dims:?}"),
+                    )
                 })?;
             let (block, block_bytes) = ggml_type.block();
             if dims[0] % block != 0 {
@@ -349,7 +357,13 @@ impl GgufHeader {
                 }
             }
         }
-        Ok(Self { path: path.to_path_buf(), version, metadata, tensors, file_len: len })
+        Ok(Self {
+            path: path.to_path_buf(),
+            version,
+            metadata,
+            tensors,
+            file_len: len,
+        })
     }
 
     /// A metadata value.
@@ -359,12 +373,16 @@ impl GgufHeader {
 
     /// A required string value.
     pub fn str(&self, key: &str) -> Result<&str> {
-        self.get(key).and_then(MetaValue::as_str).ok_or_else(|| self.missing(key, "a string"))
+        self.get(key)
+            .and_then(MetaValue::as_str)
+            .ok_or_else(|| self.missing(key, "a string"))
     }
 
     /// A required non-negative integer.
     pub fn uint(&self, key: &str) -> Result<u64> {
-        self.get(key).and_then(MetaValue::as_u64).ok_or_else(|| self.missing(key, "an integer"))
+        self.get(key)
+            .and_then(MetaValue::as_u64)
+            .ok_or_else(|| self.missing(key, "an integer"))
     }
 
     /// An optional non-negative integer (present but mistyped is an error).
@@ -390,8 +408,16 @@ impl GgufHeader {
 
     /// A required array of strings.
     pub fn strings(&self, key: &str) -> Result<Vec<&str>> {
-        let arr = self.get(key).and_then(MetaValue::as_array).ok_or_else(|| self.missing(key, "an array of strings"))?;
-        arr.iter().map(|v| v.as_str().ok_or_else(|| self.missing(key, "an array of strings"))).collect()
+        let arr = self
+            .get(key)
+            .and_then(MetaValue::as_array)
+            .ok_or_else(|| self.missing(key, "an array of strings"))?;
+        arr.iter()
+            .map(|v| {
+                v.as_str()
+                    .ok_or_else(|| self.missing(key, "an array of strings"))
+            })
+            .collect()
     }
 
     /// An error saying `key` is missing or has the wrong type.
@@ -412,7 +438,13 @@ impl GgufHeader {
                 f.read_exact(&mut buf).map(|_| buf)
             })
             .map_err(|e| {
-                EngineError::file(&self.path, format!("cannot read tensor `{}` ({e}); the file changed or is damaged", t.name))
+                EngineError::file(
+                    &self.path,
+                    format!(
+                        "cannot read tensor `{}` ({e}); the file changed or is damaged",
+                        t.name
+                    ),
+                )
             })
     }
 }

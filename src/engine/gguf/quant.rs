@@ -112,7 +112,10 @@ impl GgmlType {
 
     /// The type named `name` (`"Q4_K"`), if any.
     pub fn from_name(name: &str) -> Option<Self> {
-        TYPES.iter().find(|r| r.2.eq_ignore_ascii_case(name)).map(|r| r.0)
+        TYPES
+            .iter()
+            .find(|r| r.2.eq_ignore_ascii_case(name))
+            .map(|r| r.0)
     }
 
     /// The GGUF id.
@@ -138,7 +141,10 @@ impl GgmlType {
 
     /// Whether MLX's own GGUF reader decodes this type exactly (its other types go through f16).
     pub fn mlx_reads(self) -> bool {
-        matches!(self, GgmlType::F32 | GgmlType::F16 | GgmlType::Q4_0 | GgmlType::Q4_1 | GgmlType::Q8_0)
+        matches!(
+            self,
+            GgmlType::F32 | GgmlType::F16 | GgmlType::Q4_0 | GgmlType::Q4_1 | GgmlType::Q8_0
+        )
     }
 }
 
@@ -171,9 +177,13 @@ impl Affine {
                 let (s, b) = (self.scales[g], self.biases[g]);
                 if self.zero > 0 {
                     let z = self.zero as i32;
-                    o.iter_mut().zip(q).for_each(|(o, &q)| *o = s * (q as i32 - z) as f32);
+                    o.iter_mut()
+                        .zip(q)
+                        .for_each(|(o, &q)| *o = s * (q as i32 - z) as f32);
                 } else {
-                    o.iter_mut().zip(q).for_each(|(o, &q)| *o = s * q as f32 + b);
+                    o.iter_mut()
+                        .zip(q)
+                        .for_each(|(o, &q)| *o = s * q as f32 + b);
                 }
             });
         out
@@ -185,21 +195,23 @@ impl Affine {
         let bits = self.bits as usize;
         let mut out = vec![0u32; self.q.len() * bits / 32];
         // 32 codes fill exactly `bits` words, so chunks of 32 never straddle words.
-        out.par_chunks_mut(bits).zip(self.q.par_chunks(32)).for_each(|(words, codes)| {
-            let mut acc: u64 = 0;
-            let mut filled = 0usize;
-            let mut w = 0usize;
-            for &c in codes {
-                acc |= (c as u64) << filled;
-                filled += bits;
-                if filled >= 32 {
-                    words[w] = acc as u32;
-                    w += 1;
-                    acc >>= 32;
-                    filled -= 32;
+        out.par_chunks_mut(bits)
+            .zip(self.q.par_chunks(32))
+            .for_each(|(words, codes)| {
+                let mut acc: u64 = 0;
+                let mut filled = 0usize;
+                let mut w = 0usize;
+                for &c in codes {
+                    acc |= (c as u64) << filled;
+                    filled += bits;
+                    if filled >= 32 {
+                        words[w] = acc as u32;
+                        w += 1;
+                        acc >>= 32;
+                        filled -= 32;
+                    }
                 }
-            }
-        });
+            });
         out
     }
 }
@@ -239,7 +251,14 @@ struct Layout {
 }
 
 fn layout(ty: GgmlType) -> Option<Layout> {
-    let l = |group, bits, zero, f: BlockFn| Some(Layout { group, bits, zero, f });
+    let l = |group, bits, zero, f: BlockFn| {
+        Some(Layout {
+            group,
+            bits,
+            zero,
+            f,
+        })
+    };
     match ty {
         GgmlType::Q4_0 => l(32, 4, 8, q4_0),
         GgmlType::Q4_1 => l(32, 4, 0, q4_1),
@@ -259,10 +278,15 @@ fn layout(ty: GgmlType) -> Option<Layout> {
 pub fn decode(ty: GgmlType, bytes: &[u8], n: usize) -> Result<Decoded, String> {
     let (block, block_bytes) = ty.block();
     let (block, block_bytes) = (block as usize, block_bytes as usize);
-    if n % block != 0 || bytes.len() != n / block * block_bytes {
-        return Err(format!("{} data of {} bytes does not hold {n} elements", ty.name(), bytes.len()));
+    if !n.is_multiple_of(block) || bytes.len() != n / block * block_bytes {
+        return Err(format!(
+            "{} data of {} bytes does not hold {n} elements",
+            ty.name(),
+            bytes.len()
+        ));
     }
-    let dense = |w: usize, f: fn(&[u8]) -> f32| Ok(Decoded::Dense(bytes.par_chunks(w).map(f).collect()));
+    let dense =
+        |w: usize, f: fn(&[u8]) -> f32| Ok(Decoded::Dense(bytes.par_chunks(w).map(f).collect()));
     match ty {
         GgmlType::F32 => return dense(4, |c| f32::from_le_bytes([c[0], c[1], c[2], c[3]])),
         GgmlType::F16 => return dense(2, |c| f16_at(c, 0)),
@@ -279,9 +303,20 @@ pub fn decode(ty: GgmlType, bytes: &[u8], n: usize) -> Result<Decoded, String> {
     bytes
         .par_chunks(block_bytes)
         .zip(q.par_chunks_mut(block))
-        .zip(scales.par_chunks_mut(groups).zip(biases.par_chunks_mut(groups)))
+        .zip(
+            scales
+                .par_chunks_mut(groups)
+                .zip(biases.par_chunks_mut(groups)),
+        )
         .for_each(|((b, q), (s, m))| (lay.f)(b, q, s, m));
-    Ok(Decoded::Affine(Affine { group: lay.group, bits: lay.bits, q, scales, biases, zero: lay.zero }))
+    Ok(Decoded::Affine(Affine {
+        group: lay.group,
+        bits: lay.bits,
+        q,
+        scales,
+        biases,
+        zero: lay.zero,
+    }))
 }
 
 /// Low nibbles are elements 0..16, high nibbles 16..32 (Q4_0/Q4_1/Q5_0/Q5_1).
@@ -388,7 +423,12 @@ fn q6_k(b: &[u8], q: &mut [u8], s: &mut [f32], m: &mut [f32]) {
     q.iter_mut().zip(hi).for_each(|(v, h)| *v |= h << 4);
     let d = f16_at(b, 208);
     for g in 0..16 {
-        symmetric(d * (b[192 + g] as i8) as f32, 32.0, &mut s[g..], &mut m[g..]);
+        symmetric(
+            d * (b[192 + g] as i8) as f32,
+            32.0,
+            &mut s[g..],
+            &mut m[g..],
+        );
     }
 }
 

@@ -36,7 +36,8 @@ pub fn byte_to_char() -> [char; 256] {
     let mut table = ['\0'; 256];
     let mut extra = 0u32;
     for b in 0..256u32 {
-        let printable = (0x21..=0x7E).contains(&b) || (0xA1..=0xAC).contains(&b) || (0xAE..=0xFF).contains(&b);
+        let printable =
+            (0x21..=0x7E).contains(&b) || (0xA1..=0xAC).contains(&b) || (0xAE..=0xFF).contains(&b);
         let cp = if printable {
             b
         } else {
@@ -50,9 +51,7 @@ pub fn byte_to_char() -> [char; 256] {
 
 /// llama.cpp's `tokenizer.ggml.pre` → the pre-tokenizer Hugging Face uses for that family.
 fn byte_level_pre_tokenizer(pre: &str) -> Option<Value> {
-    let byte_level = |use_regex: bool| {
-        json!({"type": "ByteLevel", "add_prefix_space": false, "trim_offsets": true, "use_regex": use_regex})
-    };
+    let byte_level = |use_regex: bool| json!({"type": "ByteLevel", "add_prefix_space": false, "trim_offsets": true, "use_regex": use_regex});
     const LLAMA3_SPLIT: &str = "(?i:'s|'t|'re|'ve|'m|'ll|'d)|[^\\r\\n\\p{L}\\p{N}]?\\p{L}+|\\p{N}{1,3}| ?[^\\s\\p{L}\\p{N}]+[\\r\\n]*|\\s*[\\r\\n]+|\\s+(?!\\S)|\\s+";
     match pre {
         "default" | "gpt2" | "gpt-2" => Some(byte_level(true)),
@@ -77,7 +76,10 @@ pub fn build(h: &GgufHeader, arch: &str, context_length: Option<u64>) -> Result<
     let kind = h.str("tokenizer.ggml.model")?;
     let raw_tokens = h.strings("tokenizer.ggml.tokens")?;
     let n = raw_tokens.len();
-    let types: Vec<i64> = match h.get("tokenizer.ggml.token_type").and_then(MetaValue::as_array) {
+    let types: Vec<i64> = match h
+        .get("tokenizer.ggml.token_type")
+        .and_then(MetaValue::as_array)
+    {
         Some(a) if a.len() == n => a.iter().map(|v| v.as_f64().unwrap_or(1.0) as i64).collect(),
         Some(_) => return Err(h.missing("tokenizer.ggml.token_type", "one entry per token")),
         None => vec![1; n],
@@ -106,7 +108,9 @@ pub fn build(h: &GgufHeader, arch: &str, context_length: Option<u64>) -> Result<
             }
         }
     }
-    let add_space_prefix = h.bool_opt("tokenizer.ggml.add_space_prefix")?.unwrap_or(false);
+    let add_space_prefix = h
+        .bool_opt("tokenizer.ggml.add_space_prefix")?
+        .unwrap_or(false);
 
     let (tokens, model, normalizer, pre_tokenizer, decoder, default_bos, byte_level): (
         Vec<String>,
@@ -199,7 +203,10 @@ pub fn build(h: &GgufHeader, arch: &str, context_length: Option<u64>) -> Result<
         }
     };
 
-    let add_bos = h.bool_opt("tokenizer.ggml.add_bos_token")?.unwrap_or(default_bos) && bos.is_some();
+    let add_bos = h
+        .bool_opt("tokenizer.ggml.add_bos_token")?
+        .unwrap_or(default_bos)
+        && bos.is_some();
     let add_eos = h.bool_opt("tokenizer.ggml.add_eos_token")?.unwrap_or(false) && eos.is_some();
     let tok = |i: Option<u32>| i.map(|i| tokens[i as usize].clone());
     let alphabet: Option<std::collections::HashSet<char>> =
@@ -216,9 +223,16 @@ pub fn build(h: &GgufHeader, arch: &str, context_length: Option<u64>) -> Result<
         })
         .collect();
 
-    let post_processor = template_processor(add_bos.then(|| tok(bos)).flatten(), add_eos.then(|| tok(eos)).flatten(), bos, eos);
+    let post_processor = template_processor(
+        add_bos.then(|| tok(bos)).flatten(),
+        add_eos.then(|| tok(eos)).flatten(),
+        bos,
+        eos,
+    );
     let post_processor = match (byte_level, post_processor) {
-        (true, None) => json!({"type": "ByteLevel", "add_prefix_space": true, "trim_offsets": false, "use_regex": true}),
+        (true, None) => {
+            json!({"type": "ByteLevel", "add_prefix_space": true, "trim_offsets": false, "use_regex": true})
+        }
         (true, Some(t)) => json!({"type": "Sequence", "processors": [
             {"type": "ByteLevel", "add_prefix_space": true, "trim_offsets": false, "use_regex": true}, t]}),
         (false, p) => p.unwrap_or(Value::Null),
@@ -233,7 +247,12 @@ pub fn build(h: &GgufHeader, arch: &str, context_length: Option<u64>) -> Result<
     cfg.insert("tokenizer_class".into(), json!("PreTrainedTokenizerFast"));
     cfg.insert("add_bos_token".into(), json!(add_bos));
     cfg.insert("add_eos_token".into(), json!(add_eos));
-    for (key, idx) in [("bos_token", bos), ("eos_token", eos), ("unk_token", unk), ("pad_token", pad)] {
+    for (key, idx) in [
+        ("bos_token", bos),
+        ("eos_token", eos),
+        ("unk_token", unk),
+        ("pad_token", pad),
+    ] {
         if let Some(t) = tok(idx) {
             cfg.insert(key.into(), json!(t));
         }
@@ -264,7 +283,12 @@ fn vocab_map(tokens: &[String]) -> Value {
 }
 
 /// A `TemplateProcessing` post-processor adding BOS and/or EOS, as transformers builds it.
-fn template_processor(bos: Option<String>, eos: Option<String>, bos_id: Option<u32>, eos_id: Option<u32>) -> Option<Value> {
+fn template_processor(
+    bos: Option<String>,
+    eos: Option<String>,
+    bos_id: Option<u32>,
+    eos_id: Option<u32>,
+) -> Option<Value> {
     if bos.is_none() && eos.is_none() {
         return None;
     }
@@ -285,7 +309,9 @@ fn template_processor(bos: Option<String>, eos: Option<String>, bos_id: Option<u
     }
     let mut pair = part("A", 0);
     pair.extend(part("B", 1));
-    Some(json!({"type": "TemplateProcessing", "single": part("A", 0), "pair": pair, "special_tokens": specials}))
+    Some(
+        json!({"type": "TemplateProcessing", "single": part("A", 0), "pair": pair, "special_tokens": specials}),
+    )
 }
 
 /// Merges implied by a SentencePiece BPE vocabulary, exactly as transformers'
@@ -339,5 +365,8 @@ pub fn spm_merges(tokens: &[String], scores: &[f64]) -> Vec<[String; 2]> {
             .then(b.ll.cmp(&a.ll))
             .then(b.rl.cmp(&a.rl))
     });
-    merges.into_iter().map(|m| [m.l.to_owned(), m.r.to_owned()]).collect()
+    merges
+        .into_iter()
+        .map(|m| [m.l.to_owned(), m.r.to_owned()])
+        .collect()
 }

@@ -3,14 +3,18 @@
 //! update, and SDPA exactly as mlx-lm's `base.scaled_dot_product_attention` calls it; plus the
 //! variants other families need (gemma2's soft-capped manual attention, qwen3_next's output gate).
 
-use super::activations::softcap_graph;
+use super::activations::{softcap_graph, CompiledOp};
 use super::rope::Rope;
+use crate::engine::attend::attend;
 use crate::engine::cache::{causal_mask, AttentionMask, KvCache};
 use crate::engine::error::Result;
 use crate::engine::nn::{weak_scalar, Linear, RmsNorm};
 use crate::engine::weights::WeightStore;
+use mlx_rs::error::Exception;
 use mlx_rs::fast::{self, ScaledDotProductAttentionMask};
 use mlx_rs::{ops, Array};
+use std::cell::RefCell;
+use std::rc::Rc;
 
 /// `mx.fast.scaled_dot_product_attention(q, k, v, scale, mask)`.
 pub fn sdpa(q: &Array, k: &Array, v: &Array, scale: f32, mask: &AttentionMask) -> Result<Array> {
@@ -119,8 +123,9 @@ pub struct AttentionVariant {
     pub output_gate: bool,
 }
 
-/// A loaded grouped-query attention block.
-pub struct GqaAttention {
+/// The weights and per-head math of one attention block: everything except the cache.
+#[derive(Clone)]
+struct Heads {
     q_proj: Linear,
     k_proj: Linear,
     v_proj: Linear,
@@ -130,6 +135,163 @@ pub struct GqaAttention {
     variant: AttentionVariant,
     shape: AttentionShape,
     rope: Rope,
+}
+
+/// Where RoPE starts: the cache offset as an int (as mlx-lm passes it) or as an array (inside a
+/// compiled step, so one compiled function serves every position).
+#[derive(Clone, Copy)]
+enum Position<'a> {
+    Int(i32),
+    Array(&'a Array),
+}
+
+/// q, k, v (`[B, H, L, D]`) and qwen3_next's output gate.
+type Projected = (Array, Array, Array, Option<Array>);
+
+impl Heads {
+    fn heads(&self, x: &Array, n: i32, norm: &Option<RmsNorm>) -> Result<Array> {
+        let (b, l) = (x.shape()[0], x.shape()[1]);
+        let x = if x.ndim() == 4 {
+            x.clone()
+        } else {
+            x.reshape(&[b, l, n, -1])?
+        };
+        Ok(match (norm, self.variant.norm_style) {
+            (Some(norm), QkNormStyle::Plain) => norm.forward(&x)?.transpose_axes(&[0, 2, 1, 3])?,
+            (Some(norm), QkNormStyle::GemmaAfterTranspose) => {
+                norm.forward_one_plus(&x.transpose_axes(&[0, 2, 1, 3])?)?
+            }
+            (None, _) => x.transpose_axes(&[0, 2, 1, 3])?,
+        })
+    }
+
+    /// Width of `q_proj`'s output (twice the heads' width with an output gate).
+    fn q_width(&self) -> i32 {
+        let qd = self.shape.n_heads * self.shape.head_dim;
+        if self.variant.output_gate {
+            2 * qd
+        } else {
+            qd
+        }
+    }
+
+    /// Projections, q/k norms and RoPE; `fused` is the concatenated q/k/v projection.
+    fn project(&self, x: &Array, pos: Position<'_>, fused: Option<&Linear>) -> Result<Projected> {
+        let (b, l) = (x.shape()[0], x.shape()[1]);
+        let (q, k, v) = match fused {
+            Some(f) => {
+                let kvd = self.shape.n_kv_heads * self.shape.head_dim;
+                let qw = self.q_width();
+                let mut parts = f.forward(x)?.split_at_indices(&[qw, qw + kvd], -1)?;
+                let v = parts.pop();
+                let k = parts.pop();
+                let q = parts.pop();
+                match (q, k, v) {
+                    (Some(q), Some(k), Some(v)) => (q, k, v),
+                    _ => {
+                        return Err(crate::engine::error::EngineError::Runtime(
+                            "fused q/k/v projection did not split in three".into(),
+                        ))
+                    }
+                }
+            }
+            None => (
+                self.q_proj.forward(x)?,
+                self.k_proj.forward(x)?,
+                self.v_proj.forward(x)?,
+            ),
+        };
+        let (q, gate) = if self.variant.output_gate {
+            let mut parts = q
+                .reshape(&[b, l, self.shape.n_heads, -1])?
+                .split_equal(2, -1)?;
+            let gate = parts.pop().map(|g| g.reshape(&[b, l, -1])).transpose()?;
+            (parts.swap_remove(0), gate)
+        } else {
+            (q, None)
+        };
+        let q = self.heads(&q, self.shape.n_heads, &self.q_norm)?;
+        let k = self.heads(&k, self.shape.n_kv_heads, &self.k_norm)?;
+        let v = self.heads(&v, self.shape.n_kv_heads, &None)?;
+        let (q, k) = match pos {
+            Position::Int(o) => (self.rope.apply(&q, o)?, self.rope.apply(&k, o)?),
+            Position::Array(o) => (
+                self.rope.apply_dynamic(&q, o)?,
+                self.rope.apply_dynamic(&k, o)?,
+            ),
+        };
+        Ok((q, k, v, gate))
+    }
+
+    /// Heads back to `[B, L, H * D]`, the output gate, `o_proj`.
+    fn output(&self, out: &Array, gate: Option<&Array>) -> Result<Array> {
+        let (b, l) = (out.shape()[0], out.shape()[2]);
+        let out = out.transpose_axes(&[0, 2, 1, 3])?.reshape(&[b, l, -1])?;
+        match gate {
+            Some(g) => self.o_proj.forward(&out.multiply(ops::sigmoid(g)?)?),
+            None => self.o_proj.forward(&out),
+        }
+    }
+}
+
+/// What single-token steps reuse across calls under `--compiled-decode` / `--fused-decode`:
+/// the fused q/k/v weight and the compiled functions, each built on first use.
+#[derive(Default)]
+struct StepRuntime {
+    fused: Option<Linear>,
+    pre: Option<(bool, CompiledOp)>,
+    post: Option<CompiledOp>,
+}
+
+fn to_exception(e: crate::engine::error::EngineError) -> Exception {
+    Exception::custom(e.to_string())
+}
+
+impl StepRuntime {
+    fn fused(&mut self, m: &Heads) -> Result<Linear> {
+        if let Some(f) = &self.fused {
+            return Ok(f.clone());
+        }
+        let f = Linear::concat_out(&[&m.q_proj, &m.k_proj, &m.v_proj])?;
+        self.fused = Some(f.clone());
+        Ok(f)
+    }
+
+    /// `(x, offset) -> (q, k, v[, gate])`, compiled for fixed shapes (one trace at L = 1).
+    fn pre(&mut self, m: &Heads, fused: Option<Linear>) -> &mut CompiledOp {
+        let want = fused.is_some();
+        if self.pre.as_ref().map(|(f, _)| *f) != Some(want) {
+            let m = Rc::new(m.clone());
+            let graph = move |a: &[Array]| -> std::result::Result<Vec<Array>, Exception> {
+                let (q, k, v, gate) = m
+                    .project(&a[0], Position::Array(&a[1]), fused.as_ref())
+                    .map_err(to_exception)?;
+                Ok([q, k, v].into_iter().chain(gate).collect())
+            };
+            self.pre = Some((want, CompiledOp::new(graph, false, true)));
+        }
+        match &mut self.pre {
+            Some((_, op)) => op,
+            None => unreachable!("set above"),
+        }
+    }
+
+    /// `(out[, gate]) -> o_proj(...)`, compiled for fixed shapes.
+    fn post(&mut self, m: &Heads) -> &mut CompiledOp {
+        self.post.get_or_insert_with(|| {
+            let m = Rc::new(m.clone());
+            let graph = move |a: &[Array]| -> std::result::Result<Vec<Array>, Exception> {
+                Ok(vec![m.output(&a[0], a.get(1)).map_err(to_exception)?])
+            };
+            CompiledOp::new(graph, false, true)
+        })
+    }
+}
+
+/// A loaded grouped-query attention block.
+pub struct GqaAttention {
+    m: Heads,
+    step: RefCell<StepRuntime>,
 }
 
 impl GqaAttention {
@@ -174,7 +336,7 @@ impl GqaAttention {
                 .map(|eps| RmsNorm::load(w, &format!("{prefix}.{name}"), s.head_dim, eps))
                 .transpose()
         };
-        Ok(Self {
+        let m = Heads {
             q_proj: Linear::load(w, &format!("{prefix}.q_proj"), s.hidden, q_out, s.qkv_bias)?,
             k_proj: Linear::load(w, &format!("{prefix}.k_proj"), s.hidden, kvd, s.qkv_bias)?,
             v_proj: Linear::load(w, &format!("{prefix}.v_proj"), s.hidden, kvd, s.qkv_bias)?,
@@ -184,62 +346,49 @@ impl GqaAttention {
             variant,
             shape,
             rope,
-        })
-    }
-
-    fn heads(&self, x: &Array, n: i32, norm: &Option<RmsNorm>) -> Result<Array> {
-        let (b, l) = (x.shape()[0], x.shape()[1]);
-        let x = if x.ndim() == 4 {
-            x.clone()
-        } else {
-            x.reshape(&[b, l, n, -1])?
         };
-        Ok(match (norm, self.variant.norm_style) {
-            (Some(norm), QkNormStyle::Plain) => norm.forward(&x)?.transpose_axes(&[0, 2, 1, 3])?,
-            (Some(norm), QkNormStyle::GemmaAfterTranspose) => {
-                norm.forward_one_plus(&x.transpose_axes(&[0, 2, 1, 3])?)?
-            }
-            (None, _) => x.transpose_axes(&[0, 2, 1, 3])?,
+        Ok(Self {
+            m,
+            step: RefCell::new(StepRuntime::default()),
         })
     }
 
-    /// Attention over `x` ([B, L, D]) with the layer's cache and mask.
+    /// Attention over `x` ([B, L, D]) with the layer's cache and mask. Single-token steps
+    /// follow the cache's [`crate::engine::attend::AttentionPlan`] (compiled / fused q/k/v).
     pub fn forward(
         &self,
         x: &Array,
         mask: &AttentionMask,
         cache: &mut dyn KvCache,
     ) -> Result<Array> {
-        let (b, l) = (x.shape()[0], x.shape()[1]);
-        let (q, gate) = if self.variant.output_gate {
-            let q = self.q_proj.forward(x)?;
-            let mut parts = q
-                .reshape(&[b, l, self.shape.n_heads, -1])?
-                .split_equal(2, -1)?;
-            let gate = parts.pop().map(|g| g.reshape(&[b, l, -1])).transpose()?;
-            (parts.swap_remove(0), gate)
-        } else {
-            (self.q_proj.forward(x)?, None)
-        };
-        let q = self.heads(&q, self.shape.n_heads, &self.q_norm)?;
-        let k = self.heads(
-            &self.k_proj.forward(x)?,
-            self.shape.n_kv_heads,
-            &self.k_norm,
-        )?;
-        let v = self.heads(&self.v_proj.forward(x)?, self.shape.n_kv_heads, &None)?;
-        let offset = cache.offset();
-        let q = self.rope.apply(&q, offset)?;
-        let k = self.rope.apply(&k, offset)?;
-        let (k, v) = cache.update_and_fetch(&k, &v)?;
-        let out = match self.variant.softcap {
-            Some(cap) => softcap_attention(&q, &k, &v, self.shape.scale, cap, mask)?,
-            None => sdpa(&q, &k, &v, self.shape.scale, mask)?,
-        };
-        let out = out.transpose_axes(&[0, 2, 1, 3])?.reshape(&[b, l, -1])?;
-        match gate {
-            Some(g) => self.o_proj.forward(&out.multiply(ops::sigmoid(&g)?)?),
-            None => self.o_proj.forward(&out),
+        let plan = cache.plan();
+        let m = &self.m;
+        let (scale, softcap) = (m.shape.scale, m.variant.softcap);
+        if x.shape()[1] != 1 || !(plan.compiled_decode || plan.fused_qkv) {
+            let (q, k, v, gate) = m.project(x, Position::Int(cache.offset()), None)?;
+            let out = attend(&q, &k, &v, scale, softcap, mask, cache)?;
+            return m.output(&out, gate.as_ref());
         }
+        let mut rt = self.step.borrow_mut();
+        let fused = if plan.fused_qkv {
+            Some(rt.fused(m)?)
+        } else {
+            None
+        };
+        if !plan.compiled_decode {
+            let (q, k, v, gate) = m.project(x, Position::Int(cache.offset()), fused.as_ref())?;
+            let out = attend(&q, &k, &v, scale, softcap, mask, cache)?;
+            return m.output(&out, gate.as_ref());
+        }
+        let offset = Array::from_int(cache.offset());
+        let mut qkv = rt.pre(m, fused).call(&[x.clone(), offset])?.into_iter();
+        let (Some(q), Some(k), Some(v)) = (qkv.next(), qkv.next(), qkv.next()) else {
+            return Err(crate::engine::error::EngineError::Runtime(
+                "compiled attention step returned too few arrays".into(),
+            ));
+        };
+        let out = attend(&q, &k, &v, scale, softcap, mask, cache)?;
+        let args: Vec<Array> = std::iter::once(out).chain(qkv.next()).collect();
+        rt.post(m).call1(&args)
     }
 }

@@ -227,12 +227,21 @@ impl GatedDeltaNet {
         let conv_input = ops::concatenate(&[conv_state, qkv], 1)?;
         let n_keep = s.conv_kernel - 1;
         let total = conv_input.shape()[1];
-        cache.set(0, conv_input.index((.., (total - n_keep).., ..)).contiguous()?)?;
+        cache.set(
+            0,
+            conv_input
+                .index((.., (total - n_keep).., ..))
+                .contiguous()?,
+        )?;
         let conv = ops::conv1d(&conv_input, &self.conv_weight, 1, 0, 1, s.conv_dim())?;
         let conv_out = fns.silu.call1(&[conv])?;
 
         let parts = conv_out.split_at_indices(&[s.key_dim(), 2 * s.key_dim()], -1)?;
-        let heads = [(s.k_heads, s.k_dim), (s.k_heads, s.k_dim), (s.v_heads, s.v_dim)];
+        let heads = [
+            (s.k_heads, s.k_dim),
+            (s.k_heads, s.k_dim),
+            (s.v_heads, s.v_dim),
+        ];
         let mut qkv = parts
             .iter()
             .zip(heads)

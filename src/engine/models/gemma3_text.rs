@@ -215,12 +215,7 @@ impl LanguageModel for Model {
 
     fn forward_ext(&mut self, inputs: &Array, caches: &mut Caches, opts: &ForwardOpts) -> Result<ForwardOut> {
         let run = opts.layers_to_run(self.layers.len(), caches.len())?;
-        let h = self.embed_tokens.forward(inputs)?;
-        // `mx.array(hidden_size**0.5, mx.bfloat16).astype(h.dtype)`: f64 -> f32 -> bf16 -> h.dtype.
-        let scale = Array::from_f32((self.hidden_size as f64).powf(0.5) as f32)
-            .as_dtype(Dtype::Bfloat16)?
-            .as_dtype(h.dtype())?;
-        let mut h = h.multiply(&scale)?;
+        let mut h = self.embed(inputs)?;
         let n = h.shape()[1];
         let p = self.sliding_window_pattern as usize;
         // mlx-lm asks cache p-1 (global) and cache 0 (sliding); any cache of the same kind has
@@ -259,12 +254,25 @@ impl LanguageModel for Model {
                 .apply(&hh, &layer.post_feedforward_layernorm.forward_one_plus(&r)?)?;
             opts.capture(i, &h, &mut taps);
         }
-        let out = self.norm.forward_one_plus(&h)?;
-        let logits = match &self.lm_head {
-            Some(head) => head.forward(&out)?,
-            None => self.embed_tokens.as_linear(&out)?,
-        };
+        let logits = self.lm_head(&self.final_norm(&h)?)?;
         Ok(ForwardOut { logits, taps: opts.finish_taps(taps) })
+    }
+
+    fn embed(&self, inputs: &Array) -> Result<Array> {
+        let h = self.embed_tokens.forward(inputs)?;
+        // `mx.array(hidden_size**0.5, mx.bfloat16).astype(h.dtype)`: f64 -> f32 -> bf16 -> h.dtype.
+        let scale = Array::from_f32((self.hidden_size as f64).powf(0.5) as f32)
+            .as_dtype(Dtype::Bfloat16)?
+            .as_dtype(h.dtype())?;
+        Ok(h.multiply(&scale)?)
+    }
+
+    fn final_norm(&self, hidden: &Array) -> Result<Array> {
+        self.norm.forward_one_plus(hidden)
+    }
+
+    fn lm_head(&self, hidden: &Array) -> Result<Array> {
+        super::output_head(self.lm_head.as_ref(), &self.embed_tokens, hidden)
     }
 
     fn make_caches(&self) -> Caches {

@@ -152,7 +152,7 @@ impl LanguageModel for Model {
     ) -> Result<ForwardOut> {
         let run = opts.layers_to_run(self.layers.len(), caches.len())?;
         let layers = &self.layers[..run];
-        let mut h = self.embed_tokens.forward(inputs)?;
+        let mut h = self.embed(inputs)?;
         let n = h.shape()[1];
         // Every cache of one kind has the same offset, so any of them gives mlx-lm's mask.
         let fa_mask = match layers.iter().position(|l| !l.sliding) {
@@ -179,16 +179,14 @@ impl LanguageModel for Model {
             h = hh.add(&r)?;
             opts.capture(i, &h, &mut taps);
         }
-        let out = self.norm.forward(&h)?;
-        let logits = match &self.lm_head {
-            Some(head) => head.forward(&out)?,
-            None => self.embed_tokens.as_linear(&out)?,
-        };
+        let logits = self.lm_head(&self.final_norm(&h)?)?;
         Ok(ForwardOut {
             logits,
             taps: opts.finish_taps(taps),
         })
     }
+
+    super::llama_layout_accessors!();
 
     fn make_caches(&self) -> Caches {
         self.layers

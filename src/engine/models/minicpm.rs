@@ -5,7 +5,8 @@
 //! table as the (untied) head, as mlx-lm's `sanitize` does.
 
 use super::activations::SwiGlu;
-use super::attention::{inv_sqrt_scale, AttentionShape, GqaAttention};
+use super::attention::GqaAttention;
+use super::decoder::{plain_attention, PreNormLayer};
 use super::mlp::GatedMlp;
 use super::rope::Rope;
 use super::{full_caches, Caches, LanguageModel, ModelSpec};
@@ -44,8 +45,7 @@ fn default_theta() -> f64 {
 struct Block {
     attn: GqaAttention,
     mlp: GatedMlp,
-    input_layernorm: RmsNorm,
-    post_attention_layernorm: RmsNorm,
+    norms: PreNormLayer,
 }
 
 /// The output projection: mlx-lm's untied `lm_head(out / (hidden / dim_model_base))`, or the
@@ -90,16 +90,7 @@ pub fn build(spec: &ModelSpec, w: &mut WeightStore) -> Result<Box<dyn LanguageMo
     }
     let (d, eps) = (a.hidden_size, a.rms_norm_eps);
     let head_dim = d / a.num_attention_heads;
-    let shape = AttentionShape {
-        hidden: d,
-        n_heads: a.num_attention_heads,
-        n_kv_heads: a.num_key_value_heads,
-        head_dim,
-        qkv_bias: false,
-        o_bias: false,
-        qk_norm_eps: None,
-        scale: inv_sqrt_scale(head_dim),
-    };
+    let shape = plain_attention(d, a.num_attention_heads, a.num_key_value_heads, head_dim);
     let rope = Rope::from_config(
         head_dim,
         a.rope_theta,
@@ -112,13 +103,7 @@ pub fn build(spec: &ModelSpec, w: &mut WeightStore) -> Result<Box<dyn LanguageMo
         layers.push(Block {
             attn: GqaAttention::load(w, &format!("{p}.self_attn"), shape.clone(), rope.clone())?,
             mlp: GatedMlp::load(w, &format!("{p}.mlp"), d, a.intermediate_size, false)?,
-            input_layernorm: RmsNorm::load(w, &format!("{p}.input_layernorm"), d, eps)?,
-            post_attention_layernorm: RmsNorm::load(
-                w,
-                &format!("{p}.post_attention_layernorm"),
-                d,
-                eps,
-            )?,
+            norms: PreNormLayer::load(w, &p, d, eps)?,
         });
     }
     let embed_tokens = Embedding::load(w, "model.embed_tokens", a.vocab_size, d)?;
@@ -150,17 +135,14 @@ impl LanguageModel for Model {
         let h = self.embed_tokens.forward(inputs)?;
         let mut h = h.multiply(weak_scalar(self.scale_emb, &h)?)?;
         let mask = caches[0].make_mask(h.shape()[1], None, false)?;
+        let scale = self.residual_scale;
+        let scaled = |r: Array| -> Result<Array> { Ok(r.multiply(weak_scalar(scale, &r)?)?) };
         for (layer, cache) in self.layers.iter().zip(caches.iter_mut()) {
-            let r =
-                layer
-                    .attn
-                    .forward(&layer.input_layernorm.forward(&h)?, &mask, cache.as_mut())?;
-            let hh = h.add(r.multiply(weak_scalar(self.residual_scale, &r)?)?)?;
-            let r = layer.mlp.forward_swiglu(
-                &layer.post_attention_layernorm.forward(&hh)?,
-                &mut self.swiglu,
+            h = layer.norms.forward(
+                &h,
+                |x| scaled(layer.attn.forward(x, &mask, cache.as_mut())?),
+                |x| scaled(layer.mlp.forward_swiglu(x, &mut self.swiglu)?),
             )?;
-            h = hh.add(r.multiply(weak_scalar(self.residual_scale, &r)?)?)?;
         }
         let out = self.norm.forward(&h)?;
         match &self.head {

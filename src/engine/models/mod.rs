@@ -3,13 +3,18 @@
 
 pub mod activations;
 pub mod attention;
+pub mod decoder;
+pub mod gated_delta;
 pub mod gemma2;
 pub mod gemma3_text;
+pub mod gemma4_text;
 pub mod llama;
 pub mod minicpm;
 pub mod mlp;
 pub mod qwen2;
 pub mod qwen3;
+pub mod qwen3_5;
+pub mod qwen3_5_moe;
 pub mod qwen3_moe;
 pub mod rope;
 pub mod switch;
@@ -47,10 +52,64 @@ pub trait LanguageModel {
         }
         Ok(ForwardOut { logits: self.forward(inputs, caches)?, taps: Vec::new() })
     }
+    /// The input embedding of ids `[B, L]` → `[B, L, D]`: exactly what the first layer receives
+    /// (gemma's `sqrt(hidden)` scale included). Drafters that share the target's embedding
+    /// (DSpark) call it; architectures that do not expose it refuse.
+    fn embed(&self, _inputs: &Array) -> Result<Array> {
+        Err(not_exposed("embedding"))
+    }
+    /// The final norm `forward` applies after the last layer (hidden `[.., D]` → `[.., D]`).
+    fn final_norm(&self, _hidden: &Array) -> Result<Array> {
+        Err(not_exposed("final norm"))
+    }
+    /// The output head on already-normalized hidden states `[.., D]` → logits `[.., V]` (tied or
+    /// untied; a final logit soft-cap included), as `forward` applies it after [`Self::final_norm`].
+    fn lm_head(&self, _hidden: &Array) -> Result<Array> {
+        Err(not_exposed("LM head"))
+    }
     /// Fresh caches of the kinds this architecture uses per layer.
     fn make_caches(&self) -> Caches;
     /// Output vocabulary size.
     fn vocab_size(&self) -> i32;
+}
+
+/// The llama family's output head: the untied `lm_head` when the checkpoint has one, else the
+/// embedding table used as a linear map (tied).
+pub(crate) fn output_head(
+    lm_head: Option<&super::nn::Linear>,
+    embed: &super::nn::Embedding,
+    hidden: &Array,
+) -> Result<Array> {
+    match lm_head {
+        Some(head) => head.forward(hidden),
+        None => embed.as_linear(hidden),
+    }
+}
+
+/// [`LanguageModel::embed`], [`LanguageModel::final_norm`] and [`LanguageModel::lm_head`] for a
+/// model laid out like llama (`embed_tokens`, `norm`, an optional untied `lm_head`).
+macro_rules! llama_layout_accessors {
+    () => {
+        fn embed(&self, inputs: &Array) -> Result<Array> {
+            self.embed_tokens.forward(inputs)
+        }
+
+        fn final_norm(&self, hidden: &Array) -> Result<Array> {
+            self.norm.forward(hidden)
+        }
+
+        fn lm_head(&self, hidden: &Array) -> Result<Array> {
+            super::output_head(self.lm_head.as_ref(), &self.embed_tokens, hidden)
+        }
+    };
+}
+pub(crate) use llama_layout_accessors;
+
+/// The refusal of [`LanguageModel`]'s optional accessors for a part an architecture keeps private.
+fn not_exposed(part: &str) -> EngineError {
+    EngineError::Input(format!(
+        "this model_type does not expose its {part} yet, which the DSpark drafter shares; use a llama, qwen2, qwen3 or gemma3_text target"
+    ))
 }
 
 /// Options of [`LanguageModel::forward_ext`].
@@ -110,9 +169,12 @@ pub const REGISTRY: &[(&str, Builder)] = &[
     ("minicpm", minicpm::build),
     ("qwen2", qwen2::build),
     ("qwen3", qwen3::build),
+    ("qwen3_5", qwen3_5::build),
+    ("qwen3_5_moe", qwen3_5_moe::build),
     ("qwen3_moe", qwen3_moe::build),
     ("gemma2", gemma2::build),
     ("gemma3_text", gemma3_text::build),
+    ("gemma4_text", gemma4_text::build),
 ];
 
 /// The supported `model_type`s, for `mlxb models` and error messages.
@@ -191,6 +253,8 @@ pub struct LoadedModel {
     pub model_type: String,
     /// The parsed config.json.
     pub config: serde_json::Value,
+    /// The forks it was loaded with, resolved for this model (give it to the generator).
+    pub plan: super::plan::ForkPlan,
 }
 
 /// Reads config.json in `dir`, picks the architecture and loads the weights into it.
@@ -237,9 +301,12 @@ pub fn load(dir: &Path, forks: Forks) -> Result<LoadedModel> {
     };
     let model = builder(&spec, &mut weights)?;
     weights.finish()?;
+    let plan =
+        super::plan::ForkPlan::new(forks, &spec.config_path, &config, model.make_caches().len())?;
     Ok(LoadedModel {
         model,
         model_type,
         config,
+        plan,
     })
 }

@@ -173,7 +173,7 @@ impl LanguageModel for Model {
         opts: &ForwardOpts,
     ) -> Result<ForwardOut> {
         let run = opts.layers_to_run(self.layers.len(), caches.len())?;
-        let mut h = self.embed_tokens.forward(inputs)?;
+        let mut h = self.embed(inputs)?;
         let mask = caches[0].make_mask(h.shape()[1], None, false)?;
         let mut taps = Vec::new();
         for (i, (layer, cache)) in self.layers[..run].iter().zip(caches.iter_mut()).enumerate() {
@@ -189,16 +189,14 @@ impl LanguageModel for Model {
             h = hh.add(&r)?;
             opts.capture(i, &h, &mut taps);
         }
-        let out = self.norm.forward(&h)?;
-        let logits = match &self.lm_head {
-            Some(head) => head.forward(&out)?,
-            None => self.embed_tokens.as_linear(&out)?,
-        };
+        let logits = self.lm_head(&self.final_norm(&h)?)?;
         Ok(ForwardOut {
             logits,
             taps: opts.finish_taps(taps),
         })
     }
+
+    super::llama_layout_accessors!();
 
     fn make_caches(&self) -> Caches {
         self.layers

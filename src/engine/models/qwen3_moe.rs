@@ -3,13 +3,14 @@
 //! on every `decoder_sparse_step`-th layer not listed in `mlp_only_layers`.
 
 use super::activations::{swiglu, CompiledOp};
-use super::attention::{inv_sqrt_scale, AttentionShape, GqaAttention};
+use super::attention::{AttentionShape, GqaAttention};
+use super::decoder::{plain_attention, LmHead, PreNormLayer};
 use super::mlp::GatedMlp;
 use super::rope::Rope;
 use super::switch::{check_experts, stack_experts, FeedForward, MoeShape, SparseMoe};
 use super::{full_caches, Caches, LanguageModel, ModelSpec};
 use crate::engine::error::Result;
-use crate::engine::nn::{Embedding, Linear, RmsNorm};
+use crate::engine::nn::{Embedding, RmsNorm};
 use crate::engine::weights::WeightStore;
 use mlx_rs::Array;
 use serde::Deserialize;
@@ -40,8 +41,7 @@ pub struct Args {
 struct Block {
     attn: GqaAttention,
     ffn: FeedForward,
-    input_layernorm: RmsNorm,
-    post_attention_layernorm: RmsNorm,
+    norms: PreNormLayer,
 }
 
 /// The qwen3_moe decoder with its LM head.
@@ -49,7 +49,7 @@ pub struct Model {
     embed_tokens: Embedding,
     layers: Vec<Block>,
     norm: RmsNorm,
-    lm_head: Option<Linear>,
+    lm_head: LmHead,
     swiglu: CompiledOp,
     vocab_size: i32,
 }
@@ -67,7 +67,12 @@ pub fn build(spec: &ModelSpec, w: &mut WeightStore) -> Result<Box<dyn LanguageMo
             && (i + 1) % a.decoder_sparse_step.max(1) == 0
     };
     if a.num_experts > 0 {
-        check_experts(spec, a.num_experts, a.num_experts_per_tok, "num_experts_per_tok")?;
+        check_experts(
+            spec,
+            a.num_experts,
+            a.num_experts_per_tok,
+            "num_experts_per_tok",
+        )?;
         if a.decoder_sparse_step < 1 {
             return Err(spec.field_error("decoder_sparse_step", "must be at least 1"));
         }
@@ -77,14 +82,8 @@ pub fn build(spec: &ModelSpec, w: &mut WeightStore) -> Result<Box<dyn LanguageMo
     }
     let (d, eps) = (a.hidden_size, a.rms_norm_eps);
     let shape = AttentionShape {
-        hidden: d,
-        n_heads: a.num_attention_heads,
-        n_kv_heads: a.num_key_value_heads,
-        head_dim: a.head_dim,
-        qkv_bias: false,
-        o_bias: false,
         qk_norm_eps: Some(eps),
-        scale: inv_sqrt_scale(a.head_dim),
+        ..plain_attention(d, a.num_attention_heads, a.num_key_value_heads, a.head_dim)
     };
     let rope = Rope::Plain {
         dims: a.head_dim,
@@ -106,31 +105,21 @@ pub fn build(spec: &ModelSpec, w: &mut WeightStore) -> Result<Box<dyn LanguageMo
         let mlp = format!("{p}.mlp");
         let ffn = if moe_layer(i) {
             stack_experts(w, &mlp, a.num_experts)?;
-            FeedForward::Moe(SparseMoe::load(w, &mlp, moe)?)
+            FeedForward::Moe(Box::new(SparseMoe::load(w, &mlp, moe)?))
         } else {
             FeedForward::Dense(GatedMlp::load(w, &mlp, d, a.intermediate_size, false)?)
         };
         layers.push(Block {
             attn: GqaAttention::load(w, &format!("{p}.self_attn"), shape.clone(), rope.clone())?,
             ffn,
-            input_layernorm: RmsNorm::load(w, &format!("{p}.input_layernorm"), d, eps)?,
-            post_attention_layernorm: RmsNorm::load(
-                w,
-                &format!("{p}.post_attention_layernorm"),
-                d,
-                eps,
-            )?,
+            norms: PreNormLayer::load(w, &p, d, eps)?,
         });
     }
     Ok(Box::new(Model {
         embed_tokens: Embedding::load(w, "model.embed_tokens", a.vocab_size, d)?,
         layers,
         norm: RmsNorm::load(w, "model.norm", d, eps)?,
-        lm_head: if a.tie_word_embeddings {
-            None
-        } else {
-            Some(Linear::load(w, "lm_head", d, a.vocab_size, false)?)
-        },
+        lm_head: LmHead::load(w, a.tie_word_embeddings, "lm_head", d, a.vocab_size)?,
         swiglu: swiglu(spec.forks.compiled_activations),
         vocab_size: a.vocab_size,
     }))
@@ -141,21 +130,14 @@ impl LanguageModel for Model {
         let mut h = self.embed_tokens.forward(inputs)?;
         let mask = caches[0].make_mask(h.shape()[1], None, false)?;
         for (layer, cache) in self.layers.iter().zip(caches.iter_mut()) {
-            let r =
-                layer
-                    .attn
-                    .forward(&layer.input_layernorm.forward(&h)?, &mask, cache.as_mut())?;
-            let hh = h.add(&r)?;
-            let r = layer
-                .ffn
-                .forward(&layer.post_attention_layernorm.forward(&hh)?, &mut self.swiglu)?;
-            h = hh.add(&r)?;
+            h = layer.norms.forward(
+                &h,
+                |x| layer.attn.forward(x, &mask, cache.as_mut()),
+                |x| layer.ffn.forward(x, &mut self.swiglu),
+            )?;
         }
-        let out = self.norm.forward(&h)?;
-        match &self.lm_head {
-            Some(head) => head.forward(&out),
-            None => self.embed_tokens.as_linear(&out),
-        }
+        self.lm_head
+            .forward(&self.embed_tokens, &self.norm.forward(&h)?)
     }
 
     fn make_caches(&self) -> Caches {

@@ -94,37 +94,41 @@ impl Rope {
 
     /// Like [`Rope::apply`] with the offset as an MLX array (`offset=mx.array(cache.offset)`).
     pub fn apply_dynamic(&self, x: &Array, offset: &Array) -> Result<Array> {
-        Ok(match self {
-            Rope::Plain {
-                dims,
-                traditional,
-                base,
-                scale,
-            } => fast::rope_dynamic(x, *dims, *traditional, *base, *scale, offset, None)?,
-            Rope::Freqs {
-                dims,
-                traditional,
-                freqs,
-            } => fast::rope_dynamic(x, *dims, *traditional, None, 1.0, offset, freqs)?,
-        })
+        self.rotate(x, Offset::Array(offset))
     }
 
     /// Rotates `x` ([B, H, L, D]) for positions starting at `offset`.
     pub fn apply(&self, x: &Array, offset: i32) -> Result<Array> {
-        Ok(match self {
+        self.rotate(x, Offset::Int(offset))
+    }
+
+    /// `mx.fast.rope` with this rope's parameters (`base` and `scale`, or `freqs`).
+    fn rotate(&self, x: &Array, offset: Offset<'_>) -> Result<Array> {
+        let (dims, traditional, base, scale, freqs) = match self {
             Rope::Plain {
                 dims,
                 traditional,
                 base,
                 scale,
-            } => fast::rope(x, *dims, *traditional, *base, *scale, offset, None)?,
+            } => (*dims, *traditional, Some(*base), *scale, None),
             Rope::Freqs {
                 dims,
                 traditional,
                 freqs,
-            } => fast::rope(x, *dims, *traditional, None, 1.0, offset, freqs)?,
+            } => (*dims, *traditional, None, 1.0, Some(freqs)),
+        };
+        Ok(match offset {
+            Offset::Int(o) => fast::rope(x, dims, traditional, base, scale, o, freqs)?,
+            Offset::Array(o) => fast::rope_dynamic(x, dims, traditional, base, scale, o, freqs)?,
         })
     }
+}
+
+/// A RoPE position offset: a Python int, or an `mx.array`.
+#[derive(Clone, Copy)]
+enum Offset<'a> {
+    Int(i32),
+    Array(&'a Array),
 }
 
 /// `ProportionalRoPE._freqs`: `factor * base ** (arange(0, rotated, 2, f32) / dims)`, then `inf`

@@ -5,28 +5,17 @@
 use super::activations::CompiledOp;
 use super::mlp::GatedMlp;
 use crate::engine::error::Result;
-use crate::engine::nn::Linear;
-use crate::engine::weights::{QuantSpec, WeightStore};
+use crate::engine::nn::{load_stacked_weight, Linear, LinearWeight};
+use crate::engine::weights::WeightStore;
 use mlx_rs::ops::indexing::{take_along_axis, Ellipsis, IndexOp};
 use mlx_rs::{ops, Array};
 
 /// mlx-lm sorts tokens by expert once `indices.size >= 64` (it selects the sorted kernels).
 const SORT_THRESHOLD: i32 = 64;
 
-/// Expert weights `[E, out, in]`, dense or affine-quantized.
-enum ExpertWeight {
-    Dense(Array),
-    Quantized {
-        weight: Array,
-        scales: Array,
-        biases: Array,
-        spec: QuantSpec,
-    },
-}
-
 /// `SwitchLinear` / `QuantizedSwitchLinear` (no bias: none of the ported families use one).
 pub struct SwitchLinear {
-    weight: ExpertWeight,
+    weight: LinearWeight,
 }
 
 impl SwitchLinear {
@@ -38,33 +27,16 @@ impl SwitchLinear {
         in_dim: i32,
         out_dim: i32,
     ) -> Result<Self> {
-        let weight = match w.quant_for(path) {
-            None => ExpertWeight::Dense(w.take(&format!("{path}.weight"), &[experts, out_dim, in_dim])?),
-            Some(spec) => {
-                if in_dim % spec.group_size != 0 {
-                    return Err(w.err(format!(
-                        "`{path}` has input size {in_dim}, not a multiple of quantization group_size {}",
-                        spec.group_size
-                    )));
-                }
-                let groups = in_dim / spec.group_size;
-                let packed = in_dim * spec.bits / 32;
-                ExpertWeight::Quantized {
-                    weight: w.take(&format!("{path}.weight"), &[experts, out_dim, packed])?,
-                    scales: w.take(&format!("{path}.scales"), &[experts, out_dim, groups])?,
-                    biases: w.take(&format!("{path}.biases"), &[experts, out_dim, groups])?,
-                    spec,
-                }
-            }
-        };
-        Ok(Self { weight })
+        Ok(Self {
+            weight: load_stacked_weight(w, path, &[experts], out_dim, in_dim)?,
+        })
     }
 
     /// `gather_mm(x, W.swapaxes(-1, -2), rhs_indices=idx)` or its quantized `gather_qmm`.
     pub fn forward(&self, x: &Array, idx: &Array, sorted: bool) -> Result<Array> {
         Ok(match &self.weight {
-            ExpertWeight::Dense(wt) => ops::gather_mm(x, wt.swap_axes(-1, -2)?, None, idx, sorted)?,
-            ExpertWeight::Quantized {
+            LinearWeight::Dense(wt) => ops::gather_mm(x, wt.swap_axes(-1, -2)?, None, idx, sorted)?,
+            LinearWeight::Quantized {
                 weight,
                 scales,
                 biases,
@@ -102,9 +74,21 @@ impl SwitchGlu {
         inter: i32,
     ) -> Result<Self> {
         Ok(Self {
-            gate_proj: SwitchLinear::load(w, &format!("{prefix}.gate_proj"), experts, hidden, inter)?,
+            gate_proj: SwitchLinear::load(
+                w,
+                &format!("{prefix}.gate_proj"),
+                experts,
+                hidden,
+                inter,
+            )?,
             up_proj: SwitchLinear::load(w, &format!("{prefix}.up_proj"), experts, hidden, inter)?,
-            down_proj: SwitchLinear::load(w, &format!("{prefix}.down_proj"), experts, inter, hidden)?,
+            down_proj: SwitchLinear::load(
+                w,
+                &format!("{prefix}.down_proj"),
+                experts,
+                inter,
+                hidden,
+            )?,
         })
     }
 
@@ -226,8 +210,20 @@ impl SparseMoe {
     pub fn load(w: &mut WeightStore, prefix: &str, s: MoeShape) -> Result<Self> {
         let shared = match s.shared_inter {
             Some(inter) => Some(SharedExpert {
-                mlp: GatedMlp::load(w, &format!("{prefix}.shared_expert"), s.hidden, inter, false)?,
-                gate: Linear::load(w, &format!("{prefix}.shared_expert_gate"), s.hidden, 1, false)?,
+                mlp: GatedMlp::load(
+                    w,
+                    &format!("{prefix}.shared_expert"),
+                    s.hidden,
+                    inter,
+                    false,
+                )?,
+                gate: Linear::load(
+                    w,
+                    &format!("{prefix}.shared_expert_gate"),
+                    s.hidden,
+                    1,
+                    false,
+                )?,
             }),
             None => None,
         };
@@ -271,7 +267,10 @@ pub fn stack_experts(w: &mut WeightStore, prefix: &str, experts: i32) -> Result<
         let parts = (0..experts)
             .map(|e| w.take_any(&format!("{prefix}.experts.{e}.{n}.weight")))
             .collect::<Result<Vec<_>>>()?;
-        w.insert(&format!("{prefix}.switch_mlp.{n}.weight"), ops::stack(&parts, 0)?);
+        w.insert(
+            &format!("{prefix}.switch_mlp.{n}.weight"),
+            ops::stack(&parts, 0)?,
+        );
     }
     Ok(())
 }
@@ -281,7 +280,7 @@ pub enum FeedForward {
     /// `down(swiglu(gate(x), up(x)))`.
     Dense(GatedMlp),
     /// Routed experts.
-    Moe(SparseMoe),
+    Moe(Box<SparseMoe>),
 }
 
 impl FeedForward {
@@ -302,7 +301,10 @@ pub fn check_experts(
     top_k_field: &str,
 ) -> Result<()> {
     if experts < 1 {
-        return Err(spec.field_error("num_experts", &format!("is {experts}; it must be at least 1")));
+        return Err(spec.field_error(
+            "num_experts",
+            &format!("is {experts}; it must be at least 1"),
+        ));
     }
     if top_k < 1 || top_k > experts {
         return Err(spec.field_error(

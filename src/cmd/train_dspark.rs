@@ -1,0 +1,208 @@
+//! `mlxb train-dspark`: regenerates responses with the target, caches its hidden states, and
+//! trains a DSpark drafter (dspark-spec.md §2) with resumable checkpoints.
+//!
+//! Stages, each resumable: the target cache (`--cache`, default `OUT/cache`), then training
+//! (`OUT/model.safetensors` + `dspark.json` + `train-state.safetensors` every
+//! `--checkpoint-every` steps; `--resume` continues from the last one bit for bit).
+
+use crate::cmd::dspark_init::ShapeArgs;
+use crate::engine::error::EngineError;
+use crate::engine::flags::Forks;
+use crate::engine::session::{resolve_model, Session};
+use crate::spec::dspark::checkpoint::{self, TargetFacts};
+use crate::spec::dspark::data::{build_cache, read_prompts, RegenOptions};
+use crate::spec::dspark::init::init;
+use crate::spec::dspark::train::{load_state, AdamW, Frozen, Params, TrainOptions, Trainer};
+use clap::Args;
+use mlx_rs::{Array, Dtype};
+use std::path::PathBuf;
+use std::time::Instant;
+
+/// Flags of `mlxb train-dspark`.
+#[derive(Debug, Args)]
+pub struct TrainDsparkArgs {
+    /// Target model directory (or built-in name).
+    #[arg(long)]
+    pub model: Option<String>,
+    /// Prompt file (JSONL: `prompt` or `messages` per line).
+    #[arg(long)]
+    pub data: PathBuf,
+    /// Output checkpoint directory.
+    #[arg(long)]
+    pub out: PathBuf,
+    /// Target-cache directory (default `OUT/cache`).
+    #[arg(long)]
+    pub cache: Option<PathBuf>,
+    /// The shape of a new drafter (ignored with --resume).
+    #[command(flatten)]
+    pub shape: ShapeArgs,
+    /// Optimizer steps (default: --epochs over the cached sequences).
+    #[arg(long)]
+    pub iters: Option<u64>,
+    /// Epochs over the cached sequences when --iters is not given.
+    #[arg(long, default_value_t = 1)]
+    pub epochs: u64,
+    /// Sequences per step.
+    #[arg(long, default_value_t = 4)]
+    pub batch: usize,
+    /// Anchors sampled per sequence.
+    #[arg(long, default_value_t = 32)]
+    pub anchors: usize,
+    /// Peak learning rate (warm-up 4%, cosine to 0).
+    #[arg(long, default_value_t = 6e-4)]
+    pub lr: f64,
+    /// Checkpoint every this many steps.
+    #[arg(long, default_value_t = 50)]
+    pub checkpoint_every: u64,
+    /// Tokens per regenerated reply at most.
+    #[arg(long, default_value_t = 512)]
+    pub max_tokens: usize,
+    /// Seed (init, data regeneration, sequence order and anchors).
+    #[arg(long, default_value_t = 42)]
+    pub seed: u64,
+    /// Only build the target cache, then stop.
+    #[arg(long)]
+    pub cache_only: bool,
+    /// Continue the training state in --out.
+    #[arg(long)]
+    pub resume: bool,
+}
+
+/// Entry point of `mlxb train-dspark`.
+pub fn run(args: TrainDsparkArgs) -> anyhow::Result<()> {
+    // Check every input before anything is written.
+    let prompts = read_prompts(&args.data)?;
+    let exists = checkpoint::is_artifact(&args.out);
+    if exists && !args.resume {
+        return Err(EngineError::file(
+            &args.out,
+            "already holds a DSpark checkpoint; pass --resume to continue it or choose another --out",
+        )
+        .into());
+    }
+    if args.resume
+        && !args
+            .out
+            .join(crate::spec::dspark::train::STATE_FILE)
+            .is_file()
+    {
+        return Err(EngineError::file(
+            &args.out,
+            "holds no training state to resume; run without --resume",
+        )
+        .into());
+    }
+    if args.batch == 0 || args.anchors == 0 || args.checkpoint_every == 0 {
+        return Err(EngineError::Input(
+            "--batch, --anchors and --checkpoint-every must be at least 1".into(),
+        )
+        .into());
+    }
+    let dir = resolve_model(args.model.as_deref())?;
+    let mut session = Session::open(&dir, Forks::default())?;
+    let (config, tensors) = if args.resume {
+        let (config, _) = checkpoint::read_config(&args.out)?;
+        config.check_target(&TargetFacts::of(session.model.model.as_ref())?, &args.out)?;
+        let weights = args.out.join(checkpoint::WEIGHTS_FILE);
+        let tensors = Array::load_safetensors(&weights)
+            .map_err(|e| EngineError::file(&weights, format!("cannot read the weights ({e})")))?;
+        (config, tensors)
+    } else {
+        let opts = args.shape.init_options(args.seed);
+        init(
+            session.model.model.as_ref(),
+            &session.model.config,
+            &dir,
+            Some(session.tokenizer.vocab_len()),
+            &opts,
+        )?
+    };
+    let save_dtype = tensors
+        .get("fc.weight")
+        .map_or(Dtype::Bfloat16, |a| a.dtype());
+    let taps: Vec<usize> = config
+        .target_layer_ids
+        .iter()
+        .map(|&t| t as usize)
+        .collect();
+    let cache = args.cache.clone().unwrap_or_else(|| args.out.join("cache"));
+    let regen = RegenOptions {
+        max_tokens: args.max_tokens,
+        seed: args.seed,
+    };
+    let examples = build_cache(&mut session, &prompts, &taps, &cache, &regen)?;
+    if args.cache_only {
+        println!("cached {} sequences in {}", examples.len(), cache.display());
+        return Ok(());
+    }
+    if examples.is_empty() {
+        return Err(EngineError::Input(
+            "no regenerated reply has enough loss tokens to train on; give more or longer prompts"
+                .into(),
+        )
+        .into());
+    }
+    let mut params = Params::from_tensors(&config, &tensors)?;
+    let mut opts = TrainOptions {
+        steps: args
+            .iters
+            .unwrap_or(args.epochs * examples.len().div_ceil(args.batch) as u64),
+        batch: args.batch,
+        anchors: args.anchors,
+        lr: args.lr,
+        seed: args.seed,
+        checkpoint_every: args.checkpoint_every,
+        ..TrainOptions::default()
+    };
+    let opt = if args.resume {
+        let (opt, saved) = load_state(&args.out, &mut params)?;
+        if saved != opts {
+            eprintln!("resuming with the saved training options (the flags given differ)");
+        }
+        opts = saved;
+        opt
+    } else {
+        AdamW::new(&params)?
+    };
+    let frozen = Frozen::new(&config, &params, session.model.model.as_ref())?;
+    let mut trainer = Trainer {
+        frozen,
+        params,
+        opt,
+        opts,
+        out: args.out.clone(),
+        save_dtype,
+    };
+    let start = Instant::now();
+    let first = trainer.opt.step;
+    while trainer.opt.step < trainer.opts.steps {
+        let r = trainer.step(&examples)?;
+        let per = start.elapsed().as_secs_f64() / (r.step - first) as f64;
+        eprintln!(
+            "step {}/{}: loss {:.4} (ce {:.3} l1 {:.3} conf {:.3}) grad {:.2} lr {:.2e}, {:.1}s/step, ETA {:.0}s",
+            r.step,
+            trainer.opts.steps,
+            r.loss,
+            r.terms[0],
+            r.terms[1],
+            r.terms[2],
+            r.grad_norm,
+            r.lr,
+            per,
+            per * (trainer.opts.steps - r.step) as f64
+        );
+        if r.step % trainer.opts.checkpoint_every == 0 || r.step == trainer.opts.steps {
+            trainer.save()?;
+        }
+    }
+    if trainer.opt.step == first && !args.resume {
+        trainer.save()?;
+    }
+    println!(
+        "trained {} steps on {} sequences; drafter in {}",
+        trainer.opt.step,
+        examples.len(),
+        args.out.display()
+    );
+    Ok(())
+}

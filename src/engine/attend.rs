@@ -1,0 +1,272 @@
+//! Attention over one layer's cache, with the implementation the forks select:
+//! MLX's fused SDPA (mlx-lm's default), the op-by-op reference attention (`--fused-sdpa off`),
+//! mlx-lm's quantized attention over a [`QuantizedCache`] (`--kv-quant`), and the L3
+//! experiment `--perf-kernel on` (quantized attention in f32 with an online softmax).
+
+use super::cache::{causal_mask, AttentionMask, KvCache, QuantizedKv};
+use super::error::{EngineError, Result};
+use super::models::attention::{sdpa, softcap_attention};
+use super::nn::weak_scalar;
+use mlx_rs::ops::indexing::{Ellipsis, IndexOp};
+use mlx_rs::{ops, Array, Dtype};
+
+/// How attention layers compute over a cache; the generator sets it on every cache from the
+/// forks (`KvCache::set_plan`). The default is mlx-lm's computation.
+#[derive(Debug, Clone, Copy, Default, PartialEq, Eq)]
+pub struct AttentionPlan {
+    /// `--fused-sdpa off`: the op-by-op reference attention instead of MLX's fused op.
+    pub reference_sdpa: bool,
+    /// `--compiled-decode on`: single-token steps run the cache-independent parts of the
+    /// attention block as compiled MLX functions.
+    pub compiled_decode: bool,
+    /// `--fused-decode on`: single-token steps project q, k and v with one fused matmul.
+    pub fused_qkv: bool,
+    /// `--perf-kernel on`: quantized-KV attention in f32 with an online softmax.
+    pub online_f32: bool,
+}
+
+/// Keys per chunk of the online-softmax kernel (the cache's growth step).
+const ONLINE_CHUNK: i32 = 256;
+
+/// Stores `k`/`v` in `cache` and attends `q` over everything it holds, the way the cache's
+/// kind and plan say; `softcap` is gemma2's soft-capped manual attention.
+pub fn attend(
+    q: &Array,
+    k: &Array,
+    v: &Array,
+    scale: f32,
+    softcap: Option<f64>,
+    mask: &AttentionMask,
+    cache: &mut dyn KvCache,
+) -> Result<Array> {
+    let plan = cache.plan();
+    if let Some(qc) = cache.as_quantized_mut() {
+        if softcap.is_some() {
+            return Err(EngineError::Input(
+                "soft-capped attention (gemma2) has no quantized form, in mlx-lm as here; use --kv-quant off".into(),
+            ));
+        }
+        let (group_size, bits) = (qc.group_size(), qc.bits());
+        let (keys, values) = qc.update_and_fetch_quantized(k, v)?;
+        let kv = QuantizedView {
+            keys: &keys,
+            values: &values,
+            group_size,
+            bits,
+        };
+        return if plan.online_f32 {
+            online_quantized_sdpa(q, &kv, scale, mask)
+        } else {
+            quantized_sdpa(q, &kv, scale, mask)
+        };
+    }
+    let (k, v) = cache.update_and_fetch(k, v)?;
+    match softcap {
+        Some(cap) => softcap_attention(q, &k, &v, scale, cap, mask),
+        None if plan.reference_sdpa => reference_sdpa(q, &k, &v, scale, mask),
+        None => sdpa(q, &k, &v, scale, mask),
+    }
+}
+
+/// Query heads grouped per key/value head (`[B, Hkv, rep, L, D]`) when there is more than
+/// one query head per key/value head; returns the grouped query and the repeat count.
+fn group_heads(q: &Array, n_kv: i32) -> Result<(Array, i32)> {
+    let (b, h, l, d) = (q.shape()[0], q.shape()[1], q.shape()[2], q.shape()[3]);
+    let rep = h / n_kv;
+    if rep > 1 {
+        Ok((q.reshape(&[b, n_kv, rep, l, d])?, rep))
+    } else {
+        Ok((q.clone(), rep))
+    }
+}
+
+/// Undoes [`group_heads`] on the attention output.
+fn ungroup_heads(out: Array, rep: i32, q: &Array) -> Result<Array> {
+    if rep > 1 {
+        let s = q.shape();
+        return Ok(out.reshape(&[s[0], s[1], s[2], -1])?);
+    }
+    Ok(out)
+}
+
+/// The boolean mask for scores `[.., qL, kL]` (`"causal"` becomes mlx-lm's index mask).
+fn mask_array(mask: &AttentionMask, q_len: i32, k_len: i32) -> Result<Option<Array>> {
+    Ok(match mask {
+        AttentionMask::None => None,
+        AttentionMask::Array(m) => Some(m.clone()),
+        AttentionMask::Causal => Some(causal_mask(q_len, k_len - q_len, None)?),
+    })
+}
+
+/// `where(mask, scores, finfo(dtype).min)` with the minimum as a weak Python scalar.
+fn apply_mask(scores: Array, mask: Option<Array>) -> Result<Array> {
+    match mask {
+        None => Ok(scores),
+        Some(m) if m.dtype() == Dtype::Bool => {
+            let min = scores.dtype().finfo_min().unwrap_or(f32::MIN as f64);
+            Ok(ops::select(&m, &scores, weak_scalar(min, &scores)?)?)
+        }
+        Some(m) => Ok(scores.add(&m)?),
+    }
+}
+
+/// The op-by-op reference attention: `q * scale`, `q @ k.T` per key/value head group, the
+/// mask via `where(mask, s, finfo.min)`, precise softmax, `@ v`. On the CPU backend MLX's
+/// fused SDPA runs this very graph, so both give the same bits there.
+pub fn reference_sdpa(
+    q: &Array,
+    k: &Array,
+    v: &Array,
+    scale: f32,
+    mask: &AttentionMask,
+) -> Result<Array> {
+    let (gq, rep) = group_heads(&q.multiply(weak_scalar(scale as f64, q)?)?, k.shape()[1])?;
+    let (k, v) = if rep > 1 {
+        (k.expand_dims(2)?, v.expand_dims(2)?)
+    } else {
+        (k.clone(), v.clone())
+    };
+    let scores = ops::matmul(&gq, k.swap_axes(-1, -2)?)?;
+    let (ql, kl) = (q.shape()[2], k.shape()[k.ndim() - 2]);
+    let scores = apply_mask(scores, mask_array(mask, ql, kl)?)?;
+    let out = ops::matmul(ops::softmax_axis(&scores, -1, true)?, &v)?;
+    ungroup_heads(out, rep, q)
+}
+
+fn expand_kv(x: &QuantizedKv, rep: i32) -> Result<QuantizedKv> {
+    if rep <= 1 {
+        return Ok(x.clone());
+    }
+    Ok(QuantizedKv {
+        data: x.data.expand_dims(-3)?,
+        scales: x.scales.expand_dims(-3)?,
+        biases: x.biases.expand_dims(-3)?,
+    })
+}
+
+fn qmm(x: &Array, w: &QuantizedKv, transpose: bool, gs: i32, bits: i32) -> Result<Array> {
+    Ok(ops::quantized_matmul(
+        x, &w.data, &w.scales, &w.biases, transpose, gs, bits,
+    )?)
+}
+
+/// A quantized cache's contents as attention reads them, with their quantization parameters.
+pub struct QuantizedView<'a> {
+    /// Quantized keys `[B, Hkv, S, ..]`.
+    pub keys: &'a QuantizedKv,
+    /// Quantized values.
+    pub values: &'a QuantizedKv,
+    /// Quantization group size.
+    pub group_size: i32,
+    /// Bits per value.
+    pub bits: i32,
+}
+
+impl QuantizedView<'_> {
+    fn kv_heads(&self) -> i32 {
+        let d = &self.keys.data;
+        d.shape()[d.ndim() - 3]
+    }
+}
+
+/// mlx-lm's `quantized_scaled_dot_product_attention` (base.py), op for op.
+pub fn quantized_sdpa(
+    q: &Array,
+    kv: &QuantizedView<'_>,
+    scale: f32,
+    mask: &AttentionMask,
+) -> Result<Array> {
+    let (keys, values, group_size, bits) = (kv.keys, kv.values, kv.group_size, kv.bits);
+    let n_kv = kv.kv_heads();
+    let (gq, rep) = group_heads(&q.multiply(weak_scalar(scale as f64, q)?)?, n_kv)?;
+    let (keys, values) = (expand_kv(keys, rep)?, expand_kv(values, rep)?);
+    let scores = qmm(&gq, &keys, true, group_size, bits)?;
+    let (ql, kl) = (
+        scores.shape()[scores.ndim() - 2],
+        scores.shape()[scores.ndim() - 1],
+    );
+    let scores = apply_mask(scores, mask_array(mask, ql, kl)?)?;
+    let scores = ops::softmax_axis(&scores, -1, true)?;
+    let out = qmm(&scores, &values, false, group_size, bits)?;
+    ungroup_heads(out, rep, q)
+}
+
+/// `--perf-kernel on`: quantized-KV attention computed in f32 (queries and the cache's
+/// scales/biases upcast; on CPU f32 quantized matmuls are several times faster than bf16
+/// ones) with an online softmax over chunks of [`ONLINE_CHUNK`] keys: each chunk keeps its
+/// running max, exp-sum and weighted values, and the chunks are merged at the end. The
+/// output is cast back to the query dtype. Not bit-identical to mlx-lm (tier L3).
+pub fn online_quantized_sdpa(
+    q: &Array,
+    kv: &QuantizedView<'_>,
+    scale: f32,
+    mask: &AttentionMask,
+) -> Result<Array> {
+    let (keys, values, group_size, bits) = (kv.keys, kv.values, kv.group_size, kv.bits);
+    let f32 = |x: &QuantizedKv| -> Result<QuantizedKv> {
+        Ok(QuantizedKv {
+            data: x.data.clone(),
+            scales: x.scales.as_dtype(Dtype::Float32)?,
+            biases: x.biases.as_dtype(Dtype::Float32)?,
+        })
+    };
+    let n_kv = kv.kv_heads();
+    let qf = q
+        .as_dtype(Dtype::Float32)?
+        .multiply(Array::from_f32(scale))?;
+    let (gq, rep) = group_heads(&qf, n_kv)?;
+    let (keys, values) = (expand_kv(&f32(keys)?, rep)?, expand_kv(&f32(values)?, rep)?);
+    let total = keys.data.shape()[keys.data.ndim() - 2];
+    let ql = q.shape()[2];
+    let mask = mask_array(mask, ql, total)?;
+    let floor = Array::from_f32(f32::MIN);
+    let mut parts: Vec<(Array, Array, Array)> = Vec::new();
+    let mut start = 0;
+    while start < total {
+        let end = (start + ONLINE_CHUNK).min(total);
+        let s = qmm(&gq, &keys.range(start, end), true, group_size, bits)?;
+        let s = match &mask {
+            Some(m) => {
+                let m = m.index((Ellipsis, start..end));
+                if m.dtype() == Dtype::Bool {
+                    ops::select(&m, &s, &floor)?
+                } else {
+                    s.add(m.as_dtype(Dtype::Float32)?)?
+                }
+            }
+            None => s,
+        };
+        let m = s.max_axis(-1, true)?;
+        let p = s.subtract(&m)?.exp()?;
+        let l = p.sum_axis(-1, true)?;
+        let o = qmm(&p, &values.range(start, end), false, group_size, bits)?;
+        parts.push((m, l, o));
+        start = end;
+    }
+    let Some((first, _, _)) = parts.first() else {
+        return Err(EngineError::Runtime("attention over an empty cache".into()));
+    };
+    let mut global = first.clone();
+    for (m, _, _) in &parts[1..] {
+        global = ops::maximum(&global, m)?;
+    }
+    let mut num: Option<Array> = None;
+    let mut den: Option<Array> = None;
+    for (m, l, o) in parts {
+        let w = m.subtract(&global)?.exp()?;
+        let (o, l) = (o.multiply(&w)?, l.multiply(&w)?);
+        num = Some(match num {
+            Some(n) => n.add(&o)?,
+            None => o,
+        });
+        den = Some(match den {
+            Some(d) => d.add(&l)?,
+            None => l,
+        });
+    }
+    let (Some(num), Some(den)) = (num, den) else {
+        return Err(EngineError::Runtime("attention over an empty cache".into()));
+    };
+    let out = num.divide(&den)?.as_dtype(q.dtype())?;
+    ungroup_heads(out, rep, q)
+}

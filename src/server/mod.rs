@@ -1,0 +1,204 @@
+//! `mlxb serve`: an OpenAI-compatible local server. One engine thread owns the model (MLX
+//! streams are not thread-safe); axum handlers on a small tokio runtime validate requests,
+//! queue them FIFO (bounded) and turn the engine's token events into JSON or SSE.
+//!
+//! - `routes` — the endpoints, API-key check and admission path;
+//! - `request` — request parsing and validation (400s name the field);
+//! - `respond` / `types` — OpenAI response objects and stream chunks;
+//! - `queue` — the bounded job queue (503 when full);
+//! - `worker` — the engine thread and its events;
+//! - `stop` — stop strings on streamed text;
+//! - `metrics` — Prometheus counters and histograms.
+
+pub mod error;
+pub mod metrics;
+pub mod queue;
+pub mod request;
+pub mod respond;
+pub mod routes;
+pub mod stop;
+pub mod types;
+pub mod worker;
+
+use crate::engine::tokenizer::Tokenizer;
+use crate::spec::source::SpecOptions;
+use anyhow::Context;
+use axum::serve::ListenerExt;
+use std::io::Write;
+use std::net::SocketAddr;
+use std::path::PathBuf;
+use std::sync::atomic::{AtomicBool, Ordering};
+use std::sync::Arc;
+use std::time::{Duration, Instant};
+
+/// Everything `mlxb serve` was told.
+#[derive(Debug, Clone)]
+pub struct ServeConfig {
+    /// Model directory.
+    pub dir: PathBuf,
+    /// What the user called the model (`--model`), also accepted as a request's `model`.
+    pub model_ref: Option<String>,
+    /// Address to bind.
+    pub host: String,
+    /// Port to bind (0: any free port; the ready card says which).
+    pub port: u16,
+    /// Drafter every request decodes with.
+    pub spec: Option<SpecOptions>,
+    /// Prompt tokens per prefill forward.
+    pub prefill_step_size: usize,
+    /// Most requests waiting for the engine.
+    pub max_queue: usize,
+    /// `max_tokens` when a request gives none.
+    pub default_max_tokens: usize,
+    /// Largest `max_tokens` a request may ask for.
+    pub max_tokens_limit: usize,
+    /// Largest request body in bytes.
+    pub max_body_bytes: usize,
+    /// Bearer key required on every route but `/health`.
+    pub api_key: Option<String>,
+}
+
+/// Loads the model, binds, prints the ready card and serves until Ctrl-C or SIGTERM; then
+/// stops taking connections, cancels what is running or queued, and returns. Only the
+/// engine thread touches MLX.
+pub fn serve(cfg: ServeConfig) -> anyhow::Result<()> {
+    let started = Instant::now();
+    let metrics = Arc::new(metrics::Metrics::default());
+    let shutdown = Arc::new(AtomicBool::new(false));
+    let (queue, jobs) = queue::JobQueue::new(cfg.max_queue);
+    let engine = worker::spawn(
+        worker::EngineConfig {
+            dir: cfg.dir.clone(),
+            spec: cfg.spec.clone(),
+            prefill_step_size: cfg.prefill_step_size,
+        },
+        jobs,
+        metrics.clone(),
+        shutdown.clone(),
+    )?;
+    let tokenizer = Tokenizer::load(&cfg.dir)?;
+    let model_id = model_id(&cfg);
+    let mut model_ids = vec![model_id.clone()];
+    model_ids.extend(cfg.model_ref.iter().cloned());
+    model_ids.push(cfg.dir.display().to_string());
+    let state = Arc::new(routes::AppState {
+        model_id,
+        tokenizer,
+        queue,
+        metrics,
+        limits: request::Limits {
+            model_ids,
+            vocab_size: engine.info.vocab_size,
+            default_max_tokens: cfg.default_max_tokens.min(cfg.max_tokens_limit),
+            max_tokens_limit: cfg.max_tokens_limit,
+            prefill_step_size: cfg.prefill_step_size,
+            has_drafter: engine.info.drafter.is_some(),
+        },
+        api_key: cfg.api_key.clone(),
+        created: respond::unix_now(),
+    });
+    let app = routes::router(state.clone(), cfg.max_body_bytes);
+
+    let runtime = tokio::runtime::Builder::new_multi_thread()
+        .worker_threads(2)
+        .enable_all()
+        .build()
+        .context("starting the HTTP runtime")?;
+    runtime.block_on(async {
+        let addr = format!("{}:{}", cfg.host, cfg.port);
+        let listener = tokio::net::TcpListener::bind(&addr)
+            .await
+            .with_context(|| format!("cannot listen on {addr} (is the port in use? try --port)"))?;
+        let local = listener.local_addr()?;
+        print_card(&cfg, &state, &engine.info, local, started.elapsed());
+        let stop = shutdown.clone();
+        // Token chunks are small writes: send each at once (no Nagle delay).
+        let listener = listener.tap_io(|tcp| {
+            let _ = tcp.set_nodelay(true);
+        });
+        axum::serve(listener, app)
+            .with_graceful_shutdown(async move {
+                wait_for_signal().await;
+                eprintln!("mlxb serve: shutting down (cancelling running and queued requests)");
+                stop.store(true, Ordering::Relaxed);
+            })
+            .await
+            .context("the HTTP server failed")
+    })?;
+    // The handlers are gone; dropping the last queue sender lets the engine thread end.
+    drop(state);
+    let deadline = Instant::now() + Duration::from_secs(10);
+    while !engine.handle.is_finished() && Instant::now() < deadline {
+        std::thread::sleep(Duration::from_millis(20));
+    }
+    if engine.handle.is_finished() {
+        // Join, not just "finished": the thread's MLX thread-locals are freed after its
+        // function returns, and must be gone before the process's own destructors run.
+        let _ = engine.handle.join();
+    } else {
+        eprintln!("mlxb serve: the engine did not stop within 10 s; exiting anyway");
+    }
+    Ok(())
+}
+
+/// The id requests use: the model directory's name.
+fn model_id(cfg: &ServeConfig) -> String {
+    cfg.dir
+        .file_name()
+        .map(|n| n.to_string_lossy().into_owned())
+        .unwrap_or_else(|| cfg.dir.display().to_string())
+}
+
+/// The ready card: what is served, how, and where.
+fn print_card(
+    cfg: &ServeConfig,
+    state: &routes::AppState,
+    info: &worker::EngineInfo,
+    addr: SocketAddr,
+    load_time: Duration,
+) {
+    let mut out = std::io::stdout().lock();
+    let _ = writeln!(
+        out,
+        "mlxb serve: ready in {:.1}s\n  model    {} ({}, {})\n  backend  {}\n  tier     L1 (bit-exact with mlx-lm)\n  drafter  {}\n  queue    {} waiting at most, 1 generating; max_tokens {} by default, {} at most\n  auth     {}\n  url      http://{addr}\n  routes   POST /v1/chat/completions, POST /v1/completions, GET /v1/models, GET /health, GET /metrics",
+        load_time.as_secs_f64(),
+        state.model_id,
+        cfg.dir.display(),
+        info.model_type,
+        info.backend,
+        info.drafter.as_deref().unwrap_or("none"),
+        cfg.max_queue.max(1),
+        state.limits.default_max_tokens,
+        cfg.max_tokens_limit,
+        if cfg.api_key.is_some() { "Bearer key required (all routes but /health)" } else { "none" },
+    );
+    if !addr.ip().is_loopback() && cfg.api_key.is_none() {
+        let _ = writeln!(
+            out,
+            "  warning  listening beyond this machine without --api-key"
+        );
+    }
+    let _ = out.flush();
+}
+
+/// Resolves on Ctrl-C or (on Unix) SIGTERM.
+async fn wait_for_signal() {
+    let ctrl_c = async {
+        let _ = tokio::signal::ctrl_c().await;
+    };
+    #[cfg(unix)]
+    let term = async {
+        match tokio::signal::unix::signal(tokio::signal::unix::SignalKind::terminate()) {
+            Ok(mut s) => {
+                s.recv().await;
+            }
+            Err(_) => std::future::pending::<()>().await,
+        }
+    };
+    #[cfg(not(unix))]
+    let term = std::future::pending::<()>();
+    tokio::select! {
+        _ = ctrl_c => {},
+        _ = term => {},
+    }
+}

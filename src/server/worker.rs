@@ -1,0 +1,375 @@
+//! The engine thread: it alone owns the model, its caches and the drafter (MLX streams are
+//! not thread-safe). It takes jobs off the queue one at a time, runs them through the
+//! shared generation loop and sends token events back to the HTTP handler that asked.
+
+use super::error::ApiError;
+use super::metrics::{Finished, Metrics};
+use super::request::CompletionRequest;
+use super::stop::StopMatcher;
+use super::types::{Timings, Usage};
+use crate::engine::error::{EngineError, Result};
+use crate::engine::flags::Forks;
+use crate::engine::generate::{Flow, GenerateConfig, Step};
+use crate::engine::runtime;
+use crate::engine::session::Session;
+use crate::engine::text::{generate_text, DraftPlan, TextEvent, TextParams};
+use crate::spec::source::{open_source, DraftSource, SpecOptions};
+use mlx_rs::Dtype;
+use std::panic::{catch_unwind, AssertUnwindSafe};
+use std::path::PathBuf;
+use std::sync::atomic::{AtomicBool, Ordering};
+use std::sync::mpsc::Receiver;
+use std::sync::Arc;
+use std::thread::JoinHandle;
+use std::time::Instant;
+use tokio::sync::mpsc::UnboundedSender;
+
+/// A generated token's logprob and the best alternatives (ids), for `logprobs`.
+#[derive(Debug, Clone)]
+pub struct TokenScore {
+    /// The generated token.
+    pub id: u32,
+    /// Its logprob.
+    pub logprob: f32,
+    /// The most likely tokens, best first.
+    pub top: Vec<(u32, f32)>,
+}
+
+/// How a finished request ended.
+#[derive(Debug, Clone)]
+pub struct Summary {
+    /// `stop` or `length`.
+    pub finish_reason: &'static str,
+    /// Token counts.
+    pub usage: Usage,
+    /// llama.cpp timings.
+    pub timings: Timings,
+    /// Generated ids (EOS included when it ended the generation).
+    pub token_ids: Vec<u32>,
+}
+
+/// What the engine sends back for a job, in order: deltas, then one `Done` or `Error`.
+#[derive(Debug)]
+pub enum Event {
+    /// Text released (stop strings already cut) and, with logprobs, the token behind it.
+    Delta {
+        /// New text (may be empty when only a logprob is reported).
+        text: String,
+        /// The token's logprob, when asked for.
+        token: Option<TokenScore>,
+    },
+    /// The generation finished.
+    Done(Box<Summary>),
+    /// The request failed; nothing else follows.
+    Error(ApiError),
+}
+
+/// One request for the engine.
+pub struct Job {
+    /// The validated request.
+    pub request: CompletionRequest,
+    /// Its prompt, tokenized.
+    pub prompt_ids: Vec<u32>,
+    /// Where the events go; a dropped receiver (client gone) stops the generation.
+    pub events: UnboundedSender<Event>,
+    /// When the HTTP request arrived (TTFT and queue time start here).
+    pub arrived: Instant,
+}
+
+/// What the engine thread loads.
+#[derive(Debug, Clone)]
+pub struct EngineConfig {
+    /// Model directory.
+    pub dir: PathBuf,
+    /// The drafter every request decodes with, if any.
+    pub spec: Option<SpecOptions>,
+    /// Prompt tokens per prefill forward.
+    pub prefill_step_size: usize,
+}
+
+/// Facts about the loaded model, for the ready card and request validation.
+#[derive(Debug, Clone)]
+pub struct EngineInfo {
+    /// `model_type` from config.json.
+    pub model_type: String,
+    /// The model's vocabulary size.
+    pub vocab_size: usize,
+    /// The drafter, described (`ngram, 3 tokens/round, match`), if any.
+    pub drafter: Option<String>,
+    /// Backend and MLX version (`cpu (MLX 0.32.4)`), read on the engine thread.
+    pub backend: String,
+}
+
+/// The running engine thread.
+pub struct Engine {
+    /// What was loaded.
+    pub info: EngineInfo,
+    /// The thread; it ends when every queue sender is gone.
+    pub handle: JoinHandle<()>,
+}
+
+/// Loads the model (and drafter) on a new thread, checks them with a short warm-up
+/// generation, then serves `jobs` until the queue is closed. Returns once loading is done.
+pub fn spawn(
+    cfg: EngineConfig,
+    jobs: Receiver<Job>,
+    metrics: Arc<Metrics>,
+    shutdown: Arc<AtomicBool>,
+) -> anyhow::Result<Engine> {
+    let (ready_tx, ready_rx) = std::sync::mpsc::channel();
+    let handle = std::thread::Builder::new()
+        .name("mlxb-engine".into())
+        .spawn(move || {
+            let mut state = match State::open(&cfg) {
+                Ok(state) => {
+                    let _ = ready_tx.send(Ok(state.info.clone()));
+                    state
+                }
+                Err(err) => {
+                    let _ = ready_tx.send(Err(err));
+                    return;
+                }
+            };
+            while let Ok(job) = jobs.recv() {
+                state.serve(job, &metrics, &shutdown);
+            }
+        })?;
+    let info = ready_rx
+        .recv()
+        .map_err(|_| anyhow::anyhow!("the engine thread stopped while loading the model"))??;
+    Ok(Engine { info, handle })
+}
+
+/// The engine thread's state.
+struct State {
+    session: Session,
+    drafter: Option<(Box<dyn DraftSource>, SpecOptions)>,
+    info: EngineInfo,
+}
+
+/// How a job ended.
+enum Ran {
+    /// Finished: the summary still to be sent.
+    Finished(Box<Summary>),
+    /// The client went away or shutdown cancelled it (already told, if anyone listens).
+    Aborted,
+}
+
+impl State {
+    fn open(cfg: &EngineConfig) -> Result<Self> {
+        let session = Session::open(&cfg.dir, Forks::default())?;
+        let drafter = match &cfg.spec {
+            Some(opts) => Some((
+                open_source(opts, &session, Forks::default(), cfg.prefill_step_size)?,
+                opts.clone(),
+            )),
+            None => None,
+        };
+        let info = EngineInfo {
+            model_type: session.model.model_type.clone(),
+            vocab_size: usize::try_from(session.model.model.vocab_size()).unwrap_or(0),
+            drafter: drafter.as_ref().map(|(s, o)| {
+                format!(
+                    "{}, {} tokens/round, {:?} verification",
+                    s.name(),
+                    o.num_draft_tokens,
+                    o.verify
+                )
+                .to_lowercase()
+            }),
+            backend: format!(
+                "{} (MLX {})",
+                runtime::backend().name(),
+                runtime::mlx_version().unwrap_or_else(|_| "?".into())
+            ),
+        };
+        let mut state = Self {
+            session,
+            drafter,
+            info,
+        };
+        state.warm_up()?;
+        Ok(state)
+    }
+
+    /// A few greedy tokens through the same path requests take: catches drafter settings
+    /// that only fail once a generation starts, and compiles the samplers.
+    fn warm_up(&mut self) -> Result<()> {
+        let mut prompt = self.session.tokenizer.encode("Hello, world", true)?;
+        if prompt.is_empty() {
+            prompt.push(0);
+        }
+        let params = TextParams {
+            sampler: Default::default(),
+            processors: Default::default(),
+            generate: GenerateConfig {
+                max_tokens: 4,
+                prefill_step_size: 2048,
+            },
+            seed: None,
+        };
+        let draft = self
+            .drafter
+            .as_mut()
+            .map(|(source, opts)| DraftPlan::new(Box::new(&mut **source), opts));
+        generate_text(&mut self.session, &prompt, &params, draft, |_| {
+            Ok(Flow::Continue)
+        })?;
+        Ok(())
+    }
+
+    /// Runs one job, turning failures (and panics) into an error event; the engine keeps
+    /// serving whatever happens to one request.
+    /// The metrics are settled before the last event goes out, so a client that reads
+    /// `/metrics` after its response sees its request counted.
+    fn serve(&mut self, job: Job, metrics: &Metrics, shutdown: &AtomicBool) {
+        metrics.started(job.arrived.elapsed());
+        let events = job.events.clone();
+        let last = match catch_unwind(AssertUnwindSafe(|| self.run(job, metrics, shutdown))) {
+            Ok(Ok(Ran::Finished(summary))) => Some(Event::Done(summary)),
+            Ok(Ok(Ran::Aborted)) => {
+                metrics.aborted();
+                None
+            }
+            Ok(Err(err)) => {
+                metrics.failed();
+                Some(Event::Error(match &err {
+                    EngineError::Input(msg) => ApiError::bad_request(msg.clone()),
+                    other => ApiError::internal(format!("generation failed: {other}")),
+                }))
+            }
+            Err(_) => {
+                metrics.failed();
+                Some(Event::Error(ApiError::internal(
+                    "the engine failed on this request (internal panic); the server keeps serving",
+                )))
+            }
+        };
+        metrics.ended();
+        if let Some(event) = last {
+            let _ = events.send(event);
+        }
+    }
+
+    fn run(&mut self, job: Job, metrics: &Metrics, shutdown: &AtomicBool) -> Result<Ran> {
+        if job.events.is_closed() {
+            return Ok(Ran::Aborted);
+        }
+        let cancelled = || {
+            let _ = job.events.send(Event::Error(ApiError::shutting_down(
+                "the server is shutting down; the request was cancelled",
+            )));
+            Ok(Ran::Aborted)
+        };
+        if shutdown.load(Ordering::Relaxed) {
+            return cancelled();
+        }
+        let req = &job.request;
+        let draft = self.drafter.as_mut().and_then(|(source, opts)| {
+            let k = req.num_draft_tokens.unwrap_or(opts.num_draft_tokens);
+            (k > 0).then(|| DraftPlan {
+                num_draft_tokens: k,
+                ..DraftPlan::new(Box::new(&mut **source), opts)
+            })
+        });
+        let mut stopper = StopMatcher::new(req.stop.clone());
+        let mut last_token: Option<Instant> = None;
+        let mut gone = false;
+        let send = |event: Event| job.events.send(event).is_ok();
+        let outcome = generate_text(
+            &mut self.session,
+            &job.prompt_ids,
+            &req.params,
+            draft,
+            |event| {
+                let (text, step) = match event {
+                    TextEvent::Token { step, text } => (text, Some(step)),
+                    TextEvent::Tail(text) => (text, None),
+                };
+                if step.is_some() {
+                    let now = Instant::now();
+                    match last_token {
+                        None => metrics.first_token(now - job.arrived),
+                        Some(t) => metrics.inter_token(now - t),
+                    }
+                    last_token = Some(now);
+                }
+                let released = stopper.push(text);
+                let token = match (step, req.logprobs) {
+                    (Some(step), Some(top)) => Some(score(step, top)?),
+                    _ => None,
+                };
+                if !released.is_empty() || token.is_some() {
+                    gone |= !send(Event::Delta {
+                        text: released,
+                        token,
+                    });
+                }
+                gone |= job.events.is_closed();
+                let stop = gone || stopper.stopped() || shutdown.load(Ordering::Relaxed);
+                Ok(if stop { Flow::Stop } else { Flow::Continue })
+            },
+        )?;
+        if gone {
+            return Ok(Ran::Aborted);
+        }
+        if !stopper.stopped() && shutdown.load(Ordering::Relaxed) {
+            return cancelled();
+        }
+        let rest = stopper.finish();
+        if !rest.is_empty() {
+            send(Event::Delta {
+                text: rest,
+                token: None,
+            });
+        }
+        let finish_reason = if stopper.stopped() {
+            "stop"
+        } else {
+            outcome.finish_reason.as_str()
+        };
+        let stats = &outcome.stats;
+        let spec = outcome.spec.as_ref();
+        metrics.finished(&Finished {
+            finish_reason,
+            prompt_tokens: stats.prompt_tokens,
+            generation_tokens: outcome.token_ids.len(),
+            latency: job.arrived.elapsed(),
+            decode_tps: stats.generation_tps(),
+            spec,
+        });
+        Ok(Ran::Finished(Box::new(Summary {
+            finish_reason,
+            usage: Usage::new(stats.prompt_tokens, outcome.token_ids.len()),
+            timings: Timings::new(stats, spec),
+            token_ids: outcome.token_ids,
+        })))
+    }
+}
+
+/// The generated token's logprob and the `top` most likely tokens at its position.
+fn score(step: &Step, top: usize) -> Result<TokenScore> {
+    let lp = step.logprobs.as_dtype(Dtype::Float32)?;
+    let values = lp
+        .try_as_slice::<f32>()
+        .map_err(|e| EngineError::Runtime(format!("reading logprobs: {e:?}")))?;
+    let logprob = values
+        .get(step.token as usize)
+        .copied()
+        .unwrap_or(f32::NEG_INFINITY);
+    let top = top.min(values.len());
+    let mut ids: Vec<u32> = (0..values.len() as u32).collect();
+    let by_value = |a: &u32, b: &u32| values[*b as usize].total_cmp(&values[*a as usize]);
+    if top > 0 {
+        ids.select_nth_unstable_by(top - 1, by_value);
+        ids.truncate(top);
+        ids.sort_by(by_value);
+    } else {
+        ids.clear();
+    }
+    Ok(TokenScore {
+        id: step.token,
+        logprob,
+        top: ids.into_iter().map(|i| (i, values[i as usize])).collect(),
+    })
+}

@@ -1,0 +1,453 @@
+//! The DSpark drafter network (DeepSpec's `Qwen3DSparkModel` / `Gemma4DSparkModel`):
+//!
+//! - **context features** `H = hidden_norm(fc(concat(taps)))` for each committed target row;
+//! - **KV injection**: every backbone layer projects `H` to keys/values with its own `k_proj`/
+//!   `v_proj` (k_norm and RoPE at the rows' absolute positions) and caches them; queries come
+//!   from the block only;
+//! - **the block** `[anchor, MASK x (γ-1)]` at absolute positions `p..p+γ-1` attends to all
+//!   cached context and to itself with no mask (non-causal); its keys/values are dropped after
+//!   the pass, so the cache only ever holds committed context;
+//! - **base logits** `U = lm_head(norm(h))` for the whole block in one call (the target's head,
+//!   or the checkpoint's own copy);
+//! - **sequential heads** (Markov / RNN / gated) add a prefix-dependent bias step by step, and
+//!   the **confidence head** `w [h_k; W1[x_{k-1}]] + b` scores each step (a logit).
+//!
+//! Each backbone layer reuses the engine's [`GqaAttention`] with a plain [`FullCache`]: context
+//! rows are pushed through it once (only their keys/values are ever evaluated, MLX being lazy),
+//! then the block runs over the same cache, which is trimmed back by γ.
+
+use super::checkpoint::{DsparkConfig, LayerStyle, SeqHead};
+use crate::engine::cache::{AttentionMask, CacheSnapshot, FullCache, KvCache};
+use crate::engine::error::Result;
+use crate::engine::models::activations::{geglu, softcap_graph, swiglu, CompiledOp};
+use crate::engine::models::attention::{inv_sqrt_scale, AttentionShape, GqaAttention};
+use crate::engine::models::mlp::GatedMlp;
+use crate::engine::models::rope::Rope;
+use crate::engine::models::{Caches, LanguageModel};
+use crate::engine::nn::{weak_scalar, Embedding, Linear, RmsNorm};
+use crate::engine::weights::WeightStore;
+use mlx_rs::ops::indexing::{argmax_axis, IndexOp};
+use mlx_rs::{fast, ops, random, Array, Dtype};
+
+/// Gemma4's value path: values get a scale-free RMSNorm (and no RoPE) before they are cached.
+struct NormedValues {
+    inner: FullCache,
+    eps: f32,
+}
+
+impl KvCache for NormedValues {
+    fn offset(&self) -> i32 {
+        self.inner.offset()
+    }
+    fn update_and_fetch(&mut self, keys: &Array, values: &Array) -> Result<(Array, Array)> {
+        let values = fast::rms_norm(values, None, self.eps)?;
+        self.inner.update_and_fetch(keys, &values)
+    }
+    fn make_mask(&self, n: i32, window: Option<i32>, return_array: bool) -> Result<AttentionMask> {
+        self.inner.make_mask(n, window, return_array)
+    }
+    fn trim(&mut self, n: i32) -> i32 {
+        self.inner.trim(n)
+    }
+    fn is_trimmable(&self) -> bool {
+        true
+    }
+    fn state(&self) -> Vec<Array> {
+        self.inner.state()
+    }
+    fn snapshot(&self) -> CacheSnapshot {
+        self.inner.snapshot()
+    }
+    fn restore(&mut self, snapshot: CacheSnapshot) -> Result<()> {
+        self.inner.restore(snapshot)
+    }
+}
+
+/// Gemma4's extra per-layer parts: norms around the MLP and the layer scalar.
+struct Sandwich {
+    pre_feedforward_layernorm: RmsNorm,
+    post_feedforward_layernorm: RmsNorm,
+    layer_scalar: Array,
+}
+
+struct Layer {
+    attn: GqaAttention,
+    mlp: GatedMlp,
+    input_layernorm: RmsNorm,
+    post_attention_layernorm: RmsNorm,
+    sandwich: Option<Sandwich>,
+}
+
+/// The sequential head's parameters (`markov_head.*`).
+struct SequentialHead {
+    kind: SeqHead,
+    w1: Embedding,
+    w2: Linear,
+    /// RNN: `joint_proj` (2r+d → 3r); gated: `gate_proj` (d+r → r).
+    proj: Option<Linear>,
+}
+
+/// What the backbone produced for one block.
+pub struct BlockOut {
+    /// Post-final-norm hidden states `[γ, d]` (what every head reads).
+    pub hidden: Array,
+    /// Base logits `U` `[γ, V]` (one LM-head call).
+    pub base_logits: Array,
+}
+
+/// The result of sequential sampling over a block, all lazy (one evaluation reads it).
+pub struct Sampled {
+    /// Drafted tokens `[γ]` (uint32).
+    pub tokens: Array,
+    /// Corrected logits `z_k` `[γ, V]`.
+    pub logits: Array,
+    /// Confidence logits `[γ]` (before the sigmoid), when the checkpoint has a confidence head.
+    pub confidence: Option<Array>,
+    /// The sampling distributions `softmax(z_k / T)` `[γ, V]` when sampling at T > 0.
+    pub probs: Option<Array>,
+}
+
+/// The DSpark drafter network with its weights.
+pub struct DsparkModule {
+    config: DsparkConfig,
+    fc: Linear,
+    hidden_norm: RmsNorm,
+    layers: Vec<Layer>,
+    norm: RmsNorm,
+    embed_tokens: Option<Embedding>,
+    lm_head: Option<Linear>,
+    seq: Option<SequentialHead>,
+    confidence: Option<Linear>,
+    act: CompiledOp,
+}
+
+/// Gemma4 checkpoints with K==V have no `v_proj`: values are the raw `k_proj` output, so the
+/// key projection is loaded a second time as the value projection.
+fn alias_value_projection(w: &mut WeightStore, prefix: &str) -> Result<()> {
+    for part in ["weight", "scales", "biases"] {
+        let k = format!("{prefix}.k_proj.{part}");
+        if w.contains(&k) {
+            let a = w.take_any(&k)?;
+            w.insert(&format!("{prefix}.v_proj.{part}"), a.clone());
+            w.insert(&k, a);
+        }
+    }
+    Ok(())
+}
+
+impl DsparkModule {
+    /// Builds the module from a validated config, taking its tensors from `w` (the caller runs
+    /// `w.finish()` for strictness). `compiled` compiles the MLP activation as mlx-lm does.
+    pub fn build(config: &DsparkConfig, w: &mut WeightStore, compiled: bool) -> Result<Self> {
+        let c = config;
+        let (d, v, r) = (c.hidden_size, c.vocab_size, c.markov_rank);
+        w.discard_matching("rotary_emb.inv_freq");
+        let gemma = c.layer_style == LayerStyle::Gemma4;
+        let shape = AttentionShape {
+            hidden: d,
+            n_heads: c.num_attention_heads,
+            n_kv_heads: c.num_key_value_heads,
+            head_dim: c.head_dim,
+            qkv_bias: false,
+            o_bias: false,
+            qk_norm_eps: Some(c.rms_norm_eps),
+            scale: c.attention_scale.unwrap_or(inv_sqrt_scale(c.head_dim)),
+        };
+        let rope = Rope::from_config(c.head_dim, c.rope_theta, false, c.rope_scaling.as_ref())?;
+        let eps = c.rms_norm_eps;
+        let mut layers = Vec::new();
+        for i in 0..c.num_hidden_layers {
+            let p = format!("layers.{i}");
+            let norm =
+                |w: &mut WeightStore, name: &str| RmsNorm::load(w, &format!("{p}.{name}"), d, eps);
+            if c.attention_k_eq_v {
+                alias_value_projection(w, &format!("{p}.self_attn"))?;
+            }
+            let sandwich = if gemma {
+                let name = format!("{p}.layer_scalar");
+                let scalar = w.take_any(&name)?;
+                if scalar.size() != 1 {
+                    return Err(w.err(format!(
+                        "tensor `{name}` has shape {:?}; a layer scalar holds one value",
+                        scalar.shape()
+                    )));
+                }
+                Some(Sandwich {
+                    pre_feedforward_layernorm: norm(w, "pre_feedforward_layernorm")?,
+                    post_feedforward_layernorm: norm(w, "post_feedforward_layernorm")?,
+                    layer_scalar: scalar,
+                })
+            } else {
+                None
+            };
+            layers.push(Layer {
+                attn: GqaAttention::load(
+                    w,
+                    &format!("{p}.self_attn"),
+                    shape.clone(),
+                    rope.clone(),
+                )?,
+                mlp: GatedMlp::load(w, &format!("{p}.mlp"), d, c.intermediate_size, false)?,
+                input_layernorm: norm(w, "input_layernorm")?,
+                post_attention_layernorm: norm(w, "post_attention_layernorm")?,
+                sandwich,
+            });
+        }
+        let seq = match c.seq_head {
+            SeqHead::None => None,
+            kind => Some(SequentialHead {
+                kind,
+                w1: Embedding::load(w, "markov_head.markov_w1", v, r)?,
+                w2: Linear::load(w, "markov_head.markov_w2", r, v, false)?,
+                proj: match kind {
+                    SeqHead::Rnn => Some(Linear::load(
+                        w,
+                        "markov_head.joint_proj",
+                        2 * r + d,
+                        3 * r,
+                        true,
+                    )?),
+                    SeqHead::Gated => {
+                        Some(Linear::load(w, "markov_head.gate_proj", d + r, r, true)?)
+                    }
+                    _ => None,
+                },
+            }),
+        };
+        let confidence = if c.confidence_head {
+            Some(Linear::load(
+                w,
+                "confidence_head.proj",
+                c.confidence_input(),
+                1,
+                true,
+            )?)
+        } else {
+            None
+        };
+        let embed_tokens = if w.contains("embed_tokens.weight") {
+            Some(Embedding::load(w, "embed_tokens", v, d)?)
+        } else {
+            None
+        };
+        let lm_head = if w.contains("lm_head.weight") {
+            Some(Linear::load(w, "lm_head", d, v, false)?)
+        } else {
+            None
+        };
+        Ok(Self {
+            config: config.clone(),
+            fc: Linear::load(w, "fc", c.num_taps() * d, d, false)?,
+            hidden_norm: RmsNorm::load(w, "hidden_norm", d, eps)?,
+            layers,
+            norm: RmsNorm::load(w, "norm", d, eps)?,
+            embed_tokens,
+            lm_head,
+            seq,
+            confidence,
+            act: if gemma {
+                geglu(compiled)
+            } else {
+                swiglu(compiled)
+            },
+        })
+    }
+
+    /// The config the module was built from.
+    pub fn config(&self) -> &DsparkConfig {
+        &self.config
+    }
+
+    /// Empty context caches, one per backbone layer.
+    pub fn new_caches(&self) -> Caches {
+        let eps = self.config.rms_norm_eps as f32;
+        let gemma = self.config.layer_style == LayerStyle::Gemma4;
+        self.layers
+            .iter()
+            .map(|_| -> Box<dyn KvCache> {
+                if gemma {
+                    Box::new(NormedValues {
+                        inner: FullCache::new(),
+                        eps,
+                    })
+                } else {
+                    Box::new(FullCache::new())
+                }
+            })
+            .collect()
+    }
+
+    /// Context features `hidden_norm(fc(taps))` of rows `[1, L, m*d]` → `[1, L, d]`.
+    pub fn context_features(&self, taps: &Array) -> Result<Array> {
+        self.hidden_norm.forward(&self.fc.forward(taps)?)
+    }
+
+    /// Appends context rows (features `[1, L, d]`, positions continuing the caches' offset) to
+    /// every layer's cache as keys/values.
+    pub fn extend_context(&self, features: &Array, caches: &mut Caches) -> Result<()> {
+        for (layer, cache) in self.layers.iter().zip(caches.iter_mut()) {
+            // Only the keys/values stored in the cache are used; the attention output over the
+            // context rows is dropped unevaluated.
+            layer
+                .attn
+                .forward(features, &AttentionMask::None, cache.as_mut())?;
+        }
+        Ok(())
+    }
+
+    /// Embeds block ids `[1, γ]` with the checkpoint's own table or the target's.
+    fn embed(&self, target: &dyn LanguageModel, ids: &Array) -> Result<Array> {
+        match &self.embed_tokens {
+            None => target.embed(ids),
+            Some(e) => {
+                let h = e.forward(ids)?;
+                if !self.config.scale_embeddings {
+                    return Ok(h);
+                }
+                let scale = weak_scalar((self.config.hidden_size as f64).sqrt(), &h)?;
+                Ok(h.multiply(&scale)?)
+            }
+        }
+    }
+
+    /// Base logits from post-norm hidden states, with the checkpoint's own head or the target's.
+    fn head(&self, target: &dyn LanguageModel, h: &Array) -> Result<Array> {
+        match &self.lm_head {
+            None => target.lm_head(h),
+            Some(head) => {
+                let z = head.forward(h)?;
+                match self.config.final_logit_softcapping {
+                    Some(cap) => Ok(softcap_graph(&z, cap)?),
+                    None => Ok(z),
+                }
+            }
+        }
+    }
+
+    /// One backbone pass over the block `[anchor, MASK x (γ-1)]` at the caches' offset (the
+    /// anchor's absolute position); the block's keys/values are trimmed off afterwards.
+    pub fn block(
+        &mut self,
+        target: &dyn LanguageModel,
+        anchor: u32,
+        caches: &mut Caches,
+    ) -> Result<BlockOut> {
+        let g = self.config.block_size;
+        let mut ids = vec![self.config.mask_token_id as i32; g];
+        ids[0] = anchor as i32;
+        let mut h = self.embed(target, &Array::from_slice(&ids, &[1, g as i32]))?;
+        for (layer, cache) in self.layers.iter().zip(caches.iter_mut()) {
+            let x = layer.input_layernorm.forward(&h)?;
+            let a = layer
+                .attn
+                .forward(&x, &AttentionMask::None, cache.as_mut())?;
+            cache.trim(g as i32);
+            h = match &layer.sandwich {
+                None => {
+                    let h = h.add(&a)?;
+                    let m = layer
+                        .mlp
+                        .forward_op(&layer.post_attention_layernorm.forward(&h)?, &mut self.act)?;
+                    h.add(&m)?
+                }
+                Some(s) => {
+                    let h = h.add(&layer.post_attention_layernorm.forward(&a)?)?;
+                    let m = layer
+                        .mlp
+                        .forward_op(&s.pre_feedforward_layernorm.forward(&h)?, &mut self.act)?;
+                    h.add(&s.post_feedforward_layernorm.forward(&m)?)?
+                        .multiply(&s.layer_scalar)?
+                }
+            };
+        }
+        let hidden = self.norm.forward(&h)?.squeeze_axes(&[0])?;
+        let base_logits = self.head(target, &hidden)?;
+        Ok(BlockOut {
+            hidden,
+            base_logits,
+        })
+    }
+
+    /// Samples the block left to right: `z_k = U_k + bias_k(prefix)`, `x_k = argmax z_k` (or a
+    /// draw from `softmax(z_k / temp)` when `temp > 0`), then the confidence logit of step k
+    /// from `[h_k; W1[x_{k-1}]]`. Everything stays on the device.
+    pub fn sample(&self, out: &BlockOut, anchor: u32, temp: f64) -> Result<Sampled> {
+        let g = self.config.block_size as i32;
+        let mut prev = Array::from_slice(&[anchor], &[1]);
+        let mut state: Option<Array> = None;
+        let (mut tokens, mut logits, mut confs, mut probs) = (vec![], vec![], vec![], vec![]);
+        for k in 0..g {
+            let h = out.hidden.index(k..k + 1);
+            let u = out.base_logits.index(k..k + 1);
+            let e = self.seq.as_ref().map(|s| s.w1.forward(&prev)).transpose()?;
+            let z = match (&self.seq, &e) {
+                (Some(s), Some(e)) => {
+                    u.add(&s.bias(&h, e, &mut state, self.config.markov_rank)?)?
+                }
+                _ => u,
+            };
+            if let Some(c) = &self.confidence {
+                let input = match (&e, self.config.confidence_head_with_markov) {
+                    (Some(e), true) => ops::concatenate(&[h.clone(), e.as_dtype(h.dtype())?], -1)?,
+                    _ => h.clone(),
+                };
+                confs.push(c.forward(&input)?.reshape(&[1])?);
+            }
+            let x = if temp > 0.0 {
+                let scaled = z
+                    .as_dtype(Dtype::Float32)?
+                    .multiply(Array::from_f32((1.0 / temp) as f32))?;
+                probs.push(ops::softmax_axis(&scaled, -1, true)?);
+                random::categorical(&scaled, -1, None, None)?
+            } else {
+                argmax_axis(&z, -1, false)?
+            };
+            tokens.push(x.clone());
+            logits.push(z);
+            prev = x;
+        }
+        Ok(Sampled {
+            tokens: ops::concatenate(&tokens, 0)?,
+            logits: ops::concatenate(&logits, 0)?,
+            confidence: (!confs.is_empty())
+                .then(|| ops::concatenate(&confs, 0))
+                .transpose()?,
+            probs: (!probs.is_empty())
+                .then(|| ops::concatenate(&probs, 0))
+                .transpose()?,
+        })
+    }
+}
+
+impl SequentialHead {
+    /// The bias `[1, V]` for one step from the post-norm hidden `h` `[1, d]` and the previous
+    /// token's Markov embedding `e = W1[x_{k-1}]` `[1, r]`; `state` is the RNN's `s_{k-1}`
+    /// (`None` = `s_0 = 0`).
+    fn bias(&self, h: &Array, e: &Array, state: &mut Option<Array>, r: i32) -> Result<Array> {
+        let dtype = e.dtype();
+        let h = h.as_dtype(dtype)?;
+        let inner = match (self.kind, &self.proj) {
+            (SeqHead::Rnn, Some(joint)) => {
+                let s = match state.take() {
+                    Some(s) => s,
+                    None => ops::zeros_dtype(&[1, r], dtype)?,
+                };
+                let z = ops::concatenate(&[s.clone(), e.clone(), h], -1)?;
+                let parts = joint.forward(&z)?.split_equal(3, -1)?;
+                let (gate, cand, out) = (ops::sigmoid(&parts[0])?, &parts[1], &parts[2]);
+                let one = weak_scalar(1.0, &gate)?;
+                let next = gate
+                    .multiply(&s)?
+                    .add(one.subtract(&gate)?.multiply(ops::tanh(cand)?)?)?;
+                *state = Some(next);
+                ops::tanh(out)?
+            }
+            (SeqHead::Gated, Some(gate)) => {
+                let g = gate.forward(&ops::concatenate(&[h, e.clone()], -1)?)?;
+                ops::sigmoid(&g)?.multiply(e)?
+            }
+            _ => e.clone(),
+        };
+        self.w2.forward(&inner)
+    }
+}

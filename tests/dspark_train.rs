@@ -1,0 +1,552 @@
+//! DSpark training: the loss terms equal a direct numpy computation, the training forward
+//! equals the inference module on the same anchor, a few AdamW steps lower the loss on a tiny
+//! target, and an interrupted run resumed from its last checkpoint reproduces the
+//! uninterrupted run's parameters bit for bit.
+
+mod common;
+
+use mlx_rs::ops::indexing::IndexOp;
+use mlx_rs::transforms::eval;
+use mlx_rs::{random, Array};
+use mlxb::engine::flags::Forks;
+use mlxb::engine::models::{self, LanguageModel};
+use mlxb::spec::dspark::checkpoint::{self, DsparkConfig, SeqHead};
+use mlxb::spec::dspark::init::{init, InitOptions};
+use mlxb::spec::dspark::module::DsparkModule;
+use mlxb::spec::dspark::train::{
+    anchor_batch, extract_example, load_state, loss_sums, sample_anchors, step_loss, total_loss,
+    AdamW, Example, Frozen, Params, SplitMix, TrainOptions, Trainer,
+};
+use serde_json::json;
+use std::collections::HashMap;
+use std::path::Path;
+
+fn rand(shape: &[i32], seed: u64, std: f32) -> Array {
+    let key = random::key(seed).unwrap();
+    random::normal::<f32>(shape, 0.0, std, &key).unwrap()
+}
+
+fn to_json(a: &Array) -> serde_json::Value {
+    let shape = a.shape().to_vec();
+    let flat: Vec<f64> = a
+        .as_dtype(mlx_rs::Dtype::Float32)
+        .unwrap()
+        .as_slice::<f32>()
+        .iter()
+        .map(|&x| x as f64)
+        .collect();
+    json!({"shape": shape, "data": flat})
+}
+
+#[test]
+fn loss_terms_match_numpy() {
+    let (a, g, v) = (3, 4, 11);
+    let logits = rand(&[a, g, v], 1, 2.0);
+    let target_logits = rand(&[a, g, v], 2, 2.0);
+    let conf = rand(&[a, g], 3, 1.5);
+    let targets = Array::from_slice(
+        &(0..a * g).map(|i| (i * 7) % v).collect::<Vec<i32>>(),
+        &[a, g],
+    );
+    // Contiguous-prefix weights: exp(-k/4), cut after a masked slot.
+    let mut w = vec![0f32; (a * g) as usize];
+    for r in 0..a as usize {
+        for k in 0..(g as usize - r) {
+            w[r * g as usize + k] = (-(k as f32) / 4.0).exp();
+        }
+    }
+    let weights = Array::from_slice(&w, &[a, g]);
+    let sums = loss_sums(&logits, &target_logits, Some(&conf), &targets, &weights).unwrap();
+    let total = total_loss(&sums).unwrap();
+    eval(sums.iter().chain([&total])).unwrap();
+
+    let nested = |x: &Array| -> serde_json::Value {
+        let j = to_json(x);
+        let shape: Vec<usize> = j["shape"]
+            .as_array()
+            .unwrap()
+            .iter()
+            .map(|s| s.as_u64().unwrap() as usize)
+            .collect();
+        let data: Vec<f64> = j["data"]
+            .as_array()
+            .unwrap()
+            .iter()
+            .map(|x| x.as_f64().unwrap())
+            .collect();
+        fn build(data: &[f64], shape: &[usize]) -> serde_json::Value {
+            if shape.len() == 1 {
+                return json!(data);
+            }
+            let step = data.len() / shape[0];
+            json!((0..shape[0])
+                .map(|i| build(&data[i * step..(i + 1) * step], &shape[1..]))
+                .collect::<Vec<_>>())
+        }
+        build(&data, &shape)
+    };
+    let tmp = tempfile::tempdir().unwrap();
+    let req = tmp.path().join("req.json");
+    let t: Vec<Vec<i32>> = targets
+        .as_slice::<i32>()
+        .chunks(g as usize)
+        .map(|c| c.to_vec())
+        .collect();
+    std::fs::write(
+        &req,
+        json!({
+            "logits": nested(&logits), "target_logits": nested(&target_logits),
+            "conf": nested(&conf), "targets": t, "weights": nested(&weights),
+        })
+        .to_string(),
+    )
+    .unwrap();
+    let out = common::run_python(
+        &common::root().join("tests/oracle/dspark_loss.py"),
+        &[req.to_str().unwrap()],
+    );
+    let theirs: serde_json::Value = serde_json::from_str(out.trim()).unwrap();
+    for (i, s) in sums.iter().enumerate() {
+        let mine = s.item_cast::<f32>() as f64;
+        let want = theirs["sums"][i].as_f64().unwrap();
+        assert!(
+            (mine - want).abs() <= 1e-4 * want.abs().max(1.0),
+            "term {i}: mlxb {mine} numpy {want}"
+        );
+    }
+    let want = theirs["total"].as_f64().unwrap();
+    let mine = total.item_cast::<f32>() as f64;
+    assert!(
+        (mine - want).abs() <= 1e-4 * want.abs().max(1.0),
+        "total: {mine} vs {want}"
+    );
+}
+
+#[test]
+fn anchors_and_prefix_supervision() {
+    // Loss tokens at 2..=9 except 6: candidates need mask[p] and mask[p+1].
+    let mask: Vec<bool> = (0..12).map(|i| (2..=9).contains(&i) && i != 6).collect();
+    let mut rng = SplitMix::new(42, 0);
+    let all = sample_anchors(&mask, 100, &mut rng);
+    assert_eq!(all, vec![2, 3, 4, 7, 8]);
+    let some = sample_anchors(&mask, 2, &mut SplitMix::new(42, 1));
+    assert_eq!(some.len(), 2);
+    assert!(some.windows(2).all(|w| w[0] < w[1]));
+    let ex = Example {
+        ids: (0..12).collect(),
+        mask,
+        taps: Array::from_f32(0.0),
+        last_hidden: Array::from_f32(0.0),
+    };
+    let b = anchor_batch(&ex, &[3, 8], 4, 99);
+    let w = b.weights.as_slice::<f32>().to_vec();
+    // Anchor 3: slots predict 4, 5, 6(masked) -> prefix of 2. Anchor 8: 9, 10(masked) -> 1.
+    let e = |k: f32| (-k / 4.0).exp();
+    assert_eq!(w, vec![e(0.0), e(1.0), 0.0, 0.0, e(0.0), 0.0, 0.0, 0.0]);
+    assert_eq!(
+        b.block_ids.as_slice::<i32>(),
+        &[3, 99, 99, 99, 8, 99, 99, 99]
+    );
+    assert_eq!(b.prev_ids.as_slice::<i32>(), &[3, 4, 5, 6, 8, 9, 10, 11]);
+    assert_eq!(b.targets.as_slice::<i32>(), &[4, 5, 0, 0, 9, 0, 0, 0]);
+}
+
+struct Fixture {
+    _dir: tempfile::TempDir,
+    target: Box<dyn LanguageModel>,
+    config: DsparkConfig,
+    tensors: HashMap<String, Array>,
+    examples: Vec<Example>,
+}
+
+fn fixture(head: SeqHead) -> Fixture {
+    let dir = tempfile::tempdir().unwrap();
+    common::make_model(
+        dir.path(),
+        &common::tiny_llama(json!({"tie_word_embeddings": false})),
+        "f32",
+        None,
+    );
+    let mut loaded = models::load(dir.path(), Forks::default()).unwrap();
+    let o = InitOptions {
+        seq_head: head,
+        layers: 2,
+        block_size: 5,
+        markov_rank: 16,
+        tap_layers: Some(vec![0, 1, 2]),
+        std: 0.05,
+        seed: 3,
+        ..InitOptions::default()
+    };
+    let (config, tensors) =
+        init(loaded.model.as_ref(), &loaded.config, dir.path(), None, &o).unwrap();
+    let mut examples = Vec::new();
+    for s in 0..3u32 {
+        let ids = common::prompt_ids(24, 384, 11 + s);
+        let mask: Vec<bool> = (0..ids.len()).map(|i| i >= 6).collect();
+        examples.push(extract_example(loaded.model.as_mut(), &ids, &mask, &[0, 1, 2]).unwrap());
+    }
+    Fixture {
+        _dir: dir,
+        target: loaded.model,
+        config,
+        tensors,
+        examples,
+    }
+}
+
+fn opts(steps: u64) -> TrainOptions {
+    TrainOptions {
+        steps,
+        batch: 2,
+        anchors: 6,
+        lr: 3e-3,
+        checkpoint_every: 2,
+        ..TrainOptions::default()
+    }
+}
+
+#[test]
+fn training_forward_matches_the_inference_module() {
+    for head in [SeqHead::None, SeqHead::Markov, SeqHead::Gated, SeqHead::Rnn] {
+        let fx = fixture(head);
+        let params = Params::from_tensors(&fx.config, &fx.tensors).unwrap();
+        let frozen = Frozen::new(&fx.config, &params, fx.target.as_ref()).unwrap();
+        let ex = &fx.examples[0];
+        let anchors = [7usize, 12];
+        let b = anchor_batch(ex, &anchors, fx.config.block_size, fx.config.mask_token_id);
+        let (z, conf) = frozen.forward(&params.values, ex, &b).unwrap();
+        // The module, run the inference way on the same anchors.
+        let ck = tempfile::tempdir().unwrap();
+        checkpoint::save(ck.path(), &fx.config, &fx.tensors).unwrap();
+        let mut c = checkpoint::load(ck.path()).unwrap();
+        let mut module = DsparkModule::build(&c.config, &mut c.weights, false).unwrap();
+        let taps = ex
+            .taps
+            .as_dtype(mlx_rs::Dtype::Float32)
+            .unwrap()
+            .expand_dims(0)
+            .unwrap();
+        for (a, &p) in anchors.iter().enumerate() {
+            let mut caches = module.new_caches();
+            let f = module
+                .context_features(&taps.index((.., ..p as i32, ..)))
+                .unwrap();
+            module.extend_context(&f, &mut caches).unwrap();
+            let out = module
+                .block(fx.target.as_ref(), ex.ids[p], &mut caches)
+                .unwrap();
+            let s = module.sample(&out, ex.ids[p], 0.0).unwrap();
+            // Slot 0's previous token is the anchor in both; later slots are teacher-forced in
+            // training, so only the head-less logits agree there.
+            let slots = if head == SeqHead::None { 5 } else { 1 };
+            let mine = z.index((a as i32, ..slots));
+            let theirs = s.logits.index(..slots);
+            let diff = mine
+                .subtract(&theirs)
+                .unwrap()
+                .abs()
+                .unwrap()
+                .max(None)
+                .unwrap();
+            let diff = diff.item_cast::<f32>();
+            assert!(diff < 2e-4, "{head:?} anchor {p}: logits differ by {diff}");
+            if let (Some(cm), Some(ct)) = (&conf, &s.confidence) {
+                let d = cm
+                    .index((a as i32, 0))
+                    .subtract(ct.index(0))
+                    .unwrap()
+                    .abs()
+                    .unwrap();
+                assert!(d.item_cast::<f32>() < 2e-4, "{head:?} confidence differs");
+            }
+        }
+    }
+}
+
+fn trainer<'a>(
+    fx: &'a Fixture,
+    frozen_params: &Params,
+    out: &Path,
+    o: TrainOptions,
+) -> Trainer<'a> {
+    let params = Params::from_tensors(&fx.config, &fx.tensors).unwrap();
+    Trainer {
+        frozen: Frozen::new(&fx.config, frozen_params, fx.target.as_ref()).unwrap(),
+        opt: AdamW::new(&params).unwrap(),
+        params,
+        opts: o,
+        out: out.to_path_buf(),
+        save_dtype: mlx_rs::Dtype::Float32,
+    }
+}
+
+#[test]
+fn a_few_steps_lower_the_loss() {
+    let fx = fixture(SeqHead::Markov);
+    let p0 = Params::from_tensors(&fx.config, &fx.tensors).unwrap();
+    let out = tempfile::tempdir().unwrap();
+    let mut t = trainer(&fx, &p0, out.path(), opts(12));
+    let all: Vec<&Example> = fx.examples.iter().collect();
+    let eval_opts = TrainOptions {
+        anchors: 100,
+        ..opts(12)
+    };
+    let before = step_loss(&t.frozen, &t.params, &all, &eval_opts, 0, false)
+        .unwrap()
+        .0;
+    for _ in 0..12 {
+        let r = t.step(&fx.examples).unwrap();
+        assert!(r.loss.is_finite() && r.grad_norm.is_finite());
+    }
+    let after = step_loss(&t.frozen, &t.params, &all, &eval_opts, 0, false)
+        .unwrap()
+        .0;
+    eprintln!("loss {before} -> {after}");
+    assert!(
+        after < before * 0.95,
+        "loss did not drop: {before} -> {after}"
+    );
+}
+
+#[test]
+fn resume_reproduces_the_uninterrupted_run() {
+    let fx = fixture(SeqHead::Markov);
+    let p0 = Params::from_tensors(&fx.config, &fx.tensors).unwrap();
+    let (full, cut) = (tempfile::tempdir().unwrap(), tempfile::tempdir().unwrap());
+    let mut a = trainer(&fx, &p0, full.path(), opts(6));
+    for s in 1..=6 {
+        a.step(&fx.examples).unwrap();
+        if s % 2 == 0 {
+            a.save().unwrap();
+        }
+    }
+    // Interrupted after step 3 (its update never saved), then resumed from step 2.
+    let mut b = trainer(&fx, &p0, cut.path(), opts(6));
+    for s in 1..=3 {
+        b.step(&fx.examples).unwrap();
+        if s % 2 == 0 {
+            b.save().unwrap();
+        }
+    }
+    drop(b);
+    let mut c = trainer(&fx, &p0, cut.path(), opts(6));
+    let (opt, saved) = load_state(cut.path(), &mut c.params).unwrap();
+    assert_eq!(saved, opts(6));
+    assert_eq!(opt.step, 2);
+    c.opt = opt;
+    while c.opt.step < 6 {
+        c.step(&fx.examples).unwrap();
+    }
+    for (i, name) in a.params.names.iter().enumerate() {
+        let (x, y) = (&a.params.values[i], &c.params.values[i]);
+        assert_eq!(
+            common::bits(x),
+            common::bits(y),
+            "{name} differs after resume"
+        );
+    }
+}
+
+use mlxb::spec::dspark::calibrate::{
+    auroc, ece, fit_temperatures, fit_thresholds, patch_config, Round, ECE_BINS,
+};
+
+fn uniform(rng: &mut SplitMix) -> f64 {
+    (rng.next_u64() >> 11) as f64 / (1u64 << 53) as f64
+}
+
+#[test]
+fn calibration_recovers_known_thresholds() {
+    // Position k accepts exactly when sigmoid(logit_k) >= truth[k] (and all before did).
+    let truth = [0.0, 0.3, 0.5, 0.7, 0.8];
+    let mut rng = SplitMix::new(9, 9);
+    let rounds: Vec<Round> = (0..4000)
+        .map(|_| {
+            let logits: Vec<f64> = (0..5).map(|_| uniform(&mut rng) * 8.0 - 4.0).collect();
+            let accepted = (0..5)
+                .find(|&k| 1.0 / (1.0 + (-logits[k]).exp()) < truth[k])
+                .unwrap_or(5);
+            Round { logits, accepted }
+        })
+        .collect();
+    let ones = vec![1.0; 5];
+    let fit = fit_thresholds(&rounds, &ones, 5, 0.9, 20);
+    assert_eq!(fit[0], 0.0);
+    for k in 1..5 {
+        // Logits are uniform on [-4, 4], so P(accept | c >= tau) = (4 - logit(truth)) /
+        // (4 - logit(tau)) below the truth: the smallest tau reaching 0.9 is known.
+        let logit = |p: f64| (p / (1.0 - p)).ln();
+        let want = 1.0 / (1.0 + (-(4.0 - (4.0 - logit(truth[k])) / 0.9)).exp());
+        assert!(
+            (fit[k] - want).abs() < 0.04,
+            "position {k}: fitted {} vs {want}",
+            fit[k]
+        );
+    }
+    // Too few samples -> 0; an unreachable rate -> 1.0.
+    assert_eq!(fit_thresholds(&rounds[..10], &ones, 5, 0.9, 20)[4], 0.0);
+    let never: Vec<Round> = rounds
+        .iter()
+        .map(|r| Round {
+            logits: r.logits.clone(),
+            accepted: 1,
+        })
+        .collect();
+    // Position 1 is reached and never accepted; later positions are never reached.
+    assert_eq!(
+        fit_thresholds(&never, &ones, 5, 0.9, 20),
+        [0.0, 1.0, 0.0, 0.0, 0.0]
+    );
+}
+
+#[test]
+fn temperature_scaling_recovers_a_known_temperature() {
+    // True acceptance probability sigmoid(logit / 2): STS should find T ~ 2 and cut the ECE.
+    let mut rng = SplitMix::new(5, 5);
+    let rounds: Vec<Round> = (0..6000)
+        .map(|_| {
+            let l = uniform(&mut rng) * 12.0 - 6.0;
+            let p = 1.0 / (1.0 + (-l / 2.0).exp());
+            Round {
+                logits: vec![l],
+                accepted: (uniform(&mut rng) < p) as usize,
+            }
+        })
+        .collect();
+    let t = fit_temperatures(&rounds, 1);
+    assert!(t[0] > 1.6 && t[0] < 2.5, "fitted T = {}", t[0]);
+    let (before, y) = mlxb::spec::dspark::calibrate::survival_at(&rounds, &[1.0], 0);
+    let (after, _) = mlxb::spec::dspark::calibrate::survival_at(&rounds, &t, 0);
+    assert!(ece(&after, &y, ECE_BINS) < ece(&before, &y, ECE_BINS));
+    let a = auroc(&after, &y).unwrap();
+    assert!(
+        (a - auroc(&before, &y).unwrap()).abs() < 1e-12,
+        "scaling keeps the order"
+    );
+    assert_eq!(auroc(&[0.1, 0.9], &[false, true]), Some(1.0));
+    assert_eq!(auroc(&[0.1, 0.9], &[true, true]), None);
+}
+
+#[test]
+fn patched_config_round_trips() {
+    let fx = fixture(SeqHead::Markov);
+    let ck = tempfile::tempdir().unwrap();
+    checkpoint::save(ck.path(), &fx.config, &fx.tensors).unwrap();
+    let weights = std::fs::read(ck.path().join(checkpoint::WEIGHTS_FILE)).unwrap();
+    let th = vec![0.0, 0.2, 0.3, 0.4, 0.5];
+    let temps = vec![1.0, 1.5, 0.7, 2.0, 1.25];
+    patch_config(ck.path(), th.clone(), temps.clone()).unwrap();
+    let (c, _) = checkpoint::read_config(ck.path()).unwrap();
+    assert_eq!(c.thresholds, Some(th));
+    assert_eq!(c.sts_temperatures, Some(temps));
+    assert_eq!(c.target_layer_ids, fx.config.target_layer_ids);
+    assert_eq!(
+        std::fs::read(ck.path().join(checkpoint::WEIGHTS_FILE)).unwrap(),
+        weights
+    );
+    checkpoint::load(ck.path()).unwrap();
+    // A wrong-length table is refused and leaves the file as it was.
+    let before = std::fs::read(ck.path().join(checkpoint::MLXB_CONFIG)).unwrap();
+    assert!(patch_config(ck.path(), vec![0.0; 3], vec![1.0; 3]).is_err());
+    assert_eq!(
+        std::fs::read(ck.path().join(checkpoint::MLXB_CONFIG)).unwrap(),
+        before
+    );
+}
+
+fn snapshot(dir: &Path) -> Vec<(String, Vec<u8>)> {
+    let mut out: Vec<(String, Vec<u8>)> = std::fs::read_dir(dir)
+        .unwrap()
+        .map(|e| e.unwrap().path())
+        .filter(|p| p.is_file())
+        .map(|p| {
+            (
+                p.file_name().unwrap().to_string_lossy().into_owned(),
+                std::fs::read(&p).unwrap(),
+            )
+        })
+        .collect();
+    out.sort();
+    out
+}
+
+#[test]
+fn cli_trains_and_refuses_bad_input_with_exit_2() {
+    let tmp = tempfile::tempdir().unwrap();
+    let t = tmp.path().join("target");
+    common::make_model(&t, &common::tiny_llama(json!({})), "f32", None);
+    let other = tmp.path().join("other");
+    common::make_model(
+        &other,
+        &common::tiny_llama(json!({"hidden_size": 32})),
+        "f32",
+        None,
+    );
+    let data = tmp.path().join("p.jsonl");
+    std::fs::write(
+        &data,
+        "{\"prompt\": \"hello there\"}\n{\"messages\": [{\"role\": \"user\", \"content\": \"a b\"}, {\"role\": \"assistant\", \"content\": \"x\"}, {\"role\": \"user\", \"content\": \"c\"}]}\n{\"prompt\": \"zzz\"}\n",
+    )
+    .unwrap();
+    let out = tmp.path().join("ck");
+    let (t_s, d_s, o_s) = (
+        t.to_str().unwrap(),
+        data.to_str().unwrap(),
+        out.to_str().unwrap(),
+    );
+    let base = [
+        "train-dspark",
+        "--model",
+        t_s,
+        "--out",
+        o_s,
+        "--iters",
+        "3",
+        "--batch",
+        "2",
+        "--max-tokens",
+        "20",
+        "--markov-rank",
+        "16",
+        "--gamma",
+        "5",
+        "--checkpoint-every",
+        "2",
+    ];
+    let with_data = |d: &str, extra: &[&str]| {
+        let mut a: Vec<&str> = base.to_vec();
+        a.extend(["--data", d]);
+        a.extend(extra);
+        common::run_mlxb(&a)
+    };
+    // Empty and malformed prompt files: exit 2, nothing written.
+    let empty = tmp.path().join("empty.jsonl");
+    std::fs::write(&empty, "\n").unwrap();
+    let bad = tmp.path().join("bad.jsonl");
+    std::fs::write(&bad, "{\"prompt\": \"ok\"}\n{\"text\": 3}\n").unwrap();
+    for f in [&empty, &bad] {
+        let (code, _, err) = with_data(f.to_str().unwrap(), &[]);
+        assert_eq!(code, 2, "{err}");
+        assert!(err.contains("prompt"), "{err}");
+        assert!(!out.exists());
+    }
+    let (code, _, err) = with_data(d_s, &[]);
+    assert_eq!(code, 0, "{err}");
+    let c = checkpoint::load(&out).unwrap();
+    assert_eq!(c.config.block_size, 5);
+    let before = snapshot(&out);
+    // An existing checkpoint without --resume, and a resume on a target it does not fit.
+    let (code, _, err) = with_data(d_s, &[]);
+    assert_eq!(code, 2, "{err}");
+    let mut args: Vec<&str> = base.to_vec();
+    args[2] = other.to_str().unwrap();
+    args.extend(["--data", d_s, "--resume"]);
+    let (code, _, err) = common::run_mlxb(&args);
+    assert_eq!(code, 2, "{err}");
+    assert_eq!(snapshot(&out), before, "files changed after refused input");
+    // Resuming a finished run is a no-op.
+    let (code, _, err) = with_data(d_s, &["--resume"]);
+    assert_eq!(code, 0, "{err}");
+    assert_eq!(snapshot(&out), before);
+}
