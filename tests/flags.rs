@@ -518,16 +518,22 @@ fn bad_fork_input_is_exit_2() {
     );
 }
 
-/// Paired, interleaved decode-speed A/B of every fork against L1 on the built-in SmolLM2
-/// (run by hand: `cargo test --release --test flags -- --ignored --nocapture fork_speed`).
-/// Prints a Markdown table: median tok/s and the median of per-round ratios to L1.
+/// Paired, interleaved decode-step A/B of every fork against L1 on the built-in SmolLM2 or
+/// `$AB_MODEL` (run by hand: `cargo test --release --test flags -- --ignored --nocapture
+/// fork_speed`; `$AB_STEPS` rounds).
+/// Every configuration keeps its own caches; each round times one single-token forward (plus
+/// the KV quantization step) of every configuration back to back, so machine-load drift hits
+/// all of them alike. Prints a Markdown table: median step time and the median of the
+/// per-round ratios to L1 (> 1 = faster than L1).
 #[test]
 #[ignore]
 fn fork_speed_ab() {
+    use mlxb::engine::models::Caches;
     use mlxb::engine::plan::ForkPlan;
-    let dir = mlxb::engine::session::resolve_model(None).unwrap();
-    let rounds: usize = std::env::var("AB_ROUNDS").map_or(6, |v| v.parse().unwrap());
-    let steps: usize = std::env::var("AB_STEPS").map_or(48, |v| v.parse().unwrap());
+    use std::time::Instant;
+    let model = std::env::var("AB_MODEL").ok();
+    let dir = mlxb::engine::session::resolve_model(model.as_deref()).unwrap();
+    let rounds: usize = std::env::var("AB_STEPS").map_or(64, |v| v.parse().unwrap());
     let configs: &[(&str, &[&str])] = &[
         ("L1", &[]),
         ("--compiled-decode on", &["--compiled-decode", "on"]),
@@ -568,50 +574,70 @@ fn fork_speed_ab() {
             true,
         )
         .unwrap();
-    let mut tps: Vec<Vec<f64>> = vec![Vec::new(); configs.len()];
-    for r in 0..rounds {
+    let ids = |t: &[u32]| {
+        let v: Vec<i32> = t.iter().map(|&x| x as i32).collect();
+        Array::from_slice(&v, &[1, v.len() as i32])
+    };
+    let mut runs: Vec<(Forks, ForkPlan, Caches)> = Vec::new();
+    for (_, args) in configs {
+        let forks = resolve(args);
+        let loaded = if forks.compiled_activations {
+            &mut compiled
+        } else {
+            &mut eager
+        };
+        let mut caches = loaded.model.make_caches();
+        let plan = ForkPlan::new(
+            forks,
+            Path::new("config.json"),
+            &loaded.config,
+            caches.len(),
+        )
+        .unwrap();
+        plan.prepare(&mut caches);
+        let logits = loaded.model.forward(&ids(&prompt), &mut caches).unwrap();
+        plan.quantize(&mut caches).unwrap();
+        logits.eval().unwrap();
+        runs.push((forks, plan, caches));
+    }
+    let mut times: Vec<Vec<f64>> = vec![Vec::new(); configs.len()];
+    for r in 0..rounds + 2 {
+        let token = ids(&[(100 + r as u32 * 37) % 49000]);
         let mut order: Vec<usize> = (0..configs.len()).collect();
         order.rotate_left(r % configs.len());
         for i in order {
-            let forks = resolve(configs[i].1);
+            let (forks, plan, caches) = &mut runs[i];
             let loaded = if forks.compiled_activations {
                 &mut compiled
             } else {
                 &mut eager
             };
-            let layers = loaded.model.make_caches().len();
-            let plan =
-                ForkPlan::new(forks, Path::new("config.json"), &loaded.config, layers).unwrap();
-            let mut sampler = Sampler::new(&SamplerConfig::default()).unwrap();
-            let mut processors = LogitsProcessors::new(&ProcessorConfig::default()).unwrap();
-            let cfg = GenerateConfig {
-                max_tokens: steps,
-                prefill_step_size: 2048,
-            };
-            let (stats, _) = Generator::new(loaded.model.as_mut(), &mut sampler, &mut processors)
-                .with_plan(&plan)
-                .run(&prompt, &cfg, |_| Ok(Flow::Continue))
-                .unwrap();
-            tps[i].push(stats.generation_tps());
+            let t0 = Instant::now();
+            let logits = loaded.model.forward(&token, caches).unwrap();
+            plan.quantize(caches).unwrap();
+            logits.eval().unwrap();
+            if r >= 2 {
+                // The first two steps warm up (compiled kernels are built on first use).
+                times[i].push(t0.elapsed().as_secs_f64());
+            }
         }
     }
-    let median = |v: &mut Vec<f64>| {
+    let median = |mut v: Vec<f64>| {
         v.sort_by(|a, b| a.partial_cmp(b).unwrap());
         v[v.len() / 2]
     };
-    println!("| fork | decode tok/s (median) | ratio to L1 (median of pairs) | range |");
+    println!("| fork | step ms (median) | speed vs L1 (median of paired ratios) | IQR |");
     println!("|---|---|---|---|");
     for (i, (name, _)) in configs.iter().enumerate() {
-        let mut ratios: Vec<f64> = tps[i].iter().zip(&tps[0]).map(|(a, b)| a / b).collect();
-        let (lo, hi) = (
-            ratios.iter().cloned().fold(f64::MAX, f64::min),
-            ratios.iter().cloned().fold(0.0, f64::max),
-        );
-        let mut t = tps[i].clone();
+        let mut ratios: Vec<f64> = times[0].iter().zip(&times[i]).map(|(b, a)| b / a).collect();
+        ratios.sort_by(|a, b| a.partial_cmp(b).unwrap());
+        let q = |f: f64| ratios[((ratios.len() - 1) as f64 * f) as usize];
         println!(
-            "| {name} | {:.2} | {:.3} | {lo:.3}–{hi:.3} |",
-            median(&mut t),
-            median(&mut ratios)
+            "| {name} | {:.2} | {:.3} | {:.3}–{:.3} |",
+            median(times[i].clone()) * 1e3,
+            q(0.5),
+            q(0.25),
+            q(0.75)
         );
     }
 }

@@ -260,6 +260,9 @@ fn one_round_matches_the_numpy_reference_and_leaves_the_target_cache_untouched()
     }
 }
 
+/// A change to an assistant's config.json.
+type ConfigEdit = Box<dyn Fn(&mut Value)>;
+
 #[test]
 fn malformed_checkpoints_are_refused_with_exit_2() {
     let dir = target_with(&target_config());
@@ -268,7 +271,7 @@ fn malformed_checkpoints_are_refused_with_exit_2() {
         c["layer_types"] = json!(vec!["sliding_attention"; 6]);
         target_with(&c)
     };
-    let cases: Vec<(&str, Box<dyn Fn(&mut Value)>, &Path, &str)> = vec![
+    let cases: Vec<(&str, ConfigEdit, &Path, &str)> = vec![
         (
             "wrong backbone",
             Box::new(|c| c["backbone_hidden_size"] = json!(128)),

@@ -55,9 +55,9 @@ pub fn attend(
             bits,
         };
         return if plan.online_f32 {
-            online_quantized_sdpa(q, &kv, scale, mask)
+            kv.online_f32_sdpa(q, scale, mask)
         } else {
-            quantized_sdpa(q, &kv, scale, mask)
+            kv.sdpa(q, scale, mask)
         };
     }
     let (k, v) = cache.update_and_fetch(k, v)?;
@@ -167,82 +167,77 @@ impl QuantizedView<'_> {
         let d = &self.keys.data;
         d.shape()[d.ndim() - 3]
     }
-}
 
-/// mlx-lm's `quantized_scaled_dot_product_attention` (base.py), op for op.
-pub fn quantized_sdpa(
-    q: &Array,
-    kv: &QuantizedView<'_>,
-    scale: f32,
-    mask: &AttentionMask,
-) -> Result<Array> {
-    let (keys, values, group_size, bits) = (kv.keys, kv.values, kv.group_size, kv.bits);
-    let n_kv = kv.kv_heads();
-    let (gq, rep) = group_heads(&q.multiply(weak_scalar(scale as f64, q)?)?, n_kv)?;
-    let (keys, values) = (expand_kv(keys, rep)?, expand_kv(values, rep)?);
-    let scores = qmm(&gq, &keys, true, group_size, bits)?;
-    let (ql, kl) = (
-        scores.shape()[scores.ndim() - 2],
-        scores.shape()[scores.ndim() - 1],
-    );
-    let scores = apply_mask(scores, mask_array(mask, ql, kl)?)?;
-    let scores = ops::softmax_axis(&scores, -1, true)?;
-    let out = qmm(&scores, &values, false, group_size, bits)?;
-    ungroup_heads(out, rep, q)
-}
-
-/// `--perf-kernel on`: quantized-KV attention computed in f32 (queries and the cache's
-/// scales/biases upcast; on CPU f32 quantized matmuls are several times faster than bf16
-/// ones) with an online softmax over chunks of [`ONLINE_CHUNK`] keys: each chunk keeps its
-/// running max, exp-sum and weighted values, and the chunks are merged at the end. The
-/// output is cast back to the query dtype. Not bit-identical to mlx-lm (tier L3).
-pub fn online_quantized_sdpa(
-    q: &Array,
-    kv: &QuantizedView<'_>,
-    scale: f32,
-    mask: &AttentionMask,
-) -> Result<Array> {
-    let (keys, values, group_size, bits) = (kv.keys, kv.values, kv.group_size, kv.bits);
-    let f32 = |x: &QuantizedKv| -> Result<QuantizedKv> {
-        Ok(QuantizedKv {
-            data: x.data.clone(),
-            scales: x.scales.as_dtype(Dtype::Float32)?,
-            biases: x.biases.as_dtype(Dtype::Float32)?,
-        })
-    };
-    let n_kv = kv.kv_heads();
-    let qf = q
-        .as_dtype(Dtype::Float32)?
-        .multiply(Array::from_f32(scale))?;
-    let (gq, rep) = group_heads(&qf, n_kv)?;
-    let (keys, values) = (expand_kv(&f32(keys)?, rep)?, expand_kv(&f32(values)?, rep)?);
-    let total = keys.data.shape()[keys.data.ndim() - 2];
-    let ql = q.shape()[2];
-    let mask = mask_array(mask, ql, total)?;
-    let floor = Array::from_f32(f32::MIN);
-    let mut parts: Vec<(Array, Array, Array)> = Vec::new();
-    let mut start = 0;
-    while start < total {
-        let end = (start + ONLINE_CHUNK).min(total);
-        let s = qmm(&gq, &keys.range(start, end), true, group_size, bits)?;
-        let s = match &mask {
-            Some(m) => {
-                let m = m.index((Ellipsis, start..end));
-                if m.dtype() == Dtype::Bool {
-                    ops::select(&m, &s, &floor)?
-                } else {
-                    s.add(m.as_dtype(Dtype::Float32)?)?
-                }
-            }
-            None => s,
-        };
-        let m = s.max_axis(-1, true)?;
-        let p = s.subtract(&m)?.exp()?;
-        let l = p.sum_axis(-1, true)?;
-        let o = qmm(&p, &values.range(start, end), false, group_size, bits)?;
-        parts.push((m, l, o));
-        start = end;
+    fn qmm(&self, x: &Array, w: &QuantizedKv, transpose: bool) -> Result<Array> {
+        qmm(x, w, transpose, self.group_size, self.bits)
     }
+
+    /// mlx-lm's `quantized_scaled_dot_product_attention` (base.py), op for op.
+    pub fn sdpa(&self, q: &Array, scale: f32, mask: &AttentionMask) -> Result<Array> {
+        let (gq, rep) = group_heads(&q.multiply(weak_scalar(scale as f64, q)?)?, self.kv_heads())?;
+        let (keys, values) = (expand_kv(self.keys, rep)?, expand_kv(self.values, rep)?);
+        let scores = self.qmm(&gq, &keys, true)?;
+        let (ql, kl) = (
+            scores.shape()[scores.ndim() - 2],
+            scores.shape()[scores.ndim() - 1],
+        );
+        let scores = apply_mask(scores, mask_array(mask, ql, kl)?)?;
+        let scores = ops::softmax_axis(&scores, -1, true)?;
+        let out = self.qmm(&scores, &values, false)?;
+        ungroup_heads(out, rep, q)
+    }
+
+    /// `--perf-kernel on`: quantized-KV attention computed in f32 (queries and the cache's
+    /// scales/biases upcast; on CPU f32 quantized matmuls are several times faster than bf16
+    /// ones) with an online softmax over chunks of [`ONLINE_CHUNK`] keys: each chunk keeps its
+    /// max, exp-sum and weighted values, and the chunks are merged at the end. The output is
+    /// cast back to the query dtype. Not bit-identical to mlx-lm (tier L3).
+    pub fn online_f32_sdpa(&self, q: &Array, scale: f32, mask: &AttentionMask) -> Result<Array> {
+        let f32 = |x: &QuantizedKv| -> Result<QuantizedKv> {
+            Ok(QuantizedKv {
+                data: x.data.clone(),
+                scales: x.scales.as_dtype(Dtype::Float32)?,
+                biases: x.biases.as_dtype(Dtype::Float32)?,
+            })
+        };
+        let qf = q
+            .as_dtype(Dtype::Float32)?
+            .multiply(Array::from_f32(scale))?;
+        let (gq, rep) = group_heads(&qf, self.kv_heads())?;
+        let keys = expand_kv(&f32(self.keys)?, rep)?;
+        let values = expand_kv(&f32(self.values)?, rep)?;
+        let total = keys.data.shape()[keys.data.ndim() - 2];
+        let mask = mask_array(mask, q.shape()[2], total)?;
+        let floor = Array::from_f32(f32::MIN);
+        let mut parts: Vec<(Array, Array, Array)> = Vec::new();
+        let mut start = 0;
+        while start < total {
+            let end = (start + ONLINE_CHUNK).min(total);
+            let s = self.qmm(&gq, &keys.range(start, end), true)?;
+            let s = match &mask {
+                Some(m) => {
+                    let m = m.index((Ellipsis, start..end));
+                    if m.dtype() == Dtype::Bool {
+                        ops::select(&m, &s, &floor)?
+                    } else {
+                        s.add(m.as_dtype(Dtype::Float32)?)?
+                    }
+                }
+                None => s,
+            };
+            let m = s.max_axis(-1, true)?;
+            let p = s.subtract(&m)?.exp()?;
+            let l = p.sum_axis(-1, true)?;
+            let o = self.qmm(&p, &values.range(start, end), false)?;
+            parts.push((m, l, o));
+            start = end;
+        }
+        merge_chunks(parts, rep, q)
+    }
+}
+
+/// Merges online-softmax chunks `(max, exp-sum, weighted values)` into the attention output.
+fn merge_chunks(parts: Vec<(Array, Array, Array)>, rep: i32, q: &Array) -> Result<Array> {
     let Some((first, _, _)) = parts.first() else {
         return Err(EngineError::Runtime("attention over an empty cache".into()));
     };

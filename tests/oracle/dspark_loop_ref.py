@@ -130,7 +130,7 @@ class Drafter:
         v = self.split(self.linear(a + ".v_proj", both), self.kv_heads)
         group = self.heads // self.kv_heads
         k, v = np.repeat(k, group, axis=0), np.repeat(v, group, axis=0)
-        scores = q @ k.transpose(0, 2, 1) / np.sqrt(self.hd + 0.01)
+        scores = q @ k.transpose(0, 2, 1) / np.sqrt(self.hd)
         scores = np.exp(scores - scores.max(axis=-1, keepdims=True))
         out = (scores / scores.sum(axis=-1, keepdims=True)) @ v
         return self.linear(a + ".o_proj", out.transpose(1, 0, 2).reshape(g, -1))

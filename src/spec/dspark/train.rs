@@ -739,28 +739,15 @@ pub fn step_loss(
 ) -> Result<(f32, [f32; 3], Option<Vec<Array>>)> {
     let gamma = frozen.config.block_size;
     let mask_id = frozen.config.mask_token_id;
-    let batches: Vec<AnchorBatch> = examples
+    let batches: Vec<(&Example, AnchorBatch)> = examples
         .iter()
         .enumerate()
         .map(|(j, ex)| {
             let mut rng = SplitMix::new(opts.seed, (t << 16) ^ j as u64);
-            anchor_batch(
-                ex,
-                &sample_anchors(&ex.mask, opts.anchors, &mut rng),
-                gamma,
-                mask_id,
-            )
+            let anchors = sample_anchors(&ex.mask, opts.anchors, &mut rng);
+            (*ex, anchor_batch(ex, &anchors, gamma, mask_id))
         })
-        .filter(|b| !b.anchors.is_empty())
-        .collect();
-    let used: Vec<&Example> = examples
-        .iter()
-        .enumerate()
-        .filter(|(j, ex)| {
-            let mut rng = SplitMix::new(opts.seed, (t << 16) ^ *j as u64);
-            !sample_anchors(&ex.mask, opts.anchors, &mut rng).is_empty()
-        })
-        .map(|(_, ex)| *ex)
+        .filter(|(_, b)| !b.anchors.is_empty())
         .collect();
     if batches.is_empty() {
         return Err(EngineError::Input(
@@ -769,7 +756,7 @@ pub fn step_loss(
     }
     let f = |p: &[Array]| -> std::result::Result<Vec<Array>, Exception> {
         let mut acc: Option<[Array; 4]> = None;
-        for (ex, b) in used.iter().zip(&batches) {
+        for (ex, b) in &batches {
             let s = frozen.sums(p, ex, b)?;
             acc = Some(match acc {
                 None => s,
