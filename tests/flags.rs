@@ -219,6 +219,32 @@ fn each_tier_equals_its_expanded_flags() {
     }
 }
 
+/// L2's own invariant: a per-layer config with the same bits on every layer is exactly the
+/// uniform L1 path (`--kv-quant N`), and all-zero bits are exactly unquantized L1.
+#[test]
+fn l2_config_reduces_to_uniform_bits() {
+    let dir = tempfile::tempdir().unwrap();
+    common::make_model(dir.path(), &llama(json!({})), "bf16", None);
+    let prompt = common::prompt_ids(PROMPT_LEN, 384, 9);
+    let run = |args: &[&str]| {
+        let mut loaded = models::load(dir.path(), resolve(args)).unwrap();
+        generate(&mut loaded, &prompt, 2048)
+    };
+    with_kv_config(dir.path(), json!([4, 4]));
+    let config = run(&["--l2"]);
+    let uniform = run(&["--kv-quant", "4", "--quantized-kv-start", "0"]);
+    assert_same(&config, &uniform, "layer_bits [4, 4] vs --kv-quant 4");
+    with_kv_config(dir.path(), json!([0, null]));
+    let none = run(&["--l2"]);
+    assert_same(&none, &run(&["--l1"]), "layer_bits [0, null] vs --l1");
+    with_kv_config(dir.path(), json!([8, 4]));
+    let mixed = run(&["--l2"]);
+    assert_ne!(
+        common::bits(&mixed.1[STEPS - 1]),
+        common::bits(&uniform.1[STEPS - 1])
+    );
+}
+
 /// mlx-lm's greedy trace with the given KV settings.
 fn oracle(dir: &Path, prompt: &[u32], prefill: usize, forks: &Forks) -> (Vec<i32>, Array) {
     let kv_bits = match forks.kv_quant {
@@ -234,7 +260,8 @@ fn oracle(dir: &Path, prompt: &[u32], prefill: usize, forks: &Forks) -> (Vec<i32
 }
 
 /// Every L1-valid fork value, alone or with kv-quant, against mlx-lm run the same way.
-fn check_l1_forks(config: Value, dtype: &str, quant: Option<u32>, prefill: usize) {
+/// `group` is the KV group size every combination uses unless it names its own.
+fn check_l1_forks(config: Value, dtype: &str, quant: Option<u32>, prefill: usize, group: &str) {
     let dir = tempfile::tempdir().unwrap();
     common::make_model(dir.path(), &config, dtype, quant);
     let prompt = common::prompt_ids(PROMPT_LEN, 384, 3);
@@ -275,7 +302,11 @@ fn check_l1_forks(config: Value, dtype: &str, quant: Option<u32>, prefill: usize
         ],
     ];
     for args in combos {
-        let r = parse(args).unwrap().resolve().unwrap();
+        let mut args = args.to_vec();
+        if !args.contains(&"--kv-group-size") {
+            args.extend(["--kv-group-size", group]);
+        }
+        let r = parse(&args).unwrap().resolve().unwrap();
         assert_eq!(r.holds(), Tier::L1, "{args:?} should keep L1");
         let mut loaded = models::load(dir.path(), r.forks).unwrap();
         let (ids, lps) = generate(&mut loaded, &prompt, prefill);
@@ -293,12 +324,12 @@ fn check_l1_forks(config: Value, dtype: &str, quant: Option<u32>, prefill: usize
 
 #[test]
 fn l1_forks_keep_mlx_lm_parity_llama_bf16() {
-    check_l1_forks(llama(json!({})), "bf16", None, 2048);
+    check_l1_forks(llama(json!({})), "bf16", None, 2048, "64");
 }
 
 #[test]
 fn l1_forks_keep_mlx_lm_parity_llama_4bit_chunked() {
-    check_l1_forks(llama(json!({})), "bf16", Some(4), 16);
+    check_l1_forks(llama(json!({})), "bf16", Some(4), 16, "64");
 }
 
 #[test]
@@ -309,7 +340,7 @@ fn l1_forks_keep_mlx_lm_parity_qwen3_f32() {
         "max_position_embeddings": 4096, "head_dim": 64, "tie_word_embeddings": false,
         "rope_theta": 10000.0
     });
-    check_l1_forks(config, "f32", None, 2048);
+    check_l1_forks(config, "f32", None, 2048, "64");
 }
 
 #[test]
@@ -357,31 +388,74 @@ fn kl_divergence_to_l1() {
 #[test]
 fn speculative_decoding_with_quantized_kv_matches_mlx_lm() {
     let dir = tempfile::tempdir().unwrap();
-    let config = llama(json!({"num_hidden_layers": 3}));
-    common::make_model(dir.path(), &config, "f32", None);
+    common::make_model(
+        dir.path(),
+        &llama(json!({"num_hidden_layers": 3})),
+        "f32",
+        None,
+    );
+    let kinds = [
+        (DraftKind::Ngram, None, None),
+        (DraftKind::SelfLayers, None, Some(1)),
+        (DraftKind::Model, Some(dir.path().to_path_buf()), None),
+    ];
+    check_spec_quantized(dir.path(), 64, &kinds);
+}
+
+/// The same over qwen3_5's mix of recurrent and (quantized) attention caches, where rollback
+/// restores snapshots and replays.
+#[test]
+fn speculative_decoding_with_quantized_kv_qwen3_5() {
+    let dir = tempfile::tempdir().unwrap();
+    common::make_model(dir.path(), &qwen3_5(), "f32", None);
+    let kinds = [
+        (DraftKind::Ngram, None, None),
+        (DraftKind::Model, Some(dir.path().to_path_buf()), None),
+    ];
+    check_spec_quantized(dir.path(), 32, &kinds);
+}
+
+#[test]
+fn l1_forks_keep_mlx_lm_parity_qwen3_5_mixed_caches() {
+    check_l1_forks(qwen3_5(), "bf16", None, 16, "32");
+}
+
+fn qwen3_5() -> Value {
+    json!({
+        "model_type": "qwen3_5", "hidden_size": 64, "num_hidden_layers": 4, "intermediate_size": 128,
+        "num_attention_heads": 4, "num_key_value_heads": 2, "head_dim": 32, "rms_norm_eps": 1e-6,
+        "vocab_size": 384, "linear_num_value_heads": 4, "linear_num_key_heads": 2,
+        "linear_key_head_dim": 16, "linear_value_head_dim": 16, "linear_conv_kernel_dim": 4,
+        "full_attention_interval": 2, "max_position_embeddings": 4096,
+        "rope_parameters": {"rope_type": "default", "rope_theta": 10000.0, "partial_rotary_factor": 0.5}
+    })
+}
+
+type DraftSpec = (DraftKind, Option<std::path::PathBuf>, Option<usize>);
+
+/// Every drafter in `kinds`, 4-bit KV quantized from the start or from the middle of the
+/// generation, against mlx-lm's greedy ids with the same KV settings.
+fn check_spec_quantized(dir: &Path, group: i32, kinds: &[DraftSpec]) {
     let base = common::prompt_ids(10, 384, 3);
     let prompt: Vec<u32> = base.iter().cycle().take(36).copied().collect();
     for start in [0usize, 45] {
-        let args = [
-            "--kv-quant".to_owned(),
-            "4".to_owned(),
-            "--quantized-kv-start".to_owned(),
-            start.to_string(),
-        ];
-        let args: Vec<&str> = args.iter().map(String::as_str).collect();
-        let forks = resolve(&args);
+        let (start_s, group_s) = (start.to_string(), group.to_string());
+        let forks = resolve(&[
+            "--kv-quant",
+            "4",
+            "--quantized-kv-start",
+            &start_s,
+            "--kv-group-size",
+            &group_s,
+        ]);
         let o = common::oracle_trace(&json!({
-            "model": dir.path(), "prompt_ids": prompt, "max_tokens": 40,
-            "kv_bits": 4, "kv_group_size": 64, "quantized_kv_start": start,
+            "model": dir, "prompt_ids": prompt, "max_tokens": 40,
+            "kv_bits": 4, "kv_group_size": group, "quantized_kv_start": start,
         }));
         let want: Vec<i32> = o["ids"].as_slice::<i32>().to_vec();
-        let mut session = Session::open(dir.path(), forks).unwrap();
+        let mut session = Session::open(dir, forks).unwrap();
         let plan = session.model.plan.clone();
-        for (kind, draft_model, layers) in [
-            (DraftKind::Ngram, None, None),
-            (DraftKind::SelfLayers, None, Some(1)),
-            (DraftKind::Model, Some(dir.path().to_path_buf()), None),
-        ] {
+        for (kind, draft_model, layers) in kinds.iter().cloned() {
             let opts = SpecOptions {
                 kind,
                 draft_model,

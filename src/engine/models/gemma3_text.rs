@@ -210,10 +210,17 @@ pub fn build(spec: &ModelSpec, w: &mut WeightStore) -> Result<Box<dyn LanguageMo
 
 impl LanguageModel for Model {
     fn forward(&mut self, inputs: &Array, caches: &mut Caches) -> Result<Array> {
-        Ok(self.forward_ext(inputs, caches, &ForwardOpts::default())?.logits)
+        Ok(self
+            .forward_ext(inputs, caches, &ForwardOpts::default())?
+            .logits)
     }
 
-    fn forward_ext(&mut self, inputs: &Array, caches: &mut Caches, opts: &ForwardOpts) -> Result<ForwardOut> {
+    fn forward_ext(
+        &mut self,
+        inputs: &Array,
+        caches: &mut Caches,
+        opts: &ForwardOpts,
+    ) -> Result<ForwardOut> {
         let run = opts.layers_to_run(self.layers.len(), caches.len())?;
         let mut h = self.embed(inputs)?;
         let n = h.shape()[1];
@@ -255,7 +262,10 @@ impl LanguageModel for Model {
             opts.capture(i, &h, &mut taps);
         }
         let logits = self.lm_head(&self.final_norm(&h)?)?;
-        Ok(ForwardOut { logits, taps: opts.finish_taps(taps) })
+        Ok(ForwardOut {
+            logits,
+            taps: opts.finish_taps(taps),
+        })
     }
 
     fn embed(&self, inputs: &Array) -> Result<Array> {

@@ -44,13 +44,21 @@ pub trait LanguageModel {
     /// A forward that can also stop early (the `self` drafter: first K layers, then the final
     /// norm and LM head) and hand out chosen layers' outputs (taps for drafters that condition
     /// on target hidden states). Numerics of the layers run are those of `forward`.
-    fn forward_ext(&mut self, inputs: &Array, caches: &mut Caches, opts: &ForwardOpts) -> Result<ForwardOut> {
+    fn forward_ext(
+        &mut self,
+        inputs: &Array,
+        caches: &mut Caches,
+        opts: &ForwardOpts,
+    ) -> Result<ForwardOut> {
         if opts.exit_after.is_some() || !opts.taps.is_empty() {
             return Err(EngineError::Input(
                 "this model_type does not support early exit or layer taps yet (used by the `self` and DSpark drafters)".into(),
             ));
         }
-        Ok(ForwardOut { logits: self.forward(inputs, caches)?, taps: Vec::new() })
+        Ok(ForwardOut {
+            logits: self.forward(inputs, caches)?,
+            taps: Vec::new(),
+        })
     }
     /// The input embedding of ids `[B, L]` → `[B, L, D]`: exactly what the first layer receives
     /// (gemma's `sqrt(hidden)` scale included). Drafters that share the target's embedding
@@ -139,7 +147,9 @@ impl ForwardOpts {
             )));
         }
         if let Some(t) = self.taps.iter().find(|&&t| t >= n) {
-            return Err(EngineError::Input(format!("layer tap {t} is out of range: only {n} layers run")));
+            return Err(EngineError::Input(format!(
+                "layer tap {t} is out of range: only {n} layers run"
+            )));
         }
         Ok(n)
     }
@@ -155,7 +165,11 @@ impl ForwardOpts {
     pub fn finish_taps(&self, mut taps: Vec<(usize, Array)>) -> Vec<Array> {
         self.taps
             .iter()
-            .filter_map(|t| taps.iter().position(|(i, _)| i == t).map(|p| taps.swap_remove(p).1))
+            .filter_map(|t| {
+                taps.iter()
+                    .position(|(i, _)| i == t)
+                    .map(|p| taps.swap_remove(p).1)
+            })
             .collect()
     }
 }
