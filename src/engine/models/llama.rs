@@ -2,6 +2,7 @@
 
 use super::activations::SwiGlu;
 use super::attention::{inv_sqrt_scale, AttentionShape, GqaAttention};
+use super::decoder::PreNormLayer;
 use super::mlp::GatedMlp;
 use super::rope::Rope;
 use super::{Caches, ForwardOpts, ForwardOut, LanguageModel, ModelSpec};
@@ -48,8 +49,7 @@ fn yes() -> bool {
 struct Block {
     attn: GqaAttention,
     mlp: GatedMlp,
-    input_layernorm: RmsNorm,
-    post_attention_layernorm: RmsNorm,
+    norms: PreNormLayer,
     sliding: bool,
 }
 
@@ -112,13 +112,7 @@ pub fn build(spec: &ModelSpec, w: &mut WeightStore) -> Result<Box<dyn LanguageMo
         layers.push(Block {
             attn: GqaAttention::load(w, &format!("{p}.self_attn"), shape, rope)?,
             mlp: GatedMlp::load(w, &format!("{p}.mlp"), d, a.intermediate_size, a.mlp_bias)?,
-            input_layernorm: RmsNorm::load(w, &format!("{p}.input_layernorm"), d, a.rms_norm_eps)?,
-            post_attention_layernorm: RmsNorm::load(
-                w,
-                &format!("{p}.post_attention_layernorm"),
-                d,
-                a.rms_norm_eps,
-            )?,
+            norms: PreNormLayer::load(w, &p, d, a.rms_norm_eps)?,
             sliding: t == "sliding_attention",
         });
     }
@@ -169,14 +163,12 @@ impl LanguageModel for Model {
                 (Some(m), true) => m,
                 _ => &fa_mask,
             };
-            let r =
-                layer
-                    .attn
-                    .forward(&layer.input_layernorm.forward(&h)?, mask, cache.as_mut())?;
-            let hh = h.add(&r)?;
-            let x = layer.post_attention_layernorm.forward(&hh)?;
-            let r = layer.mlp.forward_swiglu(&x, &mut self.swiglu)?;
-            h = hh.add(&r)?;
+            let swiglu = &mut self.swiglu;
+            h = layer.norms.forward(
+                &h,
+                |x| layer.attn.forward(x, mask, cache.as_mut()),
+                |x| layer.mlp.forward_swiglu(x, swiglu),
+            )?;
             opts.capture(i, &h, &mut taps);
         }
         let logits = self.lm_head(&self.final_norm(&h)?)?;

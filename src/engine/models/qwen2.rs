@@ -3,6 +3,7 @@
 
 use super::activations::SwiGlu;
 use super::attention::{inv_sqrt_scale, AttentionShape, GqaAttention};
+use super::decoder::PreNormLayer;
 use super::mlp::GatedMlp;
 use super::rope::Rope;
 use super::{Caches, ForwardOpts, ForwardOut, LanguageModel, ModelSpec};
@@ -60,8 +61,7 @@ pub(super) struct DecoderConfig {
 struct Block {
     attn: GqaAttention,
     mlp: GatedMlp,
-    input_layernorm: RmsNorm,
-    post_attention_layernorm: RmsNorm,
+    norms: PreNormLayer,
 }
 
 /// The qwen2/qwen3 decoder with its LM head.
@@ -95,13 +95,7 @@ pub(super) fn build_decoder(
                 c.rope.clone(),
             )?,
             mlp: GatedMlp::load(w, &format!("{p}.mlp"), d, c.intermediate, false)?,
-            input_layernorm: RmsNorm::load(w, &format!("{p}.input_layernorm"), d, c.rms_norm_eps)?,
-            post_attention_layernorm: RmsNorm::load(
-                w,
-                &format!("{p}.post_attention_layernorm"),
-                d,
-                c.rms_norm_eps,
-            )?,
+            norms: PreNormLayer::load(w, &p, d, c.rms_norm_eps)?,
         });
     }
     Ok(Box::new(Model {
@@ -177,16 +171,12 @@ impl LanguageModel for Model {
         let mask = caches[0].make_mask(h.shape()[1], None, false)?;
         let mut taps = Vec::new();
         for (i, (layer, cache)) in self.layers[..run].iter().zip(caches.iter_mut()).enumerate() {
-            let r =
-                layer
-                    .attn
-                    .forward(&layer.input_layernorm.forward(&h)?, &mask, cache.as_mut())?;
-            let hh = h.add(&r)?;
-            let r = layer.mlp.forward_swiglu(
-                &layer.post_attention_layernorm.forward(&hh)?,
-                &mut self.swiglu,
+            let swiglu = &mut self.swiglu;
+            h = layer.norms.forward(
+                &h,
+                |x| layer.attn.forward(x, &mask, cache.as_mut()),
+                |x| layer.mlp.forward_swiglu(x, swiglu),
             )?;
-            h = hh.add(&r)?;
             opts.capture(i, &h, &mut taps);
         }
         let logits = self.lm_head(&self.final_norm(&h)?)?;
