@@ -71,3 +71,101 @@ fn mlxb_and_oracle_load_the_same_libmlx_and_openblas() {
         "oracle libmlx {py_mlx} is not in {needle}"
     );
 }
+
+/// Copies `mlxb` and `mlxb-engine` into `dir` with every embedded copy of the runtime lib dir
+/// (the launcher's probe path and the engine's RUNPATH) replaced by `fake`, a path of the
+/// same length: the binaries of an install whose MLX runtime is gone or broken.
+fn relocated_binaries(dir: &std::path::Path, fake: &str) -> std::path::PathBuf {
+    let real = std::fs::canonicalize(common::root().join(".venv"))
+        .unwrap()
+        .join("lib/python3.11/site-packages/mlx/lib");
+    let real = real.to_string_lossy().into_owned();
+    assert_eq!(
+        real.len(),
+        fake.len(),
+        "the fake runtime path must keep the length"
+    );
+    let launcher = common::mlxb();
+    for bin in [launcher.clone(), launcher.with_file_name("mlxb-engine")] {
+        let mut bytes = std::fs::read(&bin).unwrap();
+        let mut hits = 0;
+        let mut i = 0;
+        while let Some(at) = bytes[i..]
+            .windows(real.len())
+            .position(|w| w == real.as_bytes())
+        {
+            bytes[i + at..i + at + real.len()].copy_from_slice(fake.as_bytes());
+            i += at + real.len();
+            hits += 1;
+        }
+        assert!(hits > 0, "{} does not embed {real}", bin.display());
+        let out = dir.join(bin.file_name().unwrap());
+        std::fs::write(&out, bytes).unwrap();
+        std::fs::set_permissions(&out, std::os::unix::fs::PermissionsExt::from_mode(0o755))
+            .unwrap();
+    }
+    dir.join("mlxb")
+}
+
+/// A fake runtime dir of exactly `len` bytes under `base` (created, empty).
+fn fake_runtime_dir(base: &std::path::Path, len: usize) -> String {
+    let prefix = format!("{}/rt", base.display());
+    assert!(
+        prefix.len() + 2 <= len,
+        "temp dir path too long for the test"
+    );
+    let fake = format!("{prefix}{}", "x".repeat(len - prefix.len()));
+    std::fs::create_dir_all(&fake).unwrap();
+    fake
+}
+
+fn run_relocated(mlxb: &std::path::Path) -> (Option<i32>, String) {
+    let out = Command::new(mlxb)
+        .args(["generate", "--prompt", "hi"])
+        .output()
+        .unwrap();
+    (
+        out.status.code(),
+        String::from_utf8_lossy(&out.stderr).into_owned(),
+    )
+}
+
+#[test]
+fn missing_runtime_is_one_sentence_not_a_loader_crash() {
+    let tmp = tempfile::tempdir_in("/tmp").unwrap();
+    let real_len = std::fs::canonicalize(common::root().join(".venv"))
+        .unwrap()
+        .join("lib/python3.11/site-packages/mlx/lib")
+        .to_string_lossy()
+        .len();
+    let fake = fake_runtime_dir(tmp.path(), real_len);
+    let bins = tmp.path().join("bin");
+    std::fs::create_dir(&bins).unwrap();
+    let mlxb = relocated_binaries(&bins, &fake);
+
+    // No libmlx at all.
+    let (code, err) = run_relocated(&mlxb);
+    assert_eq!(code, Some(2), "stderr: {err}");
+    assert!(
+        err.starts_with("mlxb: error: the MLX runtime") && err.contains("libmlx.so"),
+        "unexpected message: {err}"
+    );
+    assert!(err.contains("scripts/setup.sh"), "no fix named: {err}");
+    assert_eq!(err.trim_end().lines().count(), 1, "not one sentence: {err}");
+
+    // libmlx present but its BLAS/LAPACK (found through its $ORIGIN rpath) missing.
+    std::os::unix::fs::symlink(
+        std::fs::canonicalize(
+            common::root().join(".venv/lib/python3.11/site-packages/mlx/lib/libmlx.so"),
+        )
+        .unwrap(),
+        std::path::Path::new(&fake).join("libmlx.so"),
+    )
+    .unwrap();
+    let (code, err) = run_relocated(&mlxb);
+    assert_eq!(code, Some(2), "stderr: {err}");
+    assert!(
+        err.contains("cannot be loaded") && (err.contains("blas") || err.contains("lapack")),
+        "the missing BLAS/LAPACK is not named: {err}"
+    );
+}
