@@ -82,6 +82,7 @@ def main():
     ap.add_argument("--prompt", default=DEFAULT_PROMPT)
     ap.add_argument("--mlxb", default=os.path.join(ROOT, "target", "release", "mlxb"))
     ap.add_argument("--extra-mlxb", default="", help="extra mlxb flags (e.g. a drafter)")
+    ap.add_argument("--extra-mlx-lm", default="", help="extra mlx_lm generate flags (e.g. --draft-model DIR)")
     ap.add_argument("--no-baseline", action="store_true", help="mlxb only (e.g. a drafter vs vanilla mlxb via --extra-mlxb on a second call)")
     ap.add_argument("--json", action="store_true")
     a = ap.parse_args()
@@ -91,7 +92,8 @@ def main():
         "mlxb": [a.mlxb, "generate", "--model", a.model, "--verbose"]
         + shlex.split(a.extra_mlxb) + common,
         "mlx-lm": [os.path.join(ROOT, ".venv", "bin", "python"), "-m", "mlx_lm", "generate",
-                   "--model", a.model, "--verbose", "True"] + common,
+                   "--model", a.model, "--verbose", "True"]
+        + shlex.split(a.extra_mlx_lm) + common,
     }
     if a.no_baseline:
         tools.pop("mlx-lm")
@@ -111,7 +113,7 @@ def main():
     result = {"model": a.model, "runs": a.runs, "max_tokens": a.max_tokens,
               "prompt_tokens": rows["mlxb"][0]["prompt_tokens"],
               "gen_tokens": rows["mlxb"][0]["gen_tokens"], "same_text": same_text,
-              "extra_mlxb": a.extra_mlxb, "tools": {}}
+              "extra_mlxb": a.extra_mlxb, "extra_mlx_lm": a.extra_mlx_lm, "tools": {}}
     for name in tools:
         result["tools"][name] = {m: summarize(rows[name], m) for m in metrics}
         result["tools"][name]["samples"] = [{m: r[m] for m in metrics} for r in rows[name]]

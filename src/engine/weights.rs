@@ -142,6 +142,10 @@ impl WeightStore {
             })?;
             tensors.extend(loaded);
         }
+        // Read every tensor now, as mlx-lm evaluates a model's parameters at load: the read
+        // then overlaps the tokenizer parse in `Session::open` instead of the first forward.
+        mlx_rs::transforms::eval(tensors.values())
+            .map_err(|e| EngineError::file(dir, format!("cannot read the weights ({e})")))?;
         Ok(Self {
             dir: dir.to_path_buf(),
             tensors,
