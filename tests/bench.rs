@@ -1,43 +1,58 @@
 //! `mlxb bench` end to end on a tiny model: rows parse back, results files refuse mixed
-//! setups. Timing numbers themselves are never asserted.
+//! setups, `--matrix` covers every fork of the fork table. Timing numbers themselves are
+//! never asserted.
 
 mod common;
 
+use mlxb::bench::matrix;
 use mlxb::bench::report::{self, Row};
+use mlxb::engine::flags::{Domain, Forks, Output, Tier, FORKS};
 use serde_json::json;
-use std::process::Command;
+use std::path::Path;
+use std::process::{Command, Output as Ran};
+
+/// A tiny random llama with head dim 64, so that KV group sizes 32 and 64 apply (128 does
+/// not divide it: the matrix must list that value as skipped with the engine's reason).
+fn tiny_model(dir: &Path) {
+    common::make_model(
+        dir,
+        &json!({"model_type": "llama", "hidden_size": 128, "num_hidden_layers": 2, "intermediate_size": 128,
+                "num_attention_heads": 2, "num_key_value_heads": 1, "rms_norm_eps": 1e-5, "vocab_size": 384}),
+        "f32",
+        None,
+    );
+}
+
+fn bench(model: &Path, args: &[&str]) -> Ran {
+    Command::new(common::mlxb())
+        .args(["bench", "--model", model.to_str().unwrap()])
+        .args(args)
+        .output()
+        .unwrap()
+}
+
+fn stderr(out: &Ran) -> String {
+    String::from_utf8_lossy(&out.stderr).into_owned()
+}
 
 #[test]
 fn bench_rows_parse_back_and_results_refuse_other_setups() {
     let dir = tempfile::tempdir().unwrap();
     let model = dir.path().join("m");
-    common::make_model(
-        &model,
-        &json!({"model_type": "llama", "hidden_size": 64, "num_hidden_layers": 2, "intermediate_size": 128,
-                "num_attention_heads": 4, "num_key_value_heads": 2, "rms_norm_eps": 1e-5, "vocab_size": 384}),
-        "f32",
-        None,
-    );
+    tiny_model(&model);
     let run = |extra: &[&str]| {
-        Command::new(common::mlxb())
-            .args([
-                "bench",
-                "--model",
-                model.to_str().unwrap(),
-                "-p",
-                "8",
-                "-n",
-                "4",
-                "-d",
-                "0,4",
-                "-r",
-                "2",
-            ])
-            .args(extra)
-            .output()
-            .unwrap()
+        bench(
+            &model,
+            &[&["-p", "8", "-n", "4", "-d", "0,4", "-r", "2"], extra].concat(),
+        )
     };
-    let out = run(&["-o", "json", "--draft-kind", "ngram"]);
+    // --tui without a terminal on stdout falls back to plain output and says so.
+    let out = run(&["-o", "json", "--draft-kind", "ngram", "--tui"]);
+    assert!(
+        stderr(&out).contains("--tui needs a terminal"),
+        "{}",
+        stderr(&out)
+    );
     assert!(
         out.status.success(),
         "{}",
@@ -114,4 +129,174 @@ fn bad_test_specs_are_clear_errors() {
         .unwrap();
     assert_eq!(out.status.code(), Some(2));
     assert!(String::from_utf8_lossy(&out.stderr).contains("no tests selected"));
+}
+
+/// The fork table's non-default values, computed here independently of the matrix code.
+fn table_values() -> Vec<(&'static str, Vec<&'static str>)> {
+    FORKS
+        .iter()
+        .map(|f| {
+            let l1 = f.default_in(Tier::L1);
+            let mut values: Vec<&str> = match &f.domain {
+                Domain::Choices(c) => c.iter().map(|c| c.value).filter(|v| *v != l1).collect(),
+                Domain::Count => Tier::ALL
+                    .iter()
+                    .map(|t| f.default_in(*t))
+                    .filter(|v| *v != l1)
+                    .collect(),
+            };
+            values.dedup();
+            (f.name, values)
+        })
+        .collect()
+}
+
+#[test]
+fn matrix_plan_is_derived_from_the_fork_table() {
+    let entries = matrix::plan();
+    let mut expected = 0;
+    for (name, values) in table_values() {
+        let got: Vec<&matrix::Entry> = entries.iter().filter(|e| e.fork == Some(name)).collect();
+        assert!(!got.is_empty(), "--{name} has no row in the matrix");
+        assert_eq!(
+            got.iter().map(|e| e.value.as_str()).collect::<Vec<_>>(),
+            values,
+            "--{name}"
+        );
+        expected += values.len();
+        for e in got {
+            match &e.run {
+                Err(why) => assert!(!why.is_empty(), "{}: skipped without a reason", e.label),
+                Ok(r) => {
+                    let v = r.values.iter().find(|v| v.fork.name == name).unwrap();
+                    assert_eq!(v.value, e.value, "{}", e.label);
+                    assert_ne!(r.forks, Forks::default(), "{} is L1 itself", e.label);
+                }
+            }
+        }
+    }
+    let tiers: Vec<&str> = entries
+        .iter()
+        .filter(|e| e.fork.is_none())
+        .map(|e| e.value.as_str())
+        .collect();
+    assert_eq!(tiers, ["l2", "l3"]);
+    assert_eq!(entries.len(), expected + 2);
+    // No configuration is measured twice.
+    let ran: Vec<Forks> = entries
+        .iter()
+        .filter_map(|e| e.run.as_ref().ok().map(|r| r.forks))
+        .collect();
+    for (i, f) in ran.iter().enumerate() {
+        assert!(!ran[..i].contains(f), "{f:?} twice");
+    }
+    // The CPU backend refuses --fused-gelu on: listed with the engine's own reason.
+    let gelu = entries
+        .iter()
+        .find(|e| e.fork == Some("fused-gelu"))
+        .unwrap();
+    assert!(gelu.run.as_ref().unwrap_err().contains("--fused-gelu on"));
+    // A quantized-KV-only value runs on a quantized cache instead of doing nothing.
+    let group = entries
+        .iter()
+        .find(|e| e.fork == Some("kv-group-size"))
+        .unwrap();
+    let r = group.run.as_ref().unwrap();
+    assert!(
+        r.warnings.is_empty() && r.forks.quantized_kv_start == 0,
+        "{r:?}"
+    );
+}
+
+#[test]
+fn matrix_runs_every_fork_with_kl_for_output_changing_ones() {
+    let dir = tempfile::tempdir().unwrap();
+    let model = dir.path().join("m");
+    tiny_model(&model);
+    let out = bench(
+        &model,
+        &["--matrix", "-p", "16", "-n", "8", "-r", "1", "-o", "json"],
+    );
+    assert!(out.status.success(), "{}", stderr(&out));
+    let rows: Vec<Row> = serde_json::from_slice(&out.stdout).unwrap();
+    let mut warned = false;
+    let loaded = mlxb::engine::models::load(&model, Forks::default()).unwrap();
+    for e in matrix::plan_for(&loaded, &model) {
+        let mine: Vec<&Row> = rows.iter().filter(|r| r.config == e.label).collect();
+        assert!(!mine.is_empty(), "no row for {}", e.label);
+        for r in &mine {
+            assert_eq!(r.output.as_deref(), Some(e.output.name()), "{}", e.label);
+            assert_eq!(r.keeps.as_deref(), Some(e.keeps.to_string().as_str()));
+        }
+        if let Some(why) = &mine[0].skipped {
+            assert!(!why.is_empty() && mine.len() == 1, "{}: {mine:?}", e.label);
+            assert!(mine[0].samples_ts.is_empty() && mine[0].ratio.is_none());
+            continue;
+        }
+        assert!(e.run.is_ok(), "{} ran although the plan skips it", e.label);
+        let tests: Vec<&str> = mine.iter().map(|r| r.test.as_str()).collect();
+        assert_eq!(tests, ["pp16", "tg8"], "{}", e.label);
+        for r in &mine {
+            assert_eq!(r.samples_ts.len(), 1);
+            assert_eq!(r.baseline_samples_ts.as_ref().map(Vec::len), Some(1));
+            assert!(r.ratio.is_some_and(|x| x > 0.0) && r.ratio_ci.is_none());
+            if e.output == Output::Identical {
+                assert!(r.kl_mean.is_none() && r.kl_warn.is_none(), "{}", e.label);
+                continue;
+            }
+            let (mean, max) = (r.kl_mean.unwrap(), r.kl_max.unwrap());
+            assert!(mean.is_finite() && mean >= 0.0 && max >= mean, "{r:?}");
+            assert!((0.0..=1.0).contains(&r.kl_top1.unwrap()));
+            assert_eq!(r.kl_warn, Some(mean > 1e-3), "{}", e.label);
+            warned |= mean > 1e-3;
+        }
+    }
+    // 4-bit KV from the first token must move a float32 model's distributions.
+    let q4 = rows
+        .iter()
+        .find(|r| r.config.starts_with("kv-quant 4"))
+        .unwrap();
+    assert!(
+        q4.kl_identical == Some(false) && q4.kl_mean.unwrap() > 0.0,
+        "{q4:?}"
+    );
+    let g128 = rows
+        .iter()
+        .find(|r| r.config.starts_with("kv-group-size 128"))
+        .unwrap();
+    assert!(
+        g128.skipped.as_deref().unwrap().contains("head dim 64"),
+        "{g128:?}"
+    );
+    assert_eq!(stderr(&out).contains("WARN"), warned, "{}", stderr(&out));
+    let back: Vec<Row> = serde_json::from_str(&serde_json::to_string(&rows).unwrap()).unwrap();
+    assert_eq!(back, rows);
+    assert_eq!(report::parse_csv(&report::csv(&rows)).unwrap(), rows);
+    let md = report::matrix_markdown(&rows);
+    assert!(md.contains("skipped: ") && md.contains("speedup (95% CI)"));
+}
+
+#[test]
+fn bench_takes_the_fork_flags() {
+    let dir = tempfile::tempdir().unwrap();
+    let model = dir.path().join("m");
+    tiny_model(&model);
+    let small = ["-p", "8", "-n", "4", "-r", "1", "-o", "json"];
+    let out = bench(
+        &model,
+        &[
+            &small[..],
+            &["--kv-quant", "8", "--quantized-kv-start", "0"],
+        ]
+        .concat(),
+    );
+    assert!(out.status.success(), "{}", stderr(&out));
+    let rows: Vec<Row> = serde_json::from_slice(&out.stdout).unwrap();
+    assert_eq!(rows.len(), 2);
+    let out = bench(&model, &[&small[..], &["--fused-gelu", "on"]].concat());
+    assert_eq!(out.status.code(), Some(2), "{}", stderr(&out));
+    assert!(stderr(&out).contains("--fused-gelu on"));
+    let out = bench(&model, &[&small[..], &["--matrix", "--l3"]].concat());
+    assert_eq!(out.status.code(), Some(2), "{}", stderr(&out));
+    assert!(stderr(&out).contains("drop the fork and tier flags"));
 }

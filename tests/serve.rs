@@ -5,240 +5,13 @@
 //! and a client that disconnects frees the engine. Every loop here is bounded.
 
 mod common;
+mod serve_harness;
 
 use serde_json::{json, Value};
+use serve_harness::{chat_body, generate, ids, model, stream_text, Server, PROMPT};
 use std::io::{BufRead, BufReader};
-use std::path::{Path, PathBuf};
-use std::process::{Child, Command, Stdio};
-use std::sync::mpsc;
-use std::sync::OnceLock;
+use std::process::{Command, Stdio};
 use std::time::{Duration, Instant};
-
-const PROMPT: &str = "The quick brown fox jumps over the lazy dog. The quick brown fox";
-
-/// The tiny model, built once per test process.
-fn model() -> &'static Path {
-    static DIR: OnceLock<PathBuf> = OnceLock::new();
-    DIR.get_or_init(|| {
-        let dir = PathBuf::from(env!("CARGO_TARGET_TMPDIR")).join("serve-tiny-llama");
-        let config = json!({
-            "model_type": "llama", "hidden_size": 64, "num_hidden_layers": 2,
-            "intermediate_size": 128, "num_attention_heads": 4, "num_key_value_heads": 2,
-            "rms_norm_eps": 1e-5, "vocab_size": 384, "tie_word_embeddings": true
-        });
-        common::make_model(&dir, &config, "bf16", None);
-        dir
-    })
-}
-
-/// A running `mlxb serve`; killed when dropped, even if the test failed.
-struct Server {
-    child: Child,
-    url: String,
-    agent: ureq::Agent,
-    /// The `--api-key` it was started with, sent on every request.
-    key: Option<String>,
-}
-
-impl Drop for Server {
-    fn drop(&mut self) {
-        let _ = self.child.kill();
-        let _ = self.child.wait();
-    }
-}
-
-impl Server {
-    /// Starts the server on a free port and waits (bounded) until /health answers.
-    fn start(extra: &[&str]) -> Server {
-        let model = model().to_str().unwrap().to_owned();
-        let mut child = Command::new(common::mlxb())
-            .args([
-                "serve",
-                "--model",
-                &model,
-                "--host",
-                "127.0.0.1",
-                "--port",
-                "0",
-            ])
-            .args(extra)
-            .stdout(Stdio::piped())
-            .stderr(Stdio::inherit())
-            .spawn()
-            .expect("cannot start mlxb serve");
-        let stdout = child.stdout.take().unwrap();
-        let mut server = Server {
-            child,
-            url: String::new(),
-            agent: ureq::AgentBuilder::new()
-                .timeout(Duration::from_secs(120))
-                .build(),
-            key: extra
-                .windows(2)
-                .find(|w| w[0] == "--api-key")
-                .map(|w| w[1].to_owned()),
-        };
-        // Read the ready card on a thread (which then keeps draining stdout).
-        let (tx, rx) = mpsc::channel();
-        std::thread::spawn(move || {
-            for line in BufReader::new(stdout).lines().map_while(Result::ok) {
-                if let Some(url) = line.trim().strip_prefix("url") {
-                    let _ = tx.send(url.trim().to_owned());
-                }
-            }
-        });
-        server.url = rx
-            .recv_timeout(Duration::from_secs(180))
-            .expect("mlxb serve printed no URL within 180 s");
-        assert!(
-            server.url.starts_with("http://127.0.0.1:"),
-            "{}",
-            server.url
-        );
-        let deadline = Instant::now() + Duration::from_secs(30);
-        loop {
-            if let Ok(r) = server.agent.get(&server.url("/health")).call() {
-                assert_eq!(r.status(), 200);
-                break;
-            }
-            assert!(Instant::now() < deadline, "/health never answered");
-            std::thread::sleep(Duration::from_millis(100));
-        }
-        server
-    }
-
-    fn url(&self, path: &str) -> String {
-        format!("{}{path}", self.url)
-    }
-
-    /// A request to `path`, with the API key when the server has one.
-    fn request(&self, method: &str, path: &str) -> ureq::Request {
-        let r = self.agent.request(method, &self.url(path));
-        match &self.key {
-            Some(key) => r.set("Authorization", &format!("Bearer {key}")),
-            None => r,
-        }
-    }
-
-    /// POSTs raw bytes and returns (status, body).
-    fn post_raw(&self, path: &str, body: &str) -> (u16, String) {
-        let result = self
-            .request("POST", path)
-            .set("Content-Type", "application/json")
-            .send_string(body);
-        match result {
-            Ok(r) => (r.status(), r.into_string().unwrap()),
-            Err(ureq::Error::Status(code, r)) => (code, r.into_string().unwrap()),
-            Err(e) => panic!("POST {path} failed: {e}"),
-        }
-    }
-
-    /// POSTs JSON and returns (status, parsed body).
-    fn post(&self, path: &str, body: &Value) -> (u16, Value) {
-        let (status, text) = self.post_raw(path, &body.to_string());
-        let value = serde_json::from_str(&text)
-            .unwrap_or_else(|e| panic!("response is not JSON ({e}): {text}"));
-        (status, value)
-    }
-
-    /// POSTs a streaming request; returns the `data:` payloads in order.
-    fn stream(&self, path: &str, body: &Value) -> Vec<String> {
-        let r = self
-            .request("POST", path)
-            .send_json(body.clone())
-            .unwrap_or_else(|e| panic!("stream {path} failed: {e}"));
-        assert!(r
-            .header("content-type")
-            .unwrap_or("")
-            .starts_with("text/event-stream"));
-        let mut events = Vec::new();
-        for line in BufReader::new(r.into_reader()).lines() {
-            let line = line.unwrap();
-            if let Some(data) = line.strip_prefix("data: ") {
-                events.push(data.to_owned());
-            }
-        }
-        events
-    }
-
-    fn metrics(&self) -> String {
-        self.request("GET", "/metrics")
-            .call()
-            .unwrap()
-            .into_string()
-            .unwrap()
-    }
-
-    /// The value of a metric line `name value` (0 when absent).
-    fn metric(&self, name: &str) -> f64 {
-        self.metrics()
-            .lines()
-            .find_map(|l| l.strip_prefix(name)?.strip_prefix(' ')?.parse().ok())
-            .unwrap_or(0.0)
-    }
-}
-
-/// `mlxb generate --json` for the same settings.
-fn generate(prompt: &str, max_tokens: usize, extra: &[&str]) -> Value {
-    let out = Command::new(common::mlxb())
-        .args([
-            "generate",
-            "--model",
-            model().to_str().unwrap(),
-            "--prompt",
-            prompt,
-        ])
-        .args(["--max-tokens", &max_tokens.to_string(), "--json"])
-        .args(extra)
-        .output()
-        .unwrap();
-    assert!(
-        out.status.success(),
-        "{}",
-        String::from_utf8_lossy(&out.stderr)
-    );
-    serde_json::from_slice(&out.stdout).unwrap()
-}
-
-fn ids(v: &Value) -> Vec<u64> {
-    v.as_array()
-        .unwrap_or_else(|| panic!("not an id list: {v}"))
-        .iter()
-        .map(|x| x.as_u64().unwrap())
-        .collect()
-}
-
-fn chat_body(prompt: &str, max_tokens: usize) -> Value {
-    json!({"model": "serve-tiny-llama", "messages": [{"role": "user", "content": prompt}],
-           "max_tokens": max_tokens, "temperature": 0, "return_token_ids": true})
-}
-
-/// Concatenates a chat or completions stream's text; checks the framing and [DONE].
-fn stream_text(events: &[String]) -> (String, Option<String>, Option<Value>) {
-    assert_eq!(
-        events.last().map(String::as_str),
-        Some("[DONE]"),
-        "{events:?}"
-    );
-    let mut text = String::new();
-    let mut finish = None;
-    let mut usage = None;
-    for e in &events[..events.len() - 1] {
-        let v: Value = serde_json::from_str(e).unwrap();
-        assert!(v.get("error").is_none(), "error in stream: {v}");
-        if let Some(u) = v.get("usage") {
-            usage = Some(u.clone());
-        }
-        for c in v["choices"].as_array().unwrap() {
-            let piece = c["delta"]["content"].as_str().or(c["text"].as_str());
-            text.push_str(piece.unwrap_or(""));
-            if let Some(f) = c["finish_reason"].as_str() {
-                finish = Some(f.to_owned());
-            }
-        }
-    }
-    (text, finish, usage)
-}
 
 /// A two-character stop string whose first occurrence in `text` comes after at least four
 /// characters, and the text before it.
@@ -516,16 +289,7 @@ fn bad_requests_get_400_naming_the_field() {
 fn queue_is_bounded_and_disconnects_free_the_engine() {
     let s = Server::start(&["--max-queue", "1", "--max-tokens-limit", "1000000"]);
     // A: a long streaming generation; read one chunk so it is surely running.
-    let long = json!({"prompt": PROMPT, "max_tokens": 1000000, "stream": true});
-    let a = s
-        .agent
-        .post(&s.url("/v1/completions"))
-        .send_json(long)
-        .unwrap();
-    let mut a_reader = BufReader::new(a.into_reader());
-    let mut line = String::new();
-    a_reader.read_line(&mut line).unwrap();
-    assert!(line.starts_with("data: "), "{line}");
+    let a_reader = s.open_long_stream();
     // B waits in the queue (its own thread), C finds the queue full.
     let agent = s.agent.clone();
     let b_url = s.url("/v1/completions");
@@ -594,15 +358,7 @@ fn queue_is_bounded_and_disconnects_free_the_engine() {
 #[test]
 fn sigterm_cancels_running_requests_and_exits() {
     let mut s = Server::start(&["--max-tokens-limit", "1000000"]);
-    let long = json!({"prompt": PROMPT, "max_tokens": 1000000, "stream": true});
-    let r = s
-        .request("POST", "/v1/completions")
-        .send_json(long)
-        .unwrap();
-    let mut reader = BufReader::new(r.into_reader());
-    let mut line = String::new();
-    reader.read_line(&mut line).unwrap();
-    assert!(line.starts_with("data: "), "{line}");
+    let reader = s.open_long_stream();
     // SIGTERM: the running stream is cancelled with an error event, then the server exits.
     let pid = i32::try_from(s.child.id()).unwrap();
     assert_eq!(unsafe { libc::kill(pid, libc::SIGTERM) }, 0);
@@ -631,4 +387,288 @@ fn sigterm_cancels_running_requests_and_exits() {
         std::thread::sleep(Duration::from_millis(50));
     };
     assert!(status.success(), "{status:?}");
+}
+
+/// A completions request on token ids with greedy decoding, logprobs and returned ids.
+fn ids_body(prompt: &[u32], max_tokens: usize) -> Value {
+    json!({"prompt": prompt, "max_tokens": max_tokens, "temperature": 0,
+           "logprobs": 2, "return_token_ids": true})
+}
+
+/// What must not change with prefix reuse: text, ids, every logprob (as f32 JSON, which
+/// round-trips bits) and the alternatives.
+fn output_of(v: &Value) -> Value {
+    let c = &v["choices"][0];
+    json!([c["text"], c["token_ids"], c["logprobs"], c["finish_reason"]])
+}
+
+fn cached_tokens(v: &Value) -> u64 {
+    v["usage"]["prompt_tokens_details"]["cached_tokens"]
+        .as_u64()
+        .unwrap_or_else(|| panic!("no cached_tokens in {v}"))
+}
+
+#[test]
+fn prefix_reuse_is_bit_exact() {
+    // 23 tokens: a repeated prompt reuses 22, other prompts whole 4-token chunks (20).
+    let base = common::prompt_ids(23, 384, 5);
+    let longer: Vec<u32> = base
+        .iter()
+        .copied()
+        .chain(common::prompt_ids(6, 384, 9))
+        .collect();
+    // Same first 22 tokens, a different last one.
+    let mut last_changed = base.clone();
+    *last_changed.last_mut().unwrap() = 7;
+    let step = ["--prefill-step-size", "4"];
+    let reuse = Server::start(&step);
+    let fresh = Server::start(&[&step[..], &["--no-prefix-reuse"]].concat());
+    let ask = |s: &Server, body: &Value| {
+        let (status, v) = s.post("/v1/completions", body);
+        assert_eq!(status, 200, "{v}");
+        v
+    };
+    // (prompt, repetition penalty, cached tokens expected on the reusing server)
+    let steps: [(&[u32], Option<f64>, u64); 6] = [
+        (&base, None, 0),
+        (&base, None, 22),         // repeated: all but the last token
+        (&last_changed, None, 22), // same length, last token differs
+        (&longer, None, 20),       // longer: whole 4-token prefill chunks only
+        (&base, Some(1.3), 20),    // shorter: the same; processors see it as history
+        (&longer, Some(1.3), 20),  // after a shorter prompt: whole chunks again
+    ];
+    for (i, (prompt, penalty, cached)) in steps.into_iter().enumerate() {
+        let mut body = ids_body(prompt, 12);
+        if let Some(p) = penalty {
+            body["repetition_penalty"] = json!(p);
+        }
+        let got = ask(&reuse, &body);
+        let want = ask(&fresh, &body);
+        assert_eq!(
+            output_of(&got),
+            output_of(&want),
+            "step {i}: reuse changed the output"
+        );
+        assert_eq!(cached_tokens(&got), cached, "step {i}");
+        assert_eq!(cached_tokens(&want), 0, "step {i}");
+        assert_eq!(got["usage"]["prompt_tokens"], prompt.len(), "step {i}");
+    }
+    // And both equal `mlxb generate` on the same ids (an independent process, fresh caches).
+    let id_list = longer
+        .iter()
+        .map(u32::to_string)
+        .collect::<Vec<_>>()
+        .join(",");
+    let cli = generate(
+        "",
+        12,
+        &["--prompt-ids", &id_list, "--prefill-step-size", "4"],
+    );
+    let got = ask(&reuse, &ids_body(&longer, 12));
+    assert_eq!(cached_tokens(&got), 28);
+    assert_eq!(ids(&got["choices"][0]["token_ids"]), ids(&cli["token_ids"]));
+    assert_eq!(got["choices"][0]["text"], cli["text"]);
+    assert_eq!(reuse.metric("mlxb:prompt_tokens_cached_total"), 132.0);
+    assert_eq!(fresh.metric("mlxb:prompt_tokens_cached_total"), 0.0);
+
+    // A drafter's requests reuse the target's caches too and stay lossless.
+    let spec = Server::start(&["--draft-kind", "ngram", "--num-draft-tokens", "3"]);
+    let first = ask(&spec, &ids_body(&base, 16));
+    let again = ask(&spec, &ids_body(&base, 16));
+    assert_eq!(cached_tokens(&again), 22);
+    assert_eq!(output_of(&first), output_of(&again));
+    assert_eq!(
+        output_of(&again)[1],
+        output_of(&ask(&fresh, &ids_body(&base, 16)))[1]
+    );
+}
+
+#[test]
+fn sixteen_concurrent_streams_stay_intact() {
+    let s = Server::start(&[
+        "--max-queue",
+        "32",
+        "--max-concurrent",
+        "17",
+        "--max-tokens-limit",
+        "1000000",
+    ]);
+    let prompts: Vec<String> = (0..16).map(|i| format!("Client {i}: {PROMPT}")).collect();
+    // The non-concurrent greedy text of each prompt, one request at a time.
+    let expected: Vec<String> = prompts
+        .iter()
+        .map(|p| {
+            let (status, v) = s.post("/v1/completions", &json!({"prompt": p, "max_tokens": 16}));
+            assert_eq!(status, 200, "{v}");
+            v["choices"][0]["text"].as_str().unwrap().to_owned()
+        })
+        .collect();
+    // A client holds the engine, 16 streams queue behind it, then it disconnects mid-stream:
+    // the 16 can only finish if its slot is freed.
+    let holder = s.open_long_stream();
+    let url = s.url("/v1/completions");
+    let handles: Vec<_> = prompts
+        .iter()
+        .map(|p| {
+            let (agent, url, p) = (s.agent.clone(), url.clone(), p.clone());
+            std::thread::spawn(move || {
+                let body = json!({"prompt": p, "max_tokens": 16, "stream": true});
+                let r = agent
+                    .post(&url)
+                    .send_json(body)
+                    .map_err(|e| e.to_string())?;
+                Ok::<_, String>(
+                    BufReader::new(r.into_reader())
+                        .lines()
+                        .map_while(Result::ok)
+                        .filter_map(|l| l.strip_prefix("data: ").map(str::to_owned))
+                        .collect::<Vec<_>>(),
+                )
+            })
+        })
+        .collect();
+    let deadline = Instant::now() + Duration::from_secs(60);
+    while s.metric("mlxb:num_requests_waiting") < 16.0 {
+        assert!(Instant::now() < deadline, "the 16 streams never queued");
+        std::thread::sleep(Duration::from_millis(20));
+    }
+    drop(holder);
+    for (i, (h, want)) in handles.into_iter().zip(&expected).enumerate() {
+        let events = h
+            .join()
+            .unwrap()
+            .unwrap_or_else(|e| panic!("client {i}: {e}"));
+        assert_eq!(&stream_text(&events).0, want, "client {i}'s stream");
+    }
+    assert_eq!(s.metric("mlxb:request_aborted_total"), 1.0);
+    assert_eq!(
+        s.metric("mlxb:request_success_total{finished_reason=\"length\"}"),
+        32.0
+    );
+    assert_eq!(s.metric("mlxb:num_requests_running"), 0.0);
+}
+
+#[test]
+fn security_defaults_and_limits() {
+    let model = model().to_str().unwrap().to_owned();
+    // Beyond loopback only on purpose; zero limits are refused. Exit code 2, one sentence.
+    for (flags, phrase) in [
+        (&["--host", "0.0.0.0"][..], "--allow-remote"),
+        (&["--host", "::"][..], "--allow-remote"),
+        (&["--max-prompt-tokens", "0"][..], "--max-prompt-tokens"),
+        (&["--max-concurrent", "0"][..], "--max-concurrent"),
+    ] {
+        let (code, _, err) = common::run_mlxb(&[&["serve", "--model", &model][..], flags].concat());
+        assert_eq!(code, 2, "{flags:?}: {err}");
+        assert!(err.contains(phrase), "{flags:?}: {err}");
+        assert_eq!(err.trim().lines().count(), 1, "{err}");
+    }
+    // With --allow-remote and no key it warns on stderr (checked before anything binds).
+    let mut child = Command::new(common::mlxb())
+        .args([
+            "serve", "--model", &model, "--host", "0.0.0.0", "--port", "0",
+        ])
+        .arg("--allow-remote")
+        .stdout(Stdio::null())
+        .stderr(Stdio::piped())
+        .spawn()
+        .unwrap();
+    let mut first = String::new();
+    BufReader::new(child.stderr.take().unwrap())
+        .read_line(&mut first)
+        .unwrap();
+    let _ = child.kill();
+    let _ = child.wait();
+    assert!(
+        first.contains("warning") && first.contains("--api-key"),
+        "{first}"
+    );
+
+    let s = Server::start(&[
+        "--max-prompt-tokens",
+        "12",
+        "--max-tokens-limit",
+        "1000000",
+        "--max-body-bytes",
+        "2048",
+        "--max-concurrent",
+        "1",
+    ]);
+    let too_long = common::prompt_ids(13, 384, 1);
+    let user = |text: &str| json!([{"role": "user", "content": text}]);
+    let cases: Vec<(&str, Value, &str, Option<&str>)> = vec![
+        (
+            "/v1/completions",
+            json!({"prompt": too_long}),
+            "prompt",
+            Some("context_length_exceeded"),
+        ),
+        (
+            "/v1/chat/completions",
+            json!({"messages": user(PROMPT)}),
+            "messages",
+            Some("context_length_exceeded"),
+        ),
+        (
+            "/v1/completions",
+            json!({"prompt": "hi", "max_tokens": 1000001}),
+            "max_tokens",
+            None,
+        ),
+        (
+            "/v1/completions",
+            json!({"prompt": "hi", "model": model}),
+            "model",
+            None,
+        ),
+        (
+            "/v1/completions",
+            json!({"prompt": "hi", "model": "../serve-tiny-llama"}),
+            "model",
+            None,
+        ),
+        (
+            "/v1/chat/completions",
+            json!({"messages": user("hi"), "adapter_path": "/tmp"}),
+            "adapter_path",
+            None,
+        ),
+    ];
+    for (path, body, field, code) in cases {
+        let (status, err) = s.post(path, &body);
+        assert_eq!(status, 400, "{body} → {err}");
+        assert_eq!(err["error"]["param"], field, "{body} → {err}");
+        assert_eq!(err["error"]["type"], "invalid_request_error");
+        assert_eq!(err["error"]["code"].as_str(), code, "{err}");
+    }
+    let (status, text) = s.post_raw(
+        "/v1/completions",
+        &json!({"prompt": "x".repeat(4096)}).to_string(),
+    );
+    assert_eq!(status, 413, "{text}");
+    assert_eq!(
+        serde_json::from_str::<Value>(&text).unwrap()["error"]["code"],
+        "request_too_large"
+    );
+    // The served id works; one request in flight at most, /health exempt.
+    let ok = json!({"prompt": "hi", "max_tokens": 2, "model": "serve-tiny-llama"});
+    assert_eq!(s.post("/v1/completions", &ok).0, 200);
+    let holder = s.open_long_stream();
+    let (status, err) = s.post("/v1/completions", &ok);
+    assert_eq!(status, 429, "{err}");
+    assert_eq!(err["error"]["code"], "rate_limit_exceeded");
+    assert_eq!(s.agent.get(&s.url("/health")).call().unwrap().status(), 200);
+    // The streaming client goes away: its slot frees and the server keeps serving.
+    drop(holder);
+    let deadline = Instant::now() + Duration::from_secs(30);
+    loop {
+        let (status, v) = s.post("/v1/completions", &ok);
+        if status == 200 {
+            break;
+        }
+        assert_eq!(status, 429, "{v}");
+        assert!(Instant::now() < deadline, "the slot was never freed");
+        std::thread::sleep(Duration::from_millis(50));
+    }
+    assert!(s.metric("mlxb:request_rejected_total{reason=\"concurrency\"}") >= 1.0);
 }

@@ -1,18 +1,23 @@
 //! `mlxb bench`: llama-bench-style measurement. Each test is warmed up once, then repeated;
 //! mlxb's repetitions are interleaved with the mlx-lm baseline's (and, for speculative
 //! configs, with vanilla mlxb's) in one invocation, so ratios compare like with like.
+//! `--matrix` ([`matrix`]) does the same for every fork and tier against L1.
 
 pub mod baseline;
+pub mod matrix;
+pub mod progress;
 pub mod report;
 pub mod runner;
 pub mod stats;
+pub mod tui;
 
 use crate::engine::error::{EngineError, Result};
 use crate::engine::runtime;
 use crate::engine::session::Session;
 use crate::spec::source::{open_source, SpecOptions};
+use progress::Event;
 use report::{Row, Setup};
-use runner::{random_tokens, time_decode, time_prefill, TestKind, TestSpec};
+use runner::{measure, time_decode, tps, TestInputs, TestKind, TestSpec};
 use std::path::Path;
 
 /// What to run.
@@ -27,6 +32,13 @@ pub struct BenchPlan {
     pub spec: Option<SpecOptions>,
     /// Prefill chunk size.
     pub prefill_step_size: usize,
+}
+
+impl BenchPlan {
+    /// Repetitions recorded in all (what a progress bar counts).
+    pub fn total_reps(&self) -> usize {
+        self.tests.len() * self.repetitions
+    }
 }
 
 /// The setup this process measures on.
@@ -52,18 +64,8 @@ pub fn current_setup() -> Setup {
     }
 }
 
-fn tps(tokens: usize, secs: f64) -> f64 {
-    tokens as f64 / secs.max(1e-9)
-}
-
-/// Runs the plan on an opened session; `progress` is told about every finished repetition.
-pub fn run(
-    session: &mut Session,
-    dir: &Path,
-    plan: &BenchPlan,
-    mut progress: impl FnMut(&str),
-) -> Result<Vec<Row>> {
-    let setup = current_setup();
+/// The fields every row of one model shares (setup, model name, size, parameters).
+fn row_template(session: &Session, dir: &Path) -> Result<Row> {
     let quant_bits = session
         .model
         .config
@@ -71,78 +73,76 @@ pub fn run(
         .and_then(|q| q.get("bits"))
         .and_then(|b| b.as_i64())
         .map(|b| b as i32);
-    let (size, params) = crate::engine::weights::checkpoint_size(dir, quant_bits)?;
+    let (model_size, model_n_params) = crate::engine::weights::checkpoint_size(dir, quant_bits)?;
+    Ok(Row {
+        setup: current_setup(),
+        model: dir
+            .file_name()
+            .map(|n| n.to_string_lossy().into_owned())
+            .unwrap_or_default(),
+        model_size,
+        model_n_params,
+        ..Row::default()
+    })
+}
+
+/// `template` labelled `config` for `test`, with no samples yet.
+fn test_row(template: &Row, config: &str, test: &TestSpec) -> Row {
+    let n = |kind| if test.kind == kind { test.n } else { 0 };
+    Row {
+        config: config.to_owned(),
+        test: test.name(),
+        n_prompt: n(TestKind::Prefill),
+        n_gen: n(TestKind::Decode),
+        n_depth: test.depth,
+        ..template.clone()
+    }
+}
+
+/// Runs the plan on an opened session (with its forks); `progress` is told about every
+/// recorded repetition.
+pub fn run(
+    session: &mut Session,
+    dir: &Path,
+    plan: &BenchPlan,
+    mut progress: impl FnMut(&Event),
+) -> Result<Vec<Row>> {
+    let template = row_template(session, dir)?;
+    let forks = session.model.plan.forks;
     let vocab = session.model.model.vocab_size() as u32;
     let mut worker = if plan.baseline {
         Some(baseline::MlxLmWorker::start(dir)?)
     } else {
         None
     };
-    let model_name = dir
-        .file_name()
-        .map(|n| n.to_string_lossy().into_owned())
-        .unwrap_or_default();
     let mut rows = Vec::new();
     for (t_index, test) in plan.tests.iter().enumerate() {
-        let seed = 1000 + t_index as u64;
-        let context = random_tokens(test.depth, vocab, seed);
-        let tokens = random_tokens(test.n, vocab, seed + 1);
-        let decode_prompt = random_tokens(test.depth + 1, vocab, seed);
-        let new_row = |config: &str| Row {
-            setup: setup.clone(),
-            model: model_name.clone(),
-            model_size: size,
-            model_n_params: params,
-            config: config.to_owned(),
-            test: test.name(),
-            n_prompt: if test.kind == TestKind::Prefill {
-                test.n
-            } else {
-                0
-            },
-            n_gen: if test.kind == TestKind::Decode {
-                test.n
-            } else {
-                0
-            },
-            n_depth: test.depth,
-            avg_ts: 0.0,
-            stddev_ts: 0.0,
-            samples_ts: Vec::new(),
-            baseline_samples_ts: worker.as_ref().map(|_| Vec::new()),
-            ratio: None,
-            mean_acceptance_length: None,
-        };
-        let mut vanilla = new_row("vanilla");
+        let inputs = TestInputs::new(test, vocab, t_index);
+        let mut vanilla = test_row(&template, "vanilla", test);
+        vanilla.baseline_samples_ts = worker.as_ref().map(|_| Vec::new());
         let spec_kind = plan.spec.as_ref().filter(|_| test.kind == TestKind::Decode);
-        let mut speculative = spec_kind.map(|o| {
-            let mut r =
-                new_row(&format!("draft {:?} k={}", o.kind, o.num_draft_tokens).to_lowercase());
+        let mut current = vec![vanilla];
+        if let Some(o) = spec_kind {
+            let mut r = test_row(
+                &template,
+                &format!("draft {:?} k={}", o.kind, o.num_draft_tokens).to_lowercase(),
+                test,
+            );
             r.baseline_samples_ts = Some(Vec::new());
-            r
-        });
+            current.push(r);
+        }
         let mut accepted_len = Vec::new();
         // Repetition 0 is the warm-up and is not recorded.
         for rep in 0..=plan.repetitions {
-            let model = session.model.model.as_mut();
-            let ours = match test.kind {
-                TestKind::Prefill => tps(
-                    test.n,
-                    time_prefill(model, &context, &tokens, plan.prefill_step_size)?,
-                ),
-                TestKind::Decode => {
-                    let (s, n, _) = time_decode(model, &decode_prompt, test.n, None)?;
-                    tps(n, s)
-                }
-            };
+            let ours = measure(&mut session.model, test, &inputs, plan.prefill_step_size)?;
             let theirs = match worker.as_mut() {
                 Some(w) => {
                     let req = match test.kind {
                         TestKind::Prefill => {
-                            serde_json::json!({"op": "pp", "context": context, "prompt": tokens, "prefill_step_size": plan.prefill_step_size})
+                            serde_json::json!({"op": "pp", "context": inputs.context, "prompt": inputs.tokens, "prefill_step_size": plan.prefill_step_size})
                         }
                         TestKind::Decode => {
-                            serde_json::json!({"op": "tg", "prompt": decode_prompt, "n": test.n})
+                            serde_json::json!({"op": "tg", "prompt": inputs.decode_prompt, "n": test.n})
                         }
                     };
                     let (s, n) = w.time(&req)?;
@@ -152,16 +152,10 @@ pub fn run(
             };
             let spec_tps = match spec_kind {
                 Some(opts) => {
-                    let source = open_source(
-                        opts,
-                        session,
-                        crate::engine::flags::Forks::default(),
-                        plan.prefill_step_size,
-                    )?;
-                    let model = session.model.model.as_mut();
+                    let source = open_source(opts, session, forks, plan.prefill_step_size)?;
                     let (s, n, m) = time_decode(
-                        model,
-                        &decode_prompt,
+                        &mut session.model,
+                        &inputs.decode_prompt,
                         test.n,
                         Some((source, opts.num_draft_tokens)),
                     )?;
@@ -177,23 +171,27 @@ pub fn run(
             if rep == 0 {
                 continue;
             }
-            vanilla.samples_ts.push(ours);
-            if let (Some(b), Some(t)) = (vanilla.baseline_samples_ts.as_mut(), theirs) {
+            current[0].samples_ts.push(ours);
+            if let (Some(b), Some(t)) = (current[0].baseline_samples_ts.as_mut(), theirs) {
                 b.push(t);
             }
-            if let (Some(row), Some(t)) = (speculative.as_mut(), spec_tps) {
+            if let (Some(row), Some(t)) = (current.get_mut(1), spec_tps) {
                 row.samples_ts.push(t);
                 // The speculative row's baseline is vanilla mlxb in the same repetition.
                 if let Some(b) = row.baseline_samples_ts.as_mut() {
                     b.push(ours);
                 }
             }
-            progress(&format!("{} rep {rep}/{}", test.name(), plan.repetitions));
+            progress(&Event::Rep {
+                rows: &current,
+                rep,
+                reps: plan.repetitions,
+            });
         }
-        vanilla.finish();
-        rows.push(vanilla);
-        if let Some(mut row) = speculative {
+        if let Some(row) = current.get_mut(1) {
             row.mean_acceptance_length = Some(stats::mean(&accepted_len));
+        }
+        for mut row in current {
             row.finish();
             rows.push(row);
         }

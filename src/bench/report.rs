@@ -4,9 +4,11 @@
 
 use super::stats;
 use serde::{Deserialize, Serialize};
+use serde_json::Value;
 
 /// Where a row was measured (rows are only comparable within one setup).
-#[derive(Debug, Clone, PartialEq, Eq, Serialize, Deserialize)]
+#[derive(Debug, Clone, Default, PartialEq, Eq, Serialize, Deserialize)]
+#[serde(default)]
 pub struct Setup {
     /// mlxb version and commit.
     pub mlxb: String,
@@ -20,8 +22,10 @@ pub struct Setup {
     pub cpu_info: String,
 }
 
-/// One measured test.
-#[derive(Debug, Clone, PartialEq, Serialize, Deserialize)]
+/// One measured test (or, in `--matrix`, one fork configuration that was skipped). A field
+/// missing when parsed reads as its default (CSV leaves empty values empty).
+#[derive(Debug, Clone, Default, PartialEq, Serialize, Deserialize)]
+#[serde(default)]
 pub struct Row {
     /// The setup.
     #[serde(flatten)]
@@ -34,7 +38,7 @@ pub struct Row {
     pub model_n_params: u64,
     /// Configuration label (`vanilla`, a drafter, a fork setting).
     pub config: String,
-    /// Test name (`pp512`, `tg128 @ d512`).
+    /// Test name (`pp512`, `tg128 @ d512`; empty for a skipped configuration).
     pub test: String,
     /// Prompt tokens per repetition.
     pub n_prompt: usize,
@@ -48,15 +52,43 @@ pub struct Row {
     pub stddev_ts: f64,
     /// Per-repetition tokens/second.
     pub samples_ts: Vec<f64>,
-    /// Baseline (mlx-lm) per-repetition tokens/second, when measured.
+    /// Baseline per-repetition tokens/second, when measured (mlx-lm for `vanilla`, vanilla
+    /// mlxb for a drafter, L1 for a `--matrix` configuration).
     #[serde(default, skip_serializing_if = "Option::is_none")]
     pub baseline_samples_ts: Option<Vec<f64>>,
-    /// Paired ratio mlxb / baseline with its 95% CI, when a baseline ran.
+    /// Paired mean ratio of tokens/second, this row / its baseline (> 1 = faster).
     #[serde(default, skip_serializing_if = "Option::is_none")]
-    pub ratio: Option<[f64; 3]>,
+    pub ratio: Option<f64>,
+    /// 95% confidence interval of [`Row::ratio`] (needs two repetitions or more).
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    pub ratio_ci: Option<[f64; 2]>,
     /// Mean acceptance length for speculative configs.
     #[serde(default, skip_serializing_if = "Option::is_none")]
     pub mean_acceptance_length: Option<f64>,
+    /// `--matrix`: output of this configuration vs L1 (`identical`, `may change`, `changes`).
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    pub output: Option<String>,
+    /// `--matrix`: the strictest parity tier the configuration keeps.
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    pub keeps: Option<String>,
+    /// `--matrix`: why the configuration was not measured on this machine.
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    pub skipped: Option<String>,
+    /// `--matrix`: mean KL(L1 || config) of next-token distributions, in nats.
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    pub kl_mean: Option<f64>,
+    /// `--matrix`: largest single-step KL.
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    pub kl_max: Option<f64>,
+    /// `--matrix`: fraction of steps whose greedy token equals L1's.
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    pub kl_top1: Option<f64>,
+    /// `--matrix`: whether every compared step's logprobs were bit-identical to L1's.
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    pub kl_identical: Option<bool>,
+    /// `--matrix`: the mean KL is above `--kl-warn`.
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    pub kl_warn: Option<bool>,
 }
 
 impl Row {
@@ -66,7 +98,17 @@ impl Row {
         self.stddev_ts = stats::stddev(&self.samples_ts);
         if let Some(b) = &self.baseline_samples_ts {
             let (r, lo, hi) = stats::paired_ratio(&self.samples_ts, b);
-            self.ratio = Some([r, lo, hi]);
+            self.ratio = Some(r);
+            self.ratio_ci = (lo.is_finite() && hi.is_finite()).then_some([lo, hi]);
+        }
+    }
+
+    /// The ratio as `1.234 (1.100–1.300)`, or `1.234` without a CI; empty without a ratio.
+    pub fn ratio_text(&self) -> String {
+        match (self.ratio, self.ratio_ci) {
+            (Some(m), Some([lo, hi])) => format!("{m:.3} ({lo:.3}–{hi:.3})"),
+            (Some(m), None) => format!("{m:.3}"),
+            _ => String::new(),
         }
     }
 }
@@ -105,24 +147,19 @@ pub fn markdown(rows: &[Row]) -> String {
     out.push_str("|\n");
     for r in rows {
         out.push_str(&format!(
-            "| {} | {} | {} | {} | {} | {} | {:.2} ± {:.2} |",
+            "| {} | {} | {} | {} | {} | {} | {} |",
             r.model,
             human_size(r.model_size),
             human_params(r.model_n_params),
             r.setup.backend,
             r.config,
             r.test,
-            r.avg_ts,
-            r.stddev_ts
+            mean_std(&r.samples_ts),
         ));
         if base {
-            match (&r.baseline_samples_ts, r.ratio) {
-                (Some(b), Some([m, lo, hi])) => out.push_str(&format!(
-                    " {:.2} ± {:.2} | {m:.3} ({lo:.3}–{hi:.3}) |",
-                    stats::mean(b),
-                    stats::stddev(b)
-                )),
-                _ => out.push_str(" | |"),
+            match &r.baseline_samples_ts {
+                Some(b) => out.push_str(&format!(" {} | {} |", mean_std(b), r.ratio_text())),
+                None => out.push_str(" | |"),
             }
         }
         if spec {
@@ -139,78 +176,158 @@ pub fn markdown(rows: &[Row]) -> String {
     out
 }
 
-/// CSV with the JSON field names (samples joined by `;`).
-pub fn csv(rows: &[Row]) -> String {
+fn mean_std(x: &[f64]) -> String {
+    format!("{:.2} ± {:.2}", stats::mean(x), stats::stddev(x))
+}
+
+/// The `--matrix` table: every fork configuration against L1, with its speedup, its output
+/// class and KL divergence, and the reason for every configuration that could not run here.
+pub fn matrix_markdown(rows: &[Row]) -> String {
     let mut out = String::from(
-        "mlxb,mlx_version,backend,blas,cpu_info,model,model_size,model_n_params,config,test,n_prompt,n_gen,n_depth,avg_ts,stddev_ts,samples_ts\n",
+        "| config | output | keeps | test | L1 t/s | t/s | speedup (95% CI) | mean KL | max KL | top-1 | note |\n",
     );
-    let quote = |s: &str| format!("\"{}\"", s.replace('"', "\"\""));
+    out.push_str(&"|---".repeat(11));
+    out.push_str("|\n");
+    let num = |v: Option<f64>, f: fn(f64) -> String| v.map(f).unwrap_or_default();
     for r in rows {
-        let samples: Vec<String> = r.samples_ts.iter().map(|v| format!("{v}")).collect();
+        let note = match (&r.skipped, r.kl_warn) {
+            (Some(why), _) => format!("skipped: {why}"),
+            (None, Some(true)) => "WARN: mean KL above --kl-warn".into(),
+            _ => String::new(),
+        };
+        let measured = r.skipped.is_none();
         out.push_str(&format!(
-            "{},{},{},{},{},{},{},{},{},{},{},{},{},{},{},{}\n",
-            quote(&r.setup.mlxb),
-            quote(&r.setup.mlx_version),
-            quote(&r.setup.backend),
-            quote(&r.setup.blas),
-            quote(&r.setup.cpu_info),
-            quote(&r.model),
-            r.model_size,
-            r.model_n_params,
-            quote(&r.config),
-            quote(&r.test),
-            r.n_prompt,
-            r.n_gen,
-            r.n_depth,
-            r.avg_ts,
-            r.stddev_ts,
-            quote(&samples.join(";"))
+            "| {} | {} | {} | {} | {} | {} | {} | {} | {} | {} | {} |\n",
+            r.config,
+            r.output.as_deref().unwrap_or(""),
+            r.keeps.as_deref().unwrap_or(""),
+            r.test,
+            r.baseline_samples_ts
+                .as_deref()
+                .map(mean_std)
+                .unwrap_or_default(),
+            if measured {
+                mean_std(&r.samples_ts)
+            } else {
+                String::new()
+            },
+            r.ratio_text(),
+            num(r.kl_mean, |v| format!("{v:.2e}")),
+            num(r.kl_max, |v| format!("{v:.2e}")),
+            num(r.kl_top1, |v| format!("{v:.3}")),
+            note.replace('|', "\\|"),
         ));
+    }
+    out.push_str("\nspeedup = paired mean of per-repetition t/s ratios config / L1 (> 1 = faster); KL(L1 || config) in nats over the fixed prompt set, teacher-forced on L1's greedy tokens; empty for configurations whose output is identical to L1 by the fork table.\n");
+    out
+}
+
+/// How a CSV cell encodes a JSON field.
+#[derive(Clone, Copy)]
+enum Cell {
+    /// A string, quoted.
+    Text,
+    /// A JSON number or boolean.
+    Scalar,
+    /// A list of numbers joined by `;`.
+    List,
+}
+
+/// The CSV columns: every field of [`Row`], with the JSON names.
+const COLUMNS: &[(&str, Cell)] = &[
+    ("mlxb", Cell::Text),
+    ("mlx_version", Cell::Text),
+    ("backend", Cell::Text),
+    ("blas", Cell::Text),
+    ("cpu_info", Cell::Text),
+    ("model", Cell::Text),
+    ("model_size", Cell::Scalar),
+    ("model_n_params", Cell::Scalar),
+    ("config", Cell::Text),
+    ("test", Cell::Text),
+    ("n_prompt", Cell::Scalar),
+    ("n_gen", Cell::Scalar),
+    ("n_depth", Cell::Scalar),
+    ("avg_ts", Cell::Scalar),
+    ("stddev_ts", Cell::Scalar),
+    ("samples_ts", Cell::List),
+    ("baseline_samples_ts", Cell::List),
+    ("ratio", Cell::Scalar),
+    ("ratio_ci", Cell::List),
+    ("mean_acceptance_length", Cell::Scalar),
+    ("output", Cell::Text),
+    ("keeps", Cell::Text),
+    ("skipped", Cell::Text),
+    ("kl_mean", Cell::Scalar),
+    ("kl_max", Cell::Scalar),
+    ("kl_top1", Cell::Scalar),
+    ("kl_identical", Cell::Scalar),
+    ("kl_warn", Cell::Scalar),
+];
+
+/// CSV with the JSON field names (lists joined by `;`, absent fields empty).
+pub fn csv(rows: &[Row]) -> String {
+    let names: Vec<&str> = COLUMNS.iter().map(|(n, _)| *n).collect();
+    let mut out = names.join(",");
+    out.push('\n');
+    for r in rows {
+        let v = serde_json::to_value(r).unwrap_or_default();
+        let cells: Vec<String> = COLUMNS
+            .iter()
+            .map(|(name, kind)| match (kind, v.get(name)) {
+                (_, None | Some(Value::Null)) => String::new(),
+                (Cell::Text, Some(Value::String(s))) => format!("\"{}\"", s.replace('"', "\"\"")),
+                (Cell::List, Some(Value::Array(a))) => {
+                    a.iter().map(Value::to_string).collect::<Vec<_>>().join(";")
+                }
+                (_, Some(other)) => other.to_string(),
+            })
+            .collect();
+        out.push_str(&cells.join(","));
+        out.push('\n');
     }
     out
 }
 
-/// Parses rows back from [`csv`] (for round-trip tests and comparisons).
-pub fn parse_csv(text: &str) -> Option<Vec<Row>> {
-    let mut rows = Vec::new();
-    for line in text.lines().skip(1) {
-        let f = split_csv(line)?;
-        if f.len() != 16 {
-            return None;
-        }
-        let samples_ts = if f[15].is_empty() {
-            Vec::new()
-        } else {
-            f[15]
-                .split(';')
-                .map(|v| v.parse().ok())
-                .collect::<Option<Vec<f64>>>()?
-        };
-        rows.push(Row {
-            setup: Setup {
-                mlxb: f[0].clone(),
-                mlx_version: f[1].clone(),
-                backend: f[2].clone(),
-                blas: f[3].clone(),
-                cpu_info: f[4].clone(),
-            },
-            model: f[5].clone(),
-            model_size: f[6].parse().ok()?,
-            model_n_params: f[7].parse().ok()?,
-            config: f[8].clone(),
-            test: f[9].clone(),
-            n_prompt: f[10].parse().ok()?,
-            n_gen: f[11].parse().ok()?,
-            n_depth: f[12].parse().ok()?,
-            avg_ts: f[13].parse().ok()?,
-            stddev_ts: f[14].parse().ok()?,
-            samples_ts,
-            baseline_samples_ts: None,
-            ratio: None,
-            mean_acceptance_length: None,
-        });
+/// Parses rows back from [`csv`] (round-trip tests, comparisons); the error names the line.
+pub fn parse_csv(text: &str) -> Result<Vec<Row>, String> {
+    let mut lines = text.lines();
+    let header: Vec<&str> = COLUMNS.iter().map(|(n, _)| *n).collect();
+    if lines.next() != Some(header.join(",").as_str()) {
+        return Err("the header is not mlxb bench's CSV header".into());
     }
-    Some(rows)
+    let parse = |s: &str| serde_json::from_str::<Value>(s).map_err(|e| format!("{s:?}: {e}"));
+    let mut rows = Vec::new();
+    for (i, line) in lines.enumerate() {
+        let at = |e: String| format!("line {}: {e}", i + 2);
+        let f = split_csv(line).ok_or_else(|| at("unbalanced quotes".into()))?;
+        if f.len() != COLUMNS.len() {
+            return Err(at(format!(
+                "{} fields, expected {}",
+                f.len(),
+                COLUMNS.len()
+            )));
+        }
+        let mut obj = serde_json::Map::new();
+        for ((name, kind), cell) in COLUMNS.iter().zip(f) {
+            if cell.is_empty() {
+                continue;
+            }
+            let value = match kind {
+                Cell::Text => Value::String(cell),
+                Cell::Scalar => parse(&cell).map_err(at)?,
+                Cell::List => Value::Array(
+                    cell.split(';')
+                        .map(parse)
+                        .collect::<Result<_, _>>()
+                        .map_err(at)?,
+                ),
+            };
+            obj.insert((*name).to_owned(), value);
+        }
+        rows.push(serde_json::from_value(Value::Object(obj)).map_err(|e| at(e.to_string()))?);
+    }
+    Ok(rows)
 }
 
 fn split_csv(line: &str) -> Option<Vec<String>> {
@@ -252,38 +369,70 @@ mod tests {
             model: "smol".into(),
             model_size: 538_060_000,
             model_n_params: 134_515_008,
-            config: "vanilla".into(),
+            config: "kv-quant 8 (quantized-kv-start 0)".into(),
             test: "tg128 @ d512".into(),
-            n_prompt: 0,
             n_gen: 128,
             n_depth: 512,
-            avg_ts: 0.0,
-            stddev_ts: 0.0,
             samples_ts: vec![17.25, 18.5, 17.875],
             baseline_samples_ts: Some(vec![16.0, 17.0, 16.5]),
-            ratio: None,
-            mean_acceptance_length: None,
+            mean_acceptance_length: Some(2.5),
+            output: Some("changes".into()),
+            keeps: Some("L1".into()),
+            kl_mean: Some(1.25e-4),
+            kl_max: Some(0.1 + 0.2),
+            kl_top1: Some(0.9375),
+            kl_identical: Some(false),
+            kl_warn: Some(false),
+            ..Row::default()
         };
         r.finish();
         r
     }
 
+    fn skipped() -> Row {
+        Row {
+            config: "fused-gelu on".into(),
+            output: Some("may change".into()),
+            keeps: Some("L3".into()),
+            skipped: Some("no kernel, \"on\" is refused | here".into()),
+            ..Row::default()
+        }
+    }
+
+    #[test]
+    fn every_field_has_a_csv_column() {
+        let v = serde_json::to_value(row()).unwrap();
+        let mut keys: Vec<&str> = v.as_object().unwrap().keys().map(String::as_str).collect();
+        keys.push("skipped");
+        keys.sort_unstable();
+        let mut cols: Vec<&str> = COLUMNS.iter().map(|(n, _)| *n).collect();
+        cols.sort_unstable();
+        assert_eq!(keys, cols);
+    }
+
     #[test]
     fn json_and_csv_round_trip() {
-        let r = row();
+        let rows = vec![row(), skipped()];
+        assert!(rows[0].ratio.is_some() && rows[0].ratio_ci.is_some());
+        let back: Vec<Row> = serde_json::from_str(&serde_json::to_string(&rows).unwrap()).unwrap();
+        assert_eq!(back, rows);
+        assert_eq!(parse_csv(&csv(&rows)).unwrap(), rows);
+        assert!(parse_csv("a,b\n").is_err());
+        let bad = csv(&rows).replacen("17.25", "x", 1);
+        assert!(parse_csv(&bad).unwrap_err().starts_with("line 2:"));
+    }
+
+    #[test]
+    fn one_repetition_has_a_ratio_but_no_interval() {
+        let mut r = Row {
+            samples_ts: vec![3.0],
+            baseline_samples_ts: Some(vec![2.0]),
+            ..Row::default()
+        };
+        r.finish();
+        assert_eq!((r.ratio, r.ratio_ci), (Some(1.5), None));
         let back: Row = serde_json::from_str(&serde_json::to_string(&r).unwrap()).unwrap();
         assert_eq!(back, r);
-        let parsed = parse_csv(&csv(std::slice::from_ref(&r))).unwrap();
-        assert_eq!(parsed.len(), 1);
-        let p = &parsed[0];
-        assert_eq!(
-            (p.avg_ts, p.stddev_ts, &p.samples_ts),
-            (r.avg_ts, r.stddev_ts, &r.samples_ts)
-        );
-        assert_eq!(
-            (&p.setup, &p.test, p.n_depth),
-            (&r.setup, &r.test, r.n_depth)
-        );
     }
 
     #[test]
@@ -291,5 +440,15 @@ mod tests {
         let md = markdown(&[row()]);
         assert!(md.starts_with("| model | size | params | backend | config | test | t/s |"));
         assert!(md.contains("tg128 @ d512") && md.contains("±") && md.contains("ratio (95% CI)"));
+    }
+
+    #[test]
+    fn matrix_markdown_names_skips_and_warnings() {
+        let mut warn = row();
+        warn.kl_warn = Some(true);
+        let md = matrix_markdown(&[warn, skipped()]);
+        assert!(md.contains("WARN") && md.contains("skipped: no kernel"));
+        assert!(md.contains("\\|"), "a | in a note is escaped: {md}");
+        assert_eq!(md.lines().nth(2).unwrap().matches(" | ").count(), 10);
     }
 }

@@ -5,7 +5,8 @@
 
 use crate::engine::error::Result;
 use crate::engine::generate::{Flow, GenerateConfig, Generator, Speculation};
-use crate::engine::models::LanguageModel;
+use crate::engine::models::{Caches, LanguageModel, LoadedModel};
+use crate::engine::plan::ForkPlan;
 use crate::engine::sample::{LogitsProcessors, ProcessorConfig, Sampler, SamplerConfig};
 use crate::spec::metrics::SpecMetrics;
 use crate::spec::source::{DraftSource, VerifyMode};
@@ -61,15 +62,65 @@ pub fn random_tokens(n: usize, vocab: u32, seed: u64) -> Vec<u32> {
         .collect()
 }
 
+/// The token ids of one test, the same for every configuration measured on it.
+pub struct TestInputs {
+    /// Context already cached before a `pp` test.
+    pub context: Vec<u32>,
+    /// The `pp` test's prompt.
+    pub tokens: Vec<u32>,
+    /// The `tg` test's prompt (`depth + 1` tokens).
+    pub decode_prompt: Vec<u32>,
+}
+
+impl TestInputs {
+    /// Deterministic inputs for the `index`-th test of a run on a `vocab`-token model.
+    pub fn new(test: &TestSpec, vocab: u32, index: usize) -> Self {
+        let seed = 1000 + index as u64;
+        Self {
+            context: random_tokens(test.depth, vocab, seed),
+            tokens: random_tokens(test.n, vocab, seed + 1),
+            decode_prompt: random_tokens(test.depth + 1, vocab, seed),
+        }
+    }
+}
+
+/// Tokens per second of one repetition of `test` on `loaded` (with its forks), no drafter.
+pub fn measure(
+    loaded: &mut LoadedModel,
+    test: &TestSpec,
+    inputs: &TestInputs,
+    prefill_step: usize,
+) -> Result<f64> {
+    Ok(match test.kind {
+        TestKind::Prefill => tps(
+            test.n,
+            time_prefill(loaded, &inputs.context, &inputs.tokens, prefill_step)?,
+        ),
+        TestKind::Decode => {
+            let (s, n, _) = time_decode(loaded, &inputs.decode_prompt, test.n, None)?;
+            tps(n, s)
+        }
+    })
+}
+
+/// Tokens per second (a zero duration reads as a nanosecond).
+pub fn tps(tokens: usize, secs: f64) -> f64 {
+    tokens as f64 / secs.max(1e-9)
+}
+
+/// Prefill as the generation loop does it: one forward per chunk, then the fork plan's KV
+/// quantization (mlx-lm's point), then an eval of the caches.
 fn prefill(
     model: &mut dyn LanguageModel,
-    caches: &mut crate::engine::models::Caches,
+    plan: &ForkPlan,
+    caches: &mut Caches,
     tokens: &[u32],
     step: usize,
 ) -> Result<()> {
     for chunk in tokens.chunks(step.max(1)) {
         let ids: Vec<i32> = chunk.iter().map(|&t| t as i32).collect();
         model.forward(&Array::from_slice(&ids, &[1, ids.len() as i32]), caches)?;
+        plan.quantize(caches)?;
         let state: Vec<Array> = caches.iter().flat_map(|c| c.state()).collect();
         eval(&state)?;
     }
@@ -78,28 +129,31 @@ fn prefill(
 
 /// Times a prefill test: seconds for `prompt` after `context` is already cached.
 pub fn time_prefill(
-    model: &mut dyn LanguageModel,
+    loaded: &mut LoadedModel,
     context: &[u32],
     prompt: &[u32],
     step: usize,
 ) -> Result<f64> {
+    let LoadedModel { model, plan, .. } = loaded;
     let mut caches = model.make_caches();
-    prefill(model, &mut caches, context, step)?;
+    plan.prepare(&mut caches);
+    prefill(model.as_mut(), plan, &mut caches, context, step)?;
     let t = Instant::now();
-    prefill(model, &mut caches, prompt, step)?;
+    prefill(model.as_mut(), plan, &mut caches, prompt, step)?;
     Ok(t.elapsed().as_secs_f64())
 }
 
 /// Times a decode test: (seconds, tokens timed, speculative metrics). EOS is ignored.
-pub fn time_decode(
-    model: &mut dyn LanguageModel,
+pub fn time_decode<'a>(
+    loaded: &'a mut LoadedModel,
     prompt: &[u32],
     n: usize,
-    draft: Option<(Box<dyn DraftSource + '_>, usize)>,
+    draft: Option<(Box<dyn DraftSource + 'a>, usize)>,
 ) -> Result<(f64, usize, Option<SpecMetrics>)> {
+    let LoadedModel { model, plan, .. } = loaded;
     let mut sampler = Sampler::new(&SamplerConfig::default())?;
     let mut processors = LogitsProcessors::new(&ProcessorConfig::default())?;
-    let mut g = Generator::new(model, &mut sampler, &mut processors);
+    let mut g = Generator::new(model.as_mut(), &mut sampler, &mut processors).with_plan(plan);
     if let Some((source, k)) = draft {
         g = g.with_speculation(Speculation {
             source,

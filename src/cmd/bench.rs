@@ -1,12 +1,16 @@
-//! `mlxb bench`: llama-bench-style tests with an interleaved mlx-lm baseline.
+//! `mlxb bench`: llama-bench-style tests with an interleaved mlx-lm baseline, run with the
+//! fork flags of `generate`, or `--matrix`: every fork and tier against L1.
 
 use super::common::SpecArgs;
-use crate::bench::{self, report, runner::TestKind, runner::TestSpec, BenchPlan};
+use super::flags::{open_session, ForkArgs};
+use crate::bench::matrix::{self, MatrixOptions};
+use crate::bench::progress::{Bar, Observer};
+use crate::bench::report::Row;
+use crate::bench::{self, report, runner::TestKind, runner::TestSpec, tui, BenchPlan};
 use crate::engine::error::EngineError;
-use crate::engine::flags::Forks;
-use crate::engine::session::{resolve_model, Session};
+use crate::engine::session::resolve_model;
 use clap::{Args, ValueEnum};
-use indicatif::{ProgressBar, ProgressStyle};
+use std::io::IsTerminal;
 
 /// Output formats (llama-bench's names).
 #[derive(Debug, Clone, Copy, PartialEq, Eq, ValueEnum)]
@@ -74,8 +78,24 @@ pub struct BenchArgs {
     /// Prompt tokens per prefill forward.
     #[arg(long, default_value_t = 2048)]
     pub prefill_step_size: usize,
+    /// Measure every fork value and tier (derived from the fork table) as a paired A/B
+    /// against L1, with the KL divergence of output-changing ones.
+    #[arg(long)]
+    pub matrix: bool,
+    /// `--matrix`: flag a configuration whose mean KL divergence from L1 (nats) is above this.
+    #[arg(long, default_value_t = 1e-3)]
+    pub kl_warn: f64,
+    /// `--matrix`: greedy steps per prompt of the KL comparison.
+    #[arg(long, default_value_t = 16)]
+    pub kl_steps: usize,
+    /// Show a live view (per-test progress, running mean ± std, speedup so far) on the
+    /// terminal while measuring.
+    #[arg(long)]
+    pub tui: bool,
     #[command(flatten)]
     pub spec: SpecArgs,
+    #[command(flatten)]
+    pub forks: ForkArgs,
 }
 
 /// The test list: for each depth, every pp then every tg test (llama-bench's order).
@@ -109,42 +129,115 @@ pub fn plan_tests(args: &BenchArgs) -> anyhow::Result<Vec<TestSpec>> {
     Ok(tests)
 }
 
+/// `--matrix` compares against L1 by itself; flags that would change either side are refused.
+fn check_matrix_args(args: &BenchArgs) -> Result<(), EngineError> {
+    let clash = if args.forks.tier.is_some() || !args.forks.explicit.is_empty() {
+        Some("fork and tier flags")
+    } else if args.baseline.is_some() {
+        Some("--baseline")
+    } else if args.spec.options().is_some() {
+        Some("drafter flags")
+    } else {
+        None
+    };
+    match clash {
+        Some(what) => Err(EngineError::Input(format!(
+            "--matrix measures every fork and tier against --l1 by itself; drop the {what}"
+        ))),
+        None if args.kl_steps == 0 => {
+            Err(EngineError::Input("--kl-steps must be at least 1".into()))
+        }
+        None => Ok(()),
+    }
+}
+
+/// The live view with `--tui` on a terminal, else the progress bar on stderr.
+fn observer(tui: bool, total: usize) -> Box<dyn Observer> {
+    if tui {
+        if !std::io::stdout().is_terminal() {
+            eprintln!(
+                "mlxb: --tui needs a terminal on stdout; showing the plain progress bar instead"
+            );
+        } else {
+            match tui::LiveView::start(total) {
+                Ok(view) => return Box::new(view),
+                Err(e) => eprintln!(
+                    "mlxb: cannot start the --tui view ({e}); showing the plain progress bar instead"
+                ),
+            }
+        }
+    }
+    Box::new(Bar::new(total))
+}
+
 /// Entry point of `mlxb bench`.
 pub fn run(args: BenchArgs) -> anyhow::Result<()> {
     let tests = plan_tests(&args)?;
+    if args.matrix {
+        check_matrix_args(&args)?;
+    }
     let dir = resolve_model(args.model.as_deref())?;
-    let mut session = Session::open(&dir, Forks::default())?;
-    let plan = BenchPlan {
-        tests,
-        repetitions: args.repetitions,
-        baseline: args.baseline.is_some(),
-        spec: args.spec.options(),
-        prefill_step_size: args.prefill_step_size,
+    let (mut session, _) = open_session(&dir, &args.forks)?;
+    let rows = if args.matrix {
+        let entries = matrix::plan_for(&session.model, &dir);
+        let opts = MatrixOptions {
+            tests,
+            repetitions: args.repetitions,
+            prefill_step_size: args.prefill_step_size,
+            kl_steps: args.kl_steps,
+            kl_warn: args.kl_warn,
+        };
+        let mut view = observer(args.tui, opts.total_reps(&entries));
+        let rows = matrix::run(&mut session, &dir, &entries, &opts, |e| view.event(e));
+        view.finish();
+        rows?
+    } else {
+        let plan = BenchPlan {
+            tests,
+            repetitions: args.repetitions,
+            baseline: args.baseline.is_some(),
+            spec: args.spec.options(),
+            prefill_step_size: args.prefill_step_size,
+        };
+        let mut view = observer(args.tui, plan.total_reps());
+        let rows = bench::run(&mut session, &dir, &plan, |e| view.event(e));
+        view.finish();
+        rows?
     };
-    let bar = ProgressBar::new((plan.tests.len() * plan.repetitions) as u64);
-    bar.set_style(
-        ProgressStyle::with_template(
-            "{spinner} [{elapsed_precise}] {bar:30} {pos}/{len} {msg} (eta {eta})",
-        )
-        .unwrap_or_else(|_| ProgressStyle::default_bar()),
-    );
-    let rows = bench::run(&mut session, &dir, &plan, |msg| {
-        bar.set_message(msg.to_owned());
-        bar.inc(1);
-    })?;
-    bar.finish_and_clear();
     if let Some(path) = &args.results {
         bench::append_results(path, &rows)?;
     }
-    match args.output {
-        Output::Md => print!("{}", report::markdown(&rows)),
-        Output::Json => println!("{}", serde_json::to_string_pretty(&rows)?),
+    print_rows(&rows, args.output, args.matrix)?;
+    warn_kl(&rows, args.kl_warn);
+    Ok(())
+}
+
+fn print_rows(rows: &[Row], output: Output, matrix: bool) -> anyhow::Result<()> {
+    match output {
+        Output::Md if matrix => print!("{}", report::matrix_markdown(rows)),
+        Output::Md => print!("{}", report::markdown(rows)),
+        Output::Json => println!("{}", serde_json::to_string_pretty(rows)?),
         Output::Jsonl => {
-            for r in &rows {
+            for r in rows {
                 println!("{}", serde_json::to_string(r)?);
             }
         }
-        Output::Csv => print!("{}", report::csv(&rows)),
+        Output::Csv => print!("{}", report::csv(rows)),
     }
     Ok(())
+}
+
+/// One WARN line on stderr per configuration whose mean KL is above `--kl-warn`.
+fn warn_kl(rows: &[Row], threshold: f64) {
+    let mut seen: Vec<&str> = Vec::new();
+    for r in rows.iter().filter(|r| r.kl_warn == Some(true)) {
+        if !seen.contains(&r.config.as_str()) {
+            seen.push(&r.config);
+            eprintln!(
+                "mlxb: WARN: {}: mean KL divergence from L1 {:.3e} nats is above --kl-warn {threshold:e}",
+                r.config,
+                r.kl_mean.unwrap_or(f64::NAN)
+            );
+        }
+    }
 }

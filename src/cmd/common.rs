@@ -38,7 +38,11 @@ impl PromptArgs {
         let p = self.prompt.replace("\\n", "\n").replace("\\t", "\t");
         if p == "-" {
             let mut s = String::new();
-            std::io::Read::read_to_string(&mut std::io::stdin(), &mut s)?;
+            std::io::Read::read_to_string(&mut std::io::stdin(), &mut s).map_err(|e| {
+                crate::engine::error::EngineError::Input(format!(
+                    "--prompt -: cannot read the prompt from stdin ({e}); give UTF-8 text"
+                ))
+            })?;
             return Ok(s);
         }
         Ok(p)
@@ -139,8 +143,9 @@ pub struct SpecArgs {
     /// here is detected and drafts as `dspark`.
     #[arg(long)]
     pub draft_model: Option<std::path::PathBuf>,
-    /// DSpark checkpoint directory (mlxb's `dspark.json` or DeepSpec's config.json format).
-    #[arg(long)]
+    /// DSpark checkpoint directory (mlxb's `dspark.json` or DeepSpec's config.json format);
+    /// `default` = the drafter shipped for the default model (assets/drafters/).
+    #[arg(long, value_parser = crate::spec::dspark::shipped::parse_drafter_arg)]
     pub drafter: Option<std::path::PathBuf>,
     /// Tokens drafted per verify round [default: 3; a Gemma 4 assistant's
     /// generation_config.json `num_assistant_tokens` when it has one] (a DSpark drafter uses its
@@ -160,9 +165,10 @@ pub struct SpecArgs {
     /// Shortest n-gram the `ngram` drafter looks up.
     #[arg(long, default_value_t = 1)]
     pub ngram_min: usize,
-    /// Verification rule: `match` (token equality) or `reject` (rejection sampling).
-    #[arg(long, value_enum, default_value_t = VerifyMode::Match)]
-    pub spec_verify: VerifyMode,
+    /// Verification rule: `match` (token equality) or `reject` (rejection sampling)
+    /// [default: match; `measure` at --temp > 0: reject].
+    #[arg(long, value_enum)]
+    pub spec_verify: Option<VerifyMode>,
 }
 
 impl SpecArgs {
@@ -192,7 +198,7 @@ impl SpecArgs {
             draft_layers: self.draft_layers,
             ngram_max: self.ngram_max,
             ngram_min: self.ngram_min,
-            verify: self.spec_verify,
+            verify: self.spec_verify.unwrap_or_default(),
             dspark_min_conf: self.dspark_min_conf,
         })
     }

@@ -1,11 +1,13 @@
 //! Subcommands: one module each with its argument struct and thin glue; no model math here.
 
 pub mod bench;
+pub mod calibrate;
 pub mod common;
 pub mod convert;
 pub mod dspark_init;
 pub mod flags;
 pub mod generate;
+pub mod measure;
 pub mod models;
 pub mod parity;
 pub mod serve;
@@ -52,6 +54,10 @@ pub enum Command {
     Models(models::ModelsArgs),
     /// Regenerate data with the target, cache its hidden states and train a DSpark drafter.
     TrainDspark(train_dspark::TrainDsparkArgs),
+    /// Fit a DSpark drafter's confidence temperatures and pruning thresholds on a prompt file.
+    Calibrate(calibrate::CalibrateArgs),
+    /// Measure a drafter against vanilla decoding on a prompt file (acceptance, speed, calibration).
+    Measure(measure::MeasureArgs),
 }
 
 /// Runs the parsed command line and maps errors to exit codes (2 = the user's input).
@@ -77,6 +83,8 @@ pub fn run(cli: Cli) -> ExitCode {
         Command::DsparkInit(a) => dspark_init::run(a),
         Command::Models(a) => models::run(a),
         Command::TrainDspark(a) => train_dspark::run(a),
+        Command::Calibrate(a) => calibrate::run(a),
+        Command::Measure(a) => measure::run(a),
     })
 }
 

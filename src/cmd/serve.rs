@@ -1,6 +1,8 @@
 //! `mlxb serve`: flags of the OpenAI-compatible server, handed to `crate::server`.
 
 use super::common::{ModelArgs, SpecArgs};
+use super::flags::ForkArgs;
+use crate::engine::error::EngineError;
 use crate::engine::session::resolve_model;
 use crate::server::{serve, ServeConfig};
 use clap::Args;
@@ -12,9 +14,15 @@ pub struct ServeArgs {
     pub model: ModelArgs,
     #[command(flatten)]
     pub spec: SpecArgs,
-    /// Address to listen on (loopback by default; anything else should use --api-key).
+    #[command(flatten)]
+    pub forks: ForkArgs,
+    /// Address to listen on (loopback by default; anything else needs --allow-remote).
     #[arg(long, default_value = "127.0.0.1")]
     pub host: String,
+    /// Allow a --host beyond loopback (0.0.0.0, a LAN address): other machines can then use
+    /// the model; combine with --api-key.
+    #[arg(long)]
+    pub allow_remote: bool,
     /// Port to listen on (0 picks a free one; the ready card prints the URL).
     #[arg(long, default_value_t = 8080)]
     pub port: u16,
@@ -30,6 +38,17 @@ pub struct ServeArgs {
     /// Largest request body in bytes (larger ones get 413).
     #[arg(long, default_value_t = 4 << 20)]
     pub max_body_bytes: usize,
+    /// Longest prompt in tokens (longer ones get 400 `context_length_exceeded`).
+    #[arg(long, default_value_t = 32768)]
+    pub max_prompt_tokens: usize,
+    /// Most completion requests in flight at once, queued and streaming ones included (more
+    /// get 429); /health, /metrics and /v1/models are exempt.
+    #[arg(long, default_value_t = 256)]
+    pub max_concurrent: usize,
+    /// Prefill every prompt in full instead of reusing the previous request's KV for a
+    /// shared prefix (reuse is bit-exact either way; this is for comparisons).
+    #[arg(long)]
+    pub no_prefix_reuse: bool,
     /// Require `Authorization: Bearer KEY` on every route but /health.
     #[arg(long)]
     pub api_key: Option<String>,
@@ -37,16 +56,27 @@ pub struct ServeArgs {
 
 /// Entry point of `mlxb serve`.
 pub fn run(args: ServeArgs) -> anyhow::Result<()> {
-    if args.max_tokens_limit == 0 {
-        anyhow::bail!("--max-tokens-limit must be at least 1");
+    for (flag, value) in [
+        ("--max-tokens-limit", args.max_tokens_limit),
+        ("--max-prompt-tokens", args.max_prompt_tokens),
+        ("--max-concurrent", args.max_concurrent),
+        ("--max-body-bytes", args.max_body_bytes),
+    ] {
+        if value == 0 {
+            return Err(EngineError::Input(format!("{flag} must be at least 1")).into());
+        }
     }
+    // Refuse a remote --host before a first run spends time fetching the model.
+    crate::server::bind::check_host(&args.host, args.allow_remote)?;
     let spec = args.spec.options();
     if let Some(opts) = &spec {
         opts.validate()?;
     }
     let dir = resolve_model(args.model.model.as_deref())?;
+    let forks = args.forks.forks()?;
     serve(ServeConfig {
         dir,
+        forks,
         model_ref: args.model.model.clone(),
         host: args.host,
         port: args.port,
@@ -57,5 +87,9 @@ pub fn run(args: ServeArgs) -> anyhow::Result<()> {
         max_tokens_limit: args.max_tokens_limit,
         max_body_bytes: args.max_body_bytes,
         api_key: args.api_key,
+        allow_remote: args.allow_remote,
+        max_prompt_tokens: args.max_prompt_tokens,
+        max_concurrent: args.max_concurrent,
+        prefix_reuse: !args.no_prefix_reuse,
     })
 }

@@ -192,7 +192,7 @@ pub static FORKS: &[Fork] = &[
             keep("on", Tier::L3, Output::Changes),
         ]),
         defaults: ["off", "off", "on"],
-        help: "Quantized-KV attention in f32 with an online softmax over 256-position chunks (needs --kv-quant)",
+        help: "Host CPU kernels: 4-/8-bit linear layers in single-token (and <= 8-token verify) steps run a SIMD mat-vec on the packed weights (AVX-512/AVX2/scalar; not under --compiled-decode), and with --kv-quant attention runs in f32 with an online softmax over 256-position chunks",
     },
     Fork {
         name: "fused-decode",
@@ -279,7 +279,8 @@ pub struct Forks {
     pub quantized_kv_start: usize,
     /// Custom fused GELU kernel (GPU only; refused on CPU).
     pub fused_gelu: bool,
-    /// f32 online-softmax attention over quantized KV caches (L3).
+    /// Host SIMD 4-bit mat-vec for quantized linears in small steps, and f32 online-softmax
+    /// attention over quantized KV caches (L3).
     pub perf_kernel: bool,
     /// One fused q/k/v projection in single-token steps (L3).
     pub fused_decode: bool,
@@ -364,6 +365,12 @@ impl Forks {
                 other => format!("<no field for {other}>"),
             })
             .collect()
+    }
+
+    /// Whether 4-bit linear layers run single-token steps on the host kernel
+    /// ([`crate::engine::kernels`]): `--perf-kernel on`, except inside compiled steps.
+    pub fn host_q4(&self) -> bool {
+        self.perf_kernel && !self.compiled_decode
     }
 
     /// The `(name, value)` pairs to pass on the command line to reproduce this value.
@@ -453,11 +460,6 @@ pub fn resolve(tier: Option<Tier>, explicit: &[(String, String)]) -> Result<Reso
 /// Contradictions are errors; flags without effect are warnings.
 fn check_combination(f: &Forks, values: &[Resolved]) -> Result<Vec<String>> {
     let explicit = |name: &str| values.iter().any(|r| r.fork.name == name && r.explicit);
-    if f.perf_kernel && f.kv_quant == KvQuant::Off {
-        return Err(EngineError::Input(
-            "--perf-kernel on replaces the attention over a quantized KV cache, but --kv-quant is off; add --kv-quant 4|8|config or drop --perf-kernel on".into(),
-        ));
-    }
     if f.fused_gelu {
         return Err(EngineError::Input(format!(
             "--fused-gelu on: mlxb has no custom fused GELU kernel for the {} backend (on CPU the compiled gelu of --compiled-activations on already runs as one fused kernel); use --fused-gelu off",
@@ -465,6 +467,9 @@ fn check_combination(f: &Forks, values: &[Resolved]) -> Result<Vec<String>> {
         )));
     }
     let mut warnings = Vec::new();
+    if f.perf_kernel && f.compiled_decode {
+        warnings.push("--perf-kernel on with --compiled-decode on: the host 4-bit mat-vec cannot run inside a compiled MLX step, so quantized layers stay on MLX's kernels".into());
+    }
     if f.kv_quant == KvQuant::Off {
         for name in ["kv-group-size", "quantized-kv-start"] {
             if explicit(name) {

@@ -99,6 +99,29 @@ pub struct Generator<'a> {
     forced: Option<std::vec::IntoIter<u32>>,
     /// Where speculative rounds are traced (`--spec-trace`), and the rounds traced so far.
     pub(crate) trace: Option<(Box<dyn TraceSink + 'a>, usize)>,
+    /// Where the caches go when the generation ends ([`Generator::with_carry`]).
+    keep: Option<&'a mut Carry>,
+}
+
+/// KV caches handed from one generation to the next, so that a prompt sharing a prefix with
+/// the previous one skips recomputing it (`mlxb serve`'s prefix reuse). The caller decides
+/// how much is reusable and trims the caches to exactly that; the generation then leaves its
+/// own caches here when it ends, whatever way it ends.
+#[derive(Default)]
+pub struct Carry {
+    /// Per-layer caches (empty: none kept).
+    pub caches: Caches,
+    /// How many leading prompt positions `caches` hold for the next generation (0: start
+    /// from fresh caches and ignore `caches`).
+    pub reused: usize,
+}
+
+impl Drop for Generator<'_> {
+    fn drop(&mut self) {
+        if let Some(carry) = self.keep.take() {
+            carry.caches = std::mem::take(&mut self.caches);
+        }
+    }
 }
 
 /// A drafter attached to a generation (see `crate::spec`).
@@ -135,7 +158,30 @@ impl<'a> Generator<'a> {
             logprobs_op: None,
             forced: None,
             trace: None,
+            keep: None,
         }
+    }
+
+    /// Starts from `carry`'s caches, which hold exactly the first `carry.reused` positions of
+    /// `prompt` (then only the rest of the prompt is prefilled), and leaves this generation's
+    /// caches in `carry` when it ends. Call before [`Generator::with_plan`].
+    pub fn with_carry(mut self, carry: &'a mut Carry, prompt: &[u32]) -> Result<Self> {
+        let reused = carry.reused;
+        if reused > 0 {
+            let held = carry.caches.iter().map(|c| c.offset()).collect::<Vec<_>>();
+            if reused >= prompt.len() || held.iter().any(|&o| o as usize != reused) {
+                return Err(EngineError::Runtime(format!(
+                    "reused caches hold {held:?} positions, expected {reused} of a {}-token prompt",
+                    prompt.len()
+                )));
+            }
+            self.caches = std::mem::take(&mut carry.caches);
+            self.positions = reused;
+            let ids: Vec<i32> = prompt[..reused].iter().map(|&t| t as i32).collect();
+            self.remember(&Array::from_slice(&ids, &[reused as i32]))?;
+        }
+        self.keep = Some(carry);
+        Ok(self)
     }
 
     /// Teacher forcing: the steps emit `tokens` in order instead of sampling (while they
@@ -256,7 +302,8 @@ impl<'a> Generator<'a> {
         let step_size = cfg.prefill_step_size.max(1);
         let start = Instant::now();
         let ids: Vec<i32> = prompt.iter().map(|&t| t as i32).collect();
-        let mut rest: &[i32] = &ids;
+        // Positions carried over from an earlier generation are not prefilled again.
+        let mut rest: &[i32] = &ids[self.positions.min(ids.len() - 1)..];
         while rest.len() > 1 {
             let n = step_size.min(rest.len() - 1);
             let chunk = Array::from_slice(&rest[..n], &[n as i32]);

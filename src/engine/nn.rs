@@ -2,8 +2,10 @@
 //! forms, RMSNorm), issuing exactly the MLX ops `mlx.nn` issues so results stay bit-identical.
 
 use super::error::Result;
+use super::kernels::{HostQuant, HostQuantCell};
 use super::weights::{QuantSpec, WeightStore};
 use mlx_rs::{fast, ops, Array, Dtype};
+use std::sync::Arc;
 
 /// A Python-style "weak" scalar: `v` rounded to f32, then to `like`'s dtype, as MLX does for
 /// `x * 0.5` in Python (mlx-rs scalars would instead promote bf16 to f32).
@@ -66,7 +68,36 @@ pub(crate) fn load_stacked_weight(
     }
 }
 
-fn matmul_transposed(x: &Array, w: &LinearWeight) -> Result<Array> {
+/// The host kernel's cache for a layer loaded under `--perf-kernel on` (a 2-D 4- or 8-bit
+/// weight); `None` keeps the layer on MLX's own kernels.
+fn host_cell(w: &WeightStore, weight: &LinearWeight) -> Option<Arc<HostQuantCell>> {
+    match weight {
+        LinearWeight::Quantized { weight, spec, .. }
+            if w.host_kernel()
+                && super::kernels::BITS.contains(&(spec.bits as usize))
+                && weight.ndim() == 2 =>
+        {
+            Some(Arc::default())
+        }
+        _ => None,
+    }
+}
+
+fn matmul_transposed(x: &Array, w: &LinearWeight, host: Option<&HostQuantCell>) -> Result<Array> {
+    if let (
+        Some(cell),
+        LinearWeight::Quantized {
+            weight,
+            scales,
+            biases,
+            spec,
+        },
+    ) = (host, w)
+    {
+        if HostQuant::takes(x) {
+            return cell.get(weight, scales, biases, *spec)?.forward(x);
+        }
+    }
     Ok(match w {
         LinearWeight::Dense(weight) => ops::matmul(x, weight.t())?,
         LinearWeight::Quantized {
@@ -83,6 +114,7 @@ fn matmul_transposed(x: &Array, w: &LinearWeight) -> Result<Array> {
 pub struct Linear {
     weight: LinearWeight,
     bias: Option<Array>,
+    host: Option<Arc<HostQuantCell>>,
 }
 
 impl Linear {
@@ -100,7 +132,8 @@ impl Linear {
         } else {
             None
         };
-        Ok(Self { weight, bias })
+        let host = host_cell(w, &weight);
+        Ok(Self { weight, bias, host })
     }
 
     /// An unbiased dense layer over an existing `[out, in]` weight (e.g. a head copied from the
@@ -109,6 +142,7 @@ impl Linear {
         Self {
             weight: LinearWeight::Dense(weight),
             bias: None,
+            host: None,
         }
     }
 
@@ -171,15 +205,20 @@ impl Linear {
             n if n == layers.len() => Some(cat(biases)?),
             _ => return Err(mismatch()),
         };
-        Ok(Self { weight, bias })
+        let host = layers.iter().all(|l| l.host.is_some()).then(Arc::default);
+        Ok(Self { weight, bias, host })
+    }
+
+    fn matmul(&self, x: &Array) -> Result<Array> {
+        matmul_transposed(x, &self.weight, self.host.as_deref())
     }
 
     /// `x @ W.T (+ b)`, with `addmm` for the dense biased case as mlx does.
     pub fn forward(&self, x: &Array) -> Result<Array> {
         match (&self.weight, &self.bias) {
             (LinearWeight::Dense(weight), Some(b)) => Ok(ops::addmm(b, x, weight.t(), None, None)?),
-            (_, Some(b)) => Ok(matmul_transposed(x, &self.weight)?.add(b)?),
-            (_, None) => matmul_transposed(x, &self.weight),
+            (_, Some(b)) => Ok(self.matmul(x)?.add(b)?),
+            (_, None) => self.matmul(x),
         }
     }
 }
@@ -188,14 +227,15 @@ impl Linear {
 #[derive(Debug, Clone)]
 pub struct Embedding {
     weight: LinearWeight,
+    host: Option<Arc<HostQuantCell>>,
 }
 
 impl Embedding {
     /// Loads `{path}.weight` of shape [vocab, dim] (quantized when the checkpoint says so).
     pub fn load(w: &mut WeightStore, path: &str, vocab: i32, dim: i32) -> Result<Self> {
-        Ok(Self {
-            weight: load_linear_weight(w, path, vocab, dim)?,
-        })
+        let weight = load_linear_weight(w, path, vocab, dim)?;
+        let host = host_cell(w, &weight);
+        Ok(Self { weight, host })
     }
 
     /// Looks up rows: `weight[ids]`, or the dequantized rows for a quantized table.
@@ -219,7 +259,7 @@ impl Embedding {
 
     /// The tied LM head: `x @ weight.T`.
     pub fn as_linear(&self, x: &Array) -> Result<Array> {
-        matmul_transposed(x, &self.weight)
+        matmul_transposed(x, &self.weight, self.host.as_deref())
     }
 
     /// The table itself when it is not quantized.

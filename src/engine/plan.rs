@@ -68,9 +68,10 @@ impl ForkPlan {
                 Some(v) => layer_bits(config_path, v, layers)?,
             },
         };
-        if forks.perf_kernel && plan.kv_bits.iter().all(Option::is_none) {
+        let quantized = config.get("quantization").is_some();
+        if forks.perf_kernel && plan.kv_bits.iter().all(Option::is_none) && !quantized {
             plan.warnings.push(
-                "--perf-kernel on has no effect: no layer of this model gets a quantized KV cache"
+                "--perf-kernel on has no effect: the model has no quantized layers and no layer gets a quantized KV cache"
                     .into(),
             );
         }

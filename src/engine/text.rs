@@ -4,7 +4,7 @@
 //! server produce the same tokens and the same text for the same settings.
 
 use super::error::Result;
-use super::generate::{Flow, GenerateConfig, GenerationStats, Generator, Speculation, Step};
+use super::generate::{Carry, Flow, GenerateConfig, GenerationStats, Generator, Speculation, Step};
 use super::runtime;
 use super::sample::{self, LogitsProcessors, ProcessorConfig, Sampler, SamplerConfig};
 use super::session::Session;
@@ -117,6 +117,39 @@ pub fn generate_text_traced(
     params: &TextParams,
     draft: Option<DraftPlan<'_>>,
     trace: Option<Box<dyn TraceSink + '_>>,
+    on_event: impl FnMut(TextEvent<'_>) -> Result<Flow>,
+) -> Result<Outcome> {
+    generate_text_with(session, prompt_ids, params, draft, trace, None, on_event)
+}
+
+/// [`generate_text`] starting from (and leaving its caches in) `carry`: the server's
+/// prompt-prefix reuse (see [`Carry`]).
+pub fn generate_text_carried(
+    session: &mut Session,
+    prompt_ids: &[u32],
+    params: &TextParams,
+    draft: Option<DraftPlan<'_>>,
+    carry: &mut Carry,
+    on_event: impl FnMut(TextEvent<'_>) -> Result<Flow>,
+) -> Result<Outcome> {
+    generate_text_with(
+        session,
+        prompt_ids,
+        params,
+        draft,
+        None,
+        Some(carry),
+        on_event,
+    )
+}
+
+fn generate_text_with(
+    session: &mut Session,
+    prompt_ids: &[u32],
+    params: &TextParams,
+    draft: Option<DraftPlan<'_>>,
+    trace: Option<Box<dyn TraceSink + '_>>,
+    carry: Option<&mut Carry>,
     mut on_event: impl FnMut(TextEvent<'_>) -> Result<Flow>,
 ) -> Result<Outcome> {
     if let Some(s) = params.seed {
@@ -135,8 +168,11 @@ pub fn generate_text_traced(
     let mut text = String::new();
     let mut finish_reason = FinishReason::Length;
     let plan = session.model.plan.clone();
-    let mut generator = Generator::new(session.model.model.as_mut(), &mut sampler, &mut processors)
-        .with_plan(&plan);
+    let mut generator = Generator::new(session.model.model.as_mut(), &mut sampler, &mut processors);
+    if let Some(carry) = carry {
+        generator = generator.with_carry(carry, prompt_ids)?;
+    }
+    let mut generator = generator.with_plan(&plan);
     if let Some(plan) = draft {
         generator = generator.with_speculation(Speculation {
             source: plan.source,

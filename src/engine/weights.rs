@@ -111,6 +111,7 @@ pub struct WeightStore {
     dir: PathBuf,
     tensors: HashMap<String, Array>,
     quant: QuantConfig,
+    host_kernel: bool,
 }
 
 impl WeightStore {
@@ -150,7 +151,19 @@ impl WeightStore {
             dir: dir.to_path_buf(),
             tensors,
             quant,
+            host_kernel: false,
         })
+    }
+
+    /// Makes 4-bit linear layers loaded from here run single-token steps on the host kernel
+    /// (`--perf-kernel on`, see [`crate::engine::kernels`]).
+    pub fn set_host_kernel(&mut self, on: bool) {
+        self.host_kernel = on;
+    }
+
+    /// Whether 4-bit linear layers get the host kernel.
+    pub fn host_kernel(&self) -> bool {
+        self.host_kernel
     }
 
     /// Builds a store from tensors already in memory (tests, importers).
@@ -159,6 +172,7 @@ impl WeightStore {
             dir: dir.to_path_buf(),
             tensors,
             quant,
+            host_kernel: false,
         }
     }
 

@@ -79,6 +79,17 @@ impl ApiError {
         }
     }
 
+    /// A 429 when more requests are in flight than `--max-concurrent` allows.
+    pub fn too_many(message: impl Into<String>) -> Self {
+        Self {
+            status: StatusCode::TOO_MANY_REQUESTS,
+            message: message.into(),
+            kind: "requests",
+            param: None,
+            code: Some("rate_limit_exceeded"),
+        }
+    }
+
     /// A 503 when the request queue is full or the server is shutting down.
     pub fn unavailable(message: impl Into<String>) -> Self {
         Self {
@@ -132,7 +143,10 @@ impl IntoResponse for ApiError {
             header::CONTENT_TYPE,
             HeaderValue::from_static("application/json"),
         );
-        if self.status == StatusCode::SERVICE_UNAVAILABLE {
+        if matches!(
+            self.status,
+            StatusCode::SERVICE_UNAVAILABLE | StatusCode::TOO_MANY_REQUESTS
+        ) {
             headers.insert(header::RETRY_AFTER, HeaderValue::from_static("1"));
         }
         response

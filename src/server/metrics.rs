@@ -16,6 +16,8 @@ pub enum Rejection {
     Invalid,
     /// The queue was full or the server was shutting down (503).
     Unavailable,
+    /// More requests were in flight than `--max-concurrent` allows (429).
+    Busy,
 }
 
 impl Rejection {
@@ -23,6 +25,7 @@ impl Rejection {
         match self {
             Rejection::Invalid => "invalid",
             Rejection::Unavailable => "unavailable",
+            Rejection::Busy => "concurrency",
         }
     }
 }
@@ -86,6 +89,7 @@ struct Inner {
     aborted: u64,
     failed: u64,
     prompt_tokens: u64,
+    cached_tokens: u64,
     generation_tokens: u64,
     waiting: u64,
     running: u64,
@@ -116,6 +120,7 @@ impl Default for Metrics {
                 aborted: 0,
                 failed: 0,
                 prompt_tokens: 0,
+                cached_tokens: 0,
                 generation_tokens: 0,
                 waiting: 0,
                 running: 0,
@@ -197,6 +202,7 @@ impl Metrics {
         let mut m = self.lock();
         *m.success.entry(f.finish_reason).or_default() += 1;
         m.prompt_tokens += f.prompt_tokens as u64;
+        m.cached_tokens += f.cached_tokens as u64;
         m.generation_tokens += f.generation_tokens as u64;
         m.e2e.observe(f.latency.as_secs_f64());
         if f.generation_tokens > 1 {
@@ -265,6 +271,12 @@ impl Metrics {
             "counter",
             "Prompt tokens of finished requests.",
             m.prompt_tokens.to_string(),
+        );
+        scalar(
+            "mlxb:prompt_tokens_cached_total",
+            "counter",
+            "Prompt tokens of finished requests whose KV was reused from the previous request.",
+            m.cached_tokens.to_string(),
         );
         scalar(
             "mlxb:generation_tokens_total",
@@ -361,6 +373,8 @@ pub struct Finished<'a> {
     pub finish_reason: &'static str,
     /// Prompt length in tokens.
     pub prompt_tokens: usize,
+    /// Prompt tokens whose KV was reused (not prefilled again).
+    pub cached_tokens: usize,
     /// Tokens generated.
     pub generation_tokens: usize,
     /// Arrival to last token.
@@ -409,6 +423,7 @@ mod tests {
         m.finished(&Finished {
             finish_reason: "length",
             prompt_tokens: 7,
+            cached_tokens: 6,
             generation_tokens: 9,
             latency: Duration::from_millis(50),
             decode_tps: 300.0,
@@ -419,6 +434,7 @@ mod tests {
         for line in [
             "mlxb:requests_received_total 1",
             "mlxb:prompt_tokens_total 7",
+            "mlxb:prompt_tokens_cached_total 6",
             "mlxb:generation_tokens_total 9",
             "mlxb:num_requests_waiting 0",
             "mlxb:spec_decode_num_drafts_total 2",

@@ -3,6 +3,9 @@
 //! queue them FIFO (bounded) and turn the engine's token events into JSON or SSE.
 //!
 //! - `routes` — the endpoints, API-key check and admission path;
+//! - `bind` — loopback unless `--allow-remote`;
+//! - `limit` — the concurrency limit (429);
+//! - `prefix` — bit-exact prompt-prefix KV reuse between requests;
 //! - `request` — request parsing and validation (400s name the field);
 //! - `respond` / `types` — OpenAI response objects and stream chunks;
 //! - `queue` — the bounded job queue (503 when full);
@@ -10,8 +13,11 @@
 //! - `stop` — stop strings on streamed text;
 //! - `metrics` — Prometheus counters and histograms.
 
+pub mod bind;
 pub mod error;
+pub mod limit;
 pub mod metrics;
+pub mod prefix;
 pub mod queue;
 pub mod request;
 pub mod respond;
@@ -56,6 +62,16 @@ pub struct ServeConfig {
     pub max_body_bytes: usize,
     /// Bearer key required on every route but `/health`.
     pub api_key: Option<String>,
+    /// Listening beyond loopback was asked for explicitly (`--allow-remote`).
+    pub allow_remote: bool,
+    /// Longest prompt a request may send, in tokens.
+    pub max_prompt_tokens: usize,
+    /// Most HTTP requests in flight at once (streams count until they end).
+    pub max_concurrent: usize,
+    /// Reuse the previous request's KV for a shared prompt prefix.
+    pub prefix_reuse: bool,
+    /// The fork flags every request runs with (`--l1/--l2/--l3` and per-fork flags).
+    pub forks: crate::engine::flags::Forks,
 }
 
 /// Loads the model, binds, prints the ready card and serves until Ctrl-C or SIGTERM; then
@@ -63,6 +79,13 @@ pub struct ServeConfig {
 /// engine thread touches MLX.
 pub fn serve(cfg: ServeConfig) -> anyhow::Result<()> {
     let started = Instant::now();
+    let loopback = bind::check_host(&cfg.host, cfg.allow_remote)?;
+    if !loopback && cfg.api_key.is_none() {
+        eprintln!(
+            "mlxb serve: warning: listening on {} (beyond this machine) without --api-key: anyone who can reach it can use the model",
+            cfg.host
+        );
+    }
     let metrics = Arc::new(metrics::Metrics::default());
     let shutdown = Arc::new(AtomicBool::new(false));
     let (queue, jobs) = queue::JobQueue::new(cfg.max_queue);
@@ -71,6 +94,8 @@ pub fn serve(cfg: ServeConfig) -> anyhow::Result<()> {
             dir: cfg.dir.clone(),
             spec: cfg.spec.clone(),
             prefill_step_size: cfg.prefill_step_size,
+            prefix_reuse: cfg.prefix_reuse,
+            forks: cfg.forks,
         },
         jobs,
         metrics.clone(),
@@ -78,9 +103,15 @@ pub fn serve(cfg: ServeConfig) -> anyhow::Result<()> {
     )?;
     let tokenizer = Tokenizer::load(&cfg.dir)?;
     let model_id = model_id(&cfg);
+    // Requests name the served id (or a built-in short name such as `gemma3`), never a path.
     let mut model_ids = vec![model_id.clone()];
-    model_ids.extend(cfg.model_ref.iter().cloned());
-    model_ids.push(cfg.dir.display().to_string());
+    model_ids.extend(
+        cfg.model_ref
+            .iter()
+            .filter(|r| !r.contains(['/', '\\']))
+            .cloned(),
+    );
+    let concurrency = limit::Concurrency::new(cfg.max_concurrent, metrics.clone());
     let state = Arc::new(routes::AppState {
         model_id,
         tokenizer,
@@ -91,13 +122,14 @@ pub fn serve(cfg: ServeConfig) -> anyhow::Result<()> {
             vocab_size: engine.info.vocab_size,
             default_max_tokens: cfg.default_max_tokens.min(cfg.max_tokens_limit),
             max_tokens_limit: cfg.max_tokens_limit,
+            max_prompt_tokens: cfg.max_prompt_tokens,
             prefill_step_size: cfg.prefill_step_size,
             has_drafter: engine.info.drafter.is_some(),
         },
         api_key: cfg.api_key.clone(),
         created: respond::unix_now(),
     });
-    let app = routes::router(state.clone(), cfg.max_body_bytes);
+    let app = routes::router(state.clone(), cfg.max_body_bytes, concurrency);
 
     let runtime = tokio::runtime::Builder::new_multi_thread()
         .worker_threads(2)
@@ -160,7 +192,7 @@ fn print_card(
     let mut out = std::io::stdout().lock();
     let _ = writeln!(
         out,
-        "mlxb serve: ready in {:.1}s\n  model    {} ({}, {})\n  backend  {}\n  tier     L1 (bit-exact with mlx-lm)\n  drafter  {}\n  queue    {} waiting at most, 1 generating; max_tokens {} by default, {} at most\n  auth     {}\n  url      http://{addr}\n  routes   POST /v1/chat/completions, POST /v1/completions, GET /v1/models, GET /health, GET /metrics",
+        "mlxb serve: ready in {:.1}s\n  model    {} ({}, {})\n  backend  {}\n  tier     L1 (bit-exact with mlx-lm)\n  drafter  {}\n  queue    {} waiting at most, 1 generating; max_tokens {} by default, {} at most\n  limits   prompt {} tokens, body {} bytes, {} requests in flight\n  prefix   {}\n  auth     {}\n  url      http://{addr}\n  routes   POST /v1/chat/completions, POST /v1/completions, GET /v1/models, GET /health, GET /metrics",
         load_time.as_secs_f64(),
         state.model_id,
         cfg.dir.display(),
@@ -170,14 +202,16 @@ fn print_card(
         cfg.max_queue.max(1),
         state.limits.default_max_tokens,
         cfg.max_tokens_limit,
+        cfg.max_prompt_tokens,
+        cfg.max_body_bytes,
+        cfg.max_concurrent.max(1),
+        if info.prefix_reuse {
+            "reused across requests where bit-exact"
+        } else {
+            "off"
+        },
         if cfg.api_key.is_some() { "Bearer key required (all routes but /health)" } else { "none" },
     );
-    if !addr.ip().is_loopback() && cfg.api_key.is_none() {
-        let _ = writeln!(
-            out,
-            "  warning  listening beyond this machine without --api-key"
-        );
-    }
     let _ = out.flush();
 }
 

@@ -29,6 +29,8 @@ pub struct Limits {
     pub default_max_tokens: usize,
     /// The largest `max_tokens` a request may ask for.
     pub max_tokens_limit: usize,
+    /// The longest prompt, in tokens, a request may send.
+    pub max_prompt_tokens: usize,
     /// Prompt tokens per prefill forward.
     pub prefill_step_size: usize,
     /// Whether the server was started with a drafter (per-request `num_draft_tokens`).
@@ -508,6 +510,32 @@ pub fn prompt_ids(tokenizer: &Tokenizer, prompt: &PromptInput) -> Result<Vec<u32
     Ok(ids)
 }
 
+/// A 400 (`context_length_exceeded`) when the tokenized prompt is longer than the server
+/// allows (`--max-prompt-tokens`).
+pub fn check_prompt_length(
+    request: &CompletionRequest,
+    tokens: usize,
+    limits: &Limits,
+) -> Result<(), ApiError> {
+    if tokens <= limits.max_prompt_tokens {
+        return Ok(());
+    }
+    let field = match request.endpoint {
+        Endpoint::Chat => "messages",
+        Endpoint::Completions => "prompt",
+    };
+    Err(ApiError {
+        code: Some("context_length_exceeded"),
+        ..ApiError::invalid(
+            field,
+            format!(
+                "`{field}` is {tokens} tokens long; this server takes at most {} (--max-prompt-tokens); shorten it",
+                limits.max_prompt_tokens
+            ),
+        )
+    })
+}
+
 fn encode(r: crate::engine::error::Result<Vec<u32>>) -> Result<Vec<u32>, ApiError> {
     r.map_err(|e| ApiError::invalid("prompt", e.to_string()))
 }
@@ -522,6 +550,7 @@ mod tests {
             vocab_size: 384,
             default_max_tokens: 16,
             max_tokens_limit: 100,
+            max_prompt_tokens: 1000,
             prefill_step_size: 2048,
             has_drafter: false,
         }

@@ -2,6 +2,7 @@
 //! admission path (parse → tokenize → queue) shared by both completion endpoints.
 
 use super::error::ApiError;
+use super::limit::{self, Concurrency};
 use super::metrics::{Metrics, Rejection};
 use super::queue::JobQueue;
 use super::request::{self, Endpoint, Limits};
@@ -39,11 +40,14 @@ pub struct AppState {
     pub created: u64,
 }
 
-/// The application: every route, the API-key check and the body size limit.
-pub fn router(state: Arc<AppState>, max_body_bytes: usize) -> Router {
-    let guarded = Router::new()
+/// The application: every route, the API-key check, the concurrency limit (the two
+/// completion routes) and the body size limit.
+pub fn router(state: Arc<AppState>, max_body_bytes: usize, concurrency: Concurrency) -> Router {
+    let generating = Router::new()
         .route("/v1/chat/completions", post(chat))
         .route("/v1/completions", post(completions))
+        .route_layer(middleware::from_fn_with_state(concurrency, limit::limit));
+    let guarded = generating
         .route("/v1/models", get(models))
         .route("/metrics", get(metrics))
         .route_layer(middleware::from_fn_with_state(state.clone(), require_key));
@@ -169,6 +173,7 @@ fn admit(
     })?;
     let request = request::parse(endpoint, &bytes, &s.limits).map_err(invalid)?;
     let prompt_ids = request::prompt_ids(&s.tokenizer, &request.prompt).map_err(invalid)?;
+    request::check_prompt_length(&request, prompt_ids.len(), &s.limits).map_err(invalid)?;
     let shape = Shape::new(&request, &s.model_id);
     let stream = request.stream;
     let (tx, rx) = unbounded_channel();

@@ -22,18 +22,21 @@ pub struct Usage {
 /// OpenAI's `usage.prompt_tokens_details`.
 #[derive(Debug, Clone, Serialize)]
 pub struct PromptTokensDetails {
-    /// Prompt tokens whose KV came from an earlier request (0: no prefix reuse yet).
+    /// Prompt tokens whose KV came from the previous request (see `server::prefix`).
     pub cached_tokens: usize,
 }
 
 impl Usage {
-    /// Usage for `prompt` prompt tokens and `completion` generated ones.
-    pub fn new(prompt: usize, completion: usize) -> Self {
+    /// Usage for `prompt` prompt tokens (`cached` of them reused from an earlier request) and
+    /// `completion` generated ones.
+    pub fn new(prompt: usize, cached: usize, completion: usize) -> Self {
         Self {
             prompt_tokens: prompt,
             completion_tokens: completion,
             total_tokens: prompt + completion,
-            prompt_tokens_details: PromptTokensDetails { cached_tokens: 0 },
+            prompt_tokens_details: PromptTokensDetails {
+                cached_tokens: cached,
+            },
         }
     }
 }

@@ -4,6 +4,7 @@
 
 use super::error::ApiError;
 use super::metrics::{Finished, Metrics};
+use super::prefix::PrefixCache;
 use super::request::CompletionRequest;
 use super::stop::StopMatcher;
 use super::types::{Timings, Usage};
@@ -12,7 +13,7 @@ use crate::engine::flags::Forks;
 use crate::engine::generate::{Flow, GenerateConfig, Step};
 use crate::engine::runtime;
 use crate::engine::session::Session;
-use crate::engine::text::{generate_text, DraftPlan, TextEvent, TextParams};
+use crate::engine::text::{generate_text, generate_text_carried, DraftPlan, TextEvent, TextParams};
 use crate::spec::source::{open_source, DraftSource, SpecOptions};
 use mlx_rs::Dtype;
 use std::panic::{catch_unwind, AssertUnwindSafe};
@@ -85,6 +86,10 @@ pub struct EngineConfig {
     pub spec: Option<SpecOptions>,
     /// Prompt tokens per prefill forward.
     pub prefill_step_size: usize,
+    /// Reuse the previous request's KV for a shared prompt prefix (see `server::prefix`).
+    pub prefix_reuse: bool,
+    /// The forks the model is opened with.
+    pub forks: Forks,
 }
 
 /// Facts about the loaded model, for the ready card and request validation.
@@ -98,6 +103,9 @@ pub struct EngineInfo {
     pub drafter: Option<String>,
     /// Backend and MLX version (`cpu (MLX 0.32.4)`), read on the engine thread.
     pub backend: String,
+    /// Whether prompt prefixes are reused across requests (off with `--no-prefix-reuse` or
+    /// a drafter that reads the target's hidden states during prefill).
+    pub prefix_reuse: bool,
 }
 
 /// The running engine thread.
@@ -145,6 +153,7 @@ struct State {
     session: Session,
     drafter: Option<(Box<dyn DraftSource>, SpecOptions)>,
     info: EngineInfo,
+    prefix: PrefixCache,
 }
 
 /// How a job ended.
@@ -157,14 +166,20 @@ enum Ran {
 
 impl State {
     fn open(cfg: &EngineConfig) -> Result<Self> {
-        let session = Session::open(&cfg.dir, Forks::default())?;
+        let session = Session::open(&cfg.dir, cfg.forks)?;
         let drafter = match &cfg.spec {
             Some(opts) => Some((
-                open_source(opts, &session, Forks::default(), cfg.prefill_step_size)?,
+                open_source(opts, &session, cfg.forks, cfg.prefill_step_size)?,
                 opts.clone(),
             )),
             None => None,
         };
+        // A tapping drafter (DSpark) must see the target's hidden states of every prompt
+        // position, so its requests prefill in full.
+        let prefix_reuse = cfg.prefix_reuse
+            && drafter
+                .as_ref()
+                .is_none_or(|(s, _)| s.tap_layers().is_empty());
         let info = EngineInfo {
             model_type: session.model.model_type.clone(),
             vocab_size: usize::try_from(session.model.model.vocab_size()).unwrap_or(0),
@@ -182,11 +197,13 @@ impl State {
                 runtime::backend().name(),
                 runtime::mlx_version().unwrap_or_else(|_| "?".into())
             ),
+            prefix_reuse,
         };
         let mut state = Self {
             session,
             drafter,
             info,
+            prefix: PrefixCache::new(cfg.prefill_step_size, prefix_reuse),
         };
         state.warm_up()?;
         Ok(state)
@@ -239,6 +256,8 @@ impl State {
                 }))
             }
             Err(_) => {
+                // The caches may be half-written: the next request starts fresh.
+                self.prefix.finish(&[], false);
                 metrics.failed();
                 Some(Event::Error(ApiError::internal(
                     "the engine failed on this request (internal panic); the server keeps serving",
@@ -276,11 +295,14 @@ impl State {
         let mut last_token: Option<Instant> = None;
         let mut gone = false;
         let send = |event: Event| job.events.send(event).is_ok();
-        let outcome = generate_text(
+        let carry = self.prefix.prepare(&job.prompt_ids);
+        let cached_tokens = carry.reused;
+        let outcome = generate_text_carried(
             &mut self.session,
             &job.prompt_ids,
             &req.params,
             draft,
+            carry,
             |event| {
                 let (text, step) = match event {
                     TextEvent::Token { step, text } => (text, Some(step)),
@@ -309,7 +331,9 @@ impl State {
                 let stop = gone || stopper.stopped() || shutdown.load(Ordering::Relaxed);
                 Ok(if stop { Flow::Stop } else { Flow::Continue })
             },
-        )?;
+        );
+        self.prefix.finish(&job.prompt_ids, outcome.is_ok());
+        let outcome = outcome?;
         if gone {
             return Ok(Ran::Aborted);
         }
@@ -333,6 +357,7 @@ impl State {
         metrics.finished(&Finished {
             finish_reason,
             prompt_tokens: stats.prompt_tokens,
+            cached_tokens,
             generation_tokens: outcome.token_ids.len(),
             latency: job.arrived.elapsed(),
             decode_tps: stats.generation_tps(),
@@ -340,7 +365,7 @@ impl State {
         });
         Ok(Ran::Finished(Box::new(Summary {
             finish_reason,
-            usage: Usage::new(stats.prompt_tokens, outcome.token_ids.len()),
+            usage: Usage::new(stats.prompt_tokens, cached_tokens, outcome.token_ids.len()),
             timings: Timings::new(stats, spec),
             token_ids: outcome.token_ids,
         })))

@@ -95,7 +95,7 @@ impl Generator<'_> {
         stats.generation_tokens = out.emitted;
         stats.generation_time = started.elapsed();
         stats.peak_memory = memory::peak_memory()?;
-        Ok((stats, self.spec.map(|s| s.metrics)))
+        Ok((stats, self.spec.take().map(|s| s.metrics)))
     }
 
     /// One round emitting between 1 and `remaining` tokens.

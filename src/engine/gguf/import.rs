@@ -507,6 +507,7 @@ impl Staging {
             .file_name()
             .map(|n| n.to_string_lossy().into_owned())
             .unwrap_or_else(|| "model".into());
+        remove_dead_staging(&parent, &name);
         let path = parent.join(format!(".{name}.partial-{}", std::process::id()));
         let _ = std::fs::remove_dir_all(&path);
         std::fs::create_dir(&path).map_err(|e| {
@@ -541,6 +542,32 @@ impl Staging {
         self.done = true;
         Ok(())
     }
+}
+
+/// Removes staging directories for `name` left by imports that were killed (their process is
+/// gone), so a crash does not leave hundreds of megabytes behind; live imports keep theirs.
+fn remove_dead_staging(parent: &Path, name: &str) {
+    let prefix = format!(".{name}.partial-");
+    let Ok(entries) = std::fs::read_dir(parent) else {
+        return;
+    };
+    for e in entries.flatten() {
+        let file_name = e.file_name();
+        let pid = file_name
+            .to_str()
+            .and_then(|n| n.strip_prefix(&prefix))
+            .and_then(|p| p.parse::<libc::pid_t>().ok());
+        if pid.is_some_and(|p| p > 0 && !process_alive(p)) {
+            let _ = std::fs::remove_dir_all(e.path());
+        }
+    }
+}
+
+/// Whether process `pid` exists (signal 0 only checks; EPERM means it exists under another user).
+fn process_alive(pid: libc::pid_t) -> bool {
+    // SAFETY: kill with signal 0 sends nothing; it only reports whether the pid exists.
+    let r = unsafe { libc::kill(pid, 0) };
+    r == 0 || std::io::Error::last_os_error().raw_os_error() == Some(libc::EPERM)
 }
 
 impl Drop for Staging {

@@ -335,7 +335,13 @@ impl GgufHeader {
                     ),
                 ));
             }
-            let n_bytes = n_el / block * block_bytes;
+            // A byte count past 2^64 (elements within bounds, bytes not) is corrupt too.
+            let n_bytes = (n_el / block).checked_mul(block_bytes).ok_or_else(|| {
+                EngineError::file(
+                    path,
+                    format!("is corrupt: tensor `{name}` has shape {dims:?}"),
+                )
+            })?;
             let start = data_start.checked_add(offset);
             let end = start.and_then(|s| s.checked_add(n_bytes));
             match (start, end) {

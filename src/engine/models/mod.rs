@@ -308,6 +308,7 @@ pub fn load(dir: &Path, forks: Forks) -> Result<LoadedModel> {
         })?;
     let quant = QuantConfig::from_config(&config_path, &config)?;
     let mut weights = WeightStore::load(dir, quant)?;
+    weights.set_host_kernel(forks.host_q4());
     let spec = ModelSpec {
         config_path,
         config: config.clone(),

@@ -93,6 +93,33 @@ fn normal(name: &str, shape: &[i32], std: f32, seed: u64, dtype: Dtype) -> Resul
     Ok(random::normal::<f32>(shape, 0.0, std, &key)?.as_dtype(dtype)?)
 }
 
+/// Refuses shape flags that cannot make a drafter, naming the flag (the config checks after it
+/// would name the target's config.json, which the user did not write).
+fn check_flags(opts: &InitOptions, vocab_size: i32) -> Result<()> {
+    let bad = |msg: String| Err(EngineError::Input(msg));
+    if opts.layers < 1 {
+        return bad(format!(
+            "--layers {}: a drafter needs at least one backbone layer",
+            opts.layers
+        ));
+    }
+    if opts.block_size == 0 {
+        return bad("--gamma 0: a drafter proposes at least one token per round".into());
+    }
+    if opts.seq_head != SeqHead::None && opts.markov_rank < 1 {
+        return bad(format!(
+            "--markov-rank {}: the {:?} head needs W1/W2 of rank >= 1",
+            opts.markov_rank, opts.seq_head
+        ));
+    }
+    match opts.mask_token_id {
+        Some(m) if m as i64 >= vocab_size as i64 => bad(format!(
+            "--mask-token-id {m} is outside the target's vocabulary of {vocab_size} tokens"
+        )),
+        _ => Ok(()),
+    }
+}
+
 /// The config and tensors of a fresh drafter for the target at `target_dir` (its `config.json`
 /// as `target_config`, its tokenizer's size as `tokenizer_len` when known).
 pub fn init(
@@ -103,6 +130,7 @@ pub fn init(
     opts: &InitOptions,
 ) -> Result<(DsparkConfig, HashMap<String, Array>)> {
     let facts = TargetFacts::of(target)?;
+    check_flags(opts, facts.vocab_size)?;
     let path = target_dir.join("config.json");
     let (d, v, r) = (facts.hidden_size, facts.vocab_size, opts.markov_rank);
     let heads = required(target_config, "num_attention_heads", &path)?;

@@ -838,15 +838,20 @@ impl<'a> Trainer<'a> {
         })
     }
 
-    /// Writes the drafter (`model.safetensors` + `dspark.json`) and then the training state,
-    /// each atomically.
+    /// Writes the training state and then the drafter (`model.safetensors` + `dspark.json`),
+    /// each atomically. State first: a run killed in between leaves either no `dspark.json`
+    /// (a plain re-run starts over) or an older drafter next to a newer state (`--resume`
+    /// continues from the state), never a checkpoint that neither can continue.
     pub fn save(&self) -> Result<()> {
+        std::fs::create_dir_all(&self.out).map_err(|e| {
+            EngineError::file(&self.out, format!("cannot create the directory ({e})"))
+        })?;
+        save_state(&self.out, &self.params, &self.opt, &self.opts)?;
         checkpoint::save(
             &self.out,
             self.frozen.config,
             &self.params.to_tensors(self.save_dtype)?,
-        )?;
-        save_state(&self.out, &self.params, &self.opt, &self.opts)
+        )
     }
 }
 

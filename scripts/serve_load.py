@@ -1,0 +1,297 @@
+#!/usr/bin/env python3
+"""Bounded load / soak driver for `mlxb serve` on loopback.
+
+Starts `mlxb serve --port 0 [SERVER ARGS]` itself (so it knows the pid for RSS), computes
+the expected greedy text of every (prompt, endpoint) pair with one non-streamed request at a
+time, then runs N concurrent clients for S seconds: a seeded mix of chat and completions,
+streamed and not, all at temperature 0 with a fixed small prompt set. With --soak, some
+streams are cancelled midway and some requests are malformed (each must get a 4xx).
+/health is polled throughout. Prints one JSON report.
+
+A stream is corrupted when its concatenated deltas differ from the expected text; a
+non-streamed answer likewise. Usage:
+
+  scripts/serve_load.py --clients 8 --duration 60 [--soak] [--mlxb target/release/mlxb] \
+      [--max-tokens 32] [--seed 0] -- [mlxb serve args, e.g. --draft-kind ngram]
+"""
+
+import argparse
+import asyncio
+import json
+import random
+import re
+import statistics
+import subprocess
+import sys
+import time
+
+import httpx
+
+PROMPTS = [
+    "What is the capital of France?",
+    "Write one sentence about the sea.",
+    "List three colors.",
+    "Explain what a CPU does in one sentence.",
+    "Say hello in Spanish.",
+    "What is 2 + 2?",
+]
+MALFORMED = [
+    ("/v1/chat/completions", "{not json"),
+    ("/v1/chat/completions", json.dumps({"messages": "hi"})),
+    ("/v1/chat/completions", json.dumps({"messages": [{"role": "user", "content": "hi"}], "temperature": -1})),
+    ("/v1/completions", json.dumps({"prompt": "hi", "max_tokens": 10**9})),
+    ("/v1/completions", json.dumps({"prompt": "hi", "model": "/etc/passwd"})),
+    ("/v1/completions", json.dumps({"prompt": [10**9]})),
+]
+
+
+def percentile(xs, q):
+    if not xs:
+        return None
+    xs = sorted(xs)
+    k = min(len(xs) - 1, max(0, round(q / 100 * (len(xs) - 1))))
+    return xs[k]
+
+
+def rss_kib(pid):
+    with open(f"/proc/{pid}/status") as f:
+        for line in f:
+            if line.startswith("VmRSS:"):
+                return int(line.split()[1])
+    return None
+
+
+def body_for(endpoint, prompt, max_tokens, stream):
+    b = {"max_tokens": max_tokens, "temperature": 0, "stream": stream}
+    if stream:
+        b["stream_options"] = {"include_usage": True}
+    if endpoint == "chat":
+        b["messages"] = [{"role": "user", "content": prompt}]
+    else:
+        b["prompt"] = prompt
+    return b
+
+
+def path_of(endpoint):
+    return "/v1/chat/completions" if endpoint == "chat" else "/v1/completions"
+
+
+def text_of(choice, endpoint, stream):
+    if endpoint == "chat":
+        part = choice.get("delta" if stream else "message") or {}
+        return part.get("content") or ""
+    return choice.get("text") or ""
+
+
+class Stats:
+    def __init__(self):
+        self.counts = {}
+        self.ttft = []
+        self.itl = []
+        self.tokens = 0
+        self.corrupted = 0
+        self.server_5xx = 0
+        self.examples = []
+
+    def count(self, key):
+        self.counts[key] = self.counts.get(key, 0) + 1
+
+    def fail(self, key, detail):
+        self.count(key)
+        if len(self.examples) < 10:
+            self.examples.append(f"{key}: {detail}"[:300])
+
+
+async def one_request(client, st, rng, expected, args, deadline):
+    endpoint = rng.choice(["chat", "completions"])
+    prompt = rng.choice(PROMPTS)
+    stream = rng.random() < 0.6
+    roll = rng.random()
+    if args.soak and roll < 0.1:
+        path, raw = rng.choice(MALFORMED)
+        r = await client.post(path, content=raw, headers={"content-type": "application/json"})
+        if 400 <= r.status_code < 500 and "error" in r.json():
+            st.count("malformed_rejected_4xx")
+        else:
+            st.server_5xx += r.status_code >= 500
+            st.fail("malformed_not_rejected", f"{r.status_code} {r.text}")
+        return
+    cancel_after = rng.randint(1, 4) if (args.soak and stream and roll < 0.2) else None
+    want = expected[(endpoint, prompt)]
+    body = body_for(endpoint, prompt, args.max_tokens, stream)
+    sent = time.perf_counter()
+    if not stream:
+        r = await client.post(path_of(endpoint), json=body)
+        if r.status_code != 200:
+            st.server_5xx += r.status_code >= 500
+            st.fail(f"http_{r.status_code}", r.text)
+            return
+        v = r.json()
+        if text_of(v["choices"][0], endpoint, False) != want:
+            st.corrupted += 1
+            st.fail("corrupted_whole", v["choices"][0])
+            return
+        st.tokens += v["usage"]["completion_tokens"]
+        st.count("ok_whole")
+        return
+    async with client.stream("POST", path_of(endpoint), json=body) as r:
+        if r.status_code != 200:
+            await r.aread()
+            st.server_5xx += r.status_code >= 500
+            st.fail(f"http_{r.status_code}", r.text)
+            return
+        text, last, chunks, usage, done, error = "", None, 0, None, False, None
+        async for line in r.aiter_lines():
+            if not line.startswith("data: "):
+                continue
+            data = line[6:]
+            if data == "[DONE]":
+                done = True
+                break
+            v = json.loads(data)
+            if "error" in v:
+                error = v["error"]
+                continue
+            if v.get("usage"):
+                usage = v["usage"]
+            for c in v.get("choices", []):
+                piece = text_of(c, endpoint, True)
+                if piece:
+                    now = time.perf_counter()
+                    if last is None:
+                        st.ttft.append(now - sent)
+                    else:
+                        st.itl.append(now - last)
+                    last = now
+                    text += piece
+                    chunks += 1
+            if cancel_after is not None and chunks >= cancel_after:
+                st.count("cancelled_midstream")
+                return  # leaving the block closes the connection mid-stream
+        if error is not None:
+            st.server_5xx += 1
+            st.fail("stream_error_event", error)
+        elif not done:
+            st.fail("stream_truncated", text)
+        elif text != want:
+            st.corrupted += 1
+            st.fail("corrupted_stream", f"{text!r} != {want!r}")
+        else:
+            st.tokens += (usage or {}).get("completion_tokens", 0)
+            st.count("ok_stream")
+
+
+async def client_loop(i, client, st, expected, args, deadline):
+    rng = random.Random(args.seed * 1000 + i)
+    while time.monotonic() < deadline:
+        try:
+            await one_request(client, st, rng, expected, args, deadline)
+        except (httpx.TimeoutException, httpx.TransportError) as e:
+            st.fail(f"transport_{type(e).__name__}", str(e))
+
+
+async def poll_health(client, pid, deadline, out):
+    while time.monotonic() < deadline:
+        t = time.perf_counter()
+        try:
+            r = await client.get("/health", timeout=10)
+            ok = r.status_code == 200
+        except httpx.HTTPError:
+            ok = False
+        out["polls"] += 1
+        out["failures"] += not ok
+        out["max_latency_s"] = max(out["max_latency_s"], time.perf_counter() - t)
+        out["rss_peak_kib"] = max(out["rss_peak_kib"], rss_kib(pid) or 0)
+        await asyncio.sleep(0.5)
+
+
+async def run(args, url, pid):
+    limits = httpx.Limits(max_connections=args.clients + 8, max_keepalive_connections=args.clients + 8)
+    async with httpx.AsyncClient(base_url=url, timeout=600, limits=limits) as client:
+        expected = {}
+        for endpoint in ["chat", "completions"]:
+            for p in PROMPTS:
+                r = await client.post(path_of(endpoint), json=body_for(endpoint, p, args.max_tokens, False))
+                r.raise_for_status()
+                expected[(endpoint, p)] = text_of(r.json()["choices"][0], endpoint, False)
+        rss_before = rss_kib(pid)
+        st = Stats()
+        health = {"polls": 0, "failures": 0, "max_latency_s": 0.0, "rss_peak_kib": rss_before}
+        start = time.monotonic()
+        deadline = start + args.duration
+        await asyncio.gather(
+            poll_health(client, pid, deadline, health),
+            *(client_loop(i, client, st, expected, args, deadline) for i in range(args.clients)),
+        )
+        elapsed = time.monotonic() - start
+        await asyncio.sleep(1.0)
+        metrics = (await client.get("/metrics")).text
+        rss_after = rss_kib(pid)
+    ms = lambda x: None if x is None else round(x * 1e3, 1)  # noqa: E731
+    failed = {k: v for k, v in st.counts.items() if not (k.startswith("ok_") or k in ("cancelled_midstream", "malformed_rejected_4xx"))}
+    return {
+        "clients": args.clients,
+        "duration_s": round(elapsed, 1),
+        "soak": args.soak,
+        "server_args": args.server_args,
+        "max_tokens": args.max_tokens,
+        "requests_ok": {k: v for k, v in st.counts.items() if k.startswith("ok_")},
+        "requests_expected_outcome": {k: st.counts[k] for k in ("cancelled_midstream", "malformed_rejected_4xx") if k in st.counts},
+        "requests_failed": failed,
+        "server_5xx": st.server_5xx,
+        "corrupted": st.corrupted,
+        "generated_tokens": st.tokens,
+        "throughput_tok_s": round(st.tokens / elapsed, 1),
+        "ttft_ms_p50": ms(percentile(st.ttft, 50)),
+        "ttft_ms_p99": ms(percentile(st.ttft, 99)),
+        "itl_ms_p50": ms(percentile(st.itl, 50)),
+        "itl_ms_p99": ms(percentile(st.itl, 99)),
+        "health": {**health, "max_latency_s": round(health["max_latency_s"], 3)},
+        "rss_kib_before": rss_before,
+        "rss_kib_after": rss_after,
+        "server_aborted_total": metric(metrics, "mlxb:request_aborted_total"),
+        "server_failure_total": metric(metrics, "mlxb:request_failure_total"),
+        "server_cached_prompt_tokens": metric(metrics, "mlxb:prompt_tokens_cached_total"),
+        "examples": st.examples,
+    }
+
+
+def metric(text, name):
+    m = re.search(rf"^{re.escape(name)} (\S+)$", text, re.M)
+    return float(m.group(1)) if m else None
+
+
+def main():
+    ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    ap.add_argument("--clients", type=int, default=8)
+    ap.add_argument("--duration", type=float, default=60)
+    ap.add_argument("--soak", action="store_true", help="mid-stream cancellations and malformed requests")
+    ap.add_argument("--max-tokens", type=int, default=32)
+    ap.add_argument("--seed", type=int, default=0)
+    ap.add_argument("--mlxb", default="target/release/mlxb")
+    ap.add_argument("server_args", nargs="*", help="extra `mlxb serve` flags (after --)")
+    args = ap.parse_args()
+    if not (1 <= args.clients <= 1024 and 0 < args.duration <= 3600):
+        ap.error("--clients must be 1..1024 and --duration 0..3600 s")
+    cmd = [args.mlxb, "serve", "--host", "127.0.0.1", "--port", "0", *args.server_args]
+    server = subprocess.Popen(cmd, stdout=subprocess.PIPE, text=True)
+    try:
+        url = None
+        for line in server.stdout:
+            if line.strip().startswith("url"):
+                url = line.split()[1]
+                break
+        if url is None:
+            sys.exit(f"mlxb serve exited without printing its URL: {cmd}")
+        report = asyncio.run(run(args, url, server.pid))
+        print(json.dumps(report, indent=1))
+    finally:
+        server.terminate()
+        try:
+            server.wait(timeout=30)
+        except subprocess.TimeoutExpired:
+            server.kill()
+
+
+if __name__ == "__main__":
+    main()

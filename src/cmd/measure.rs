@@ -1,0 +1,151 @@
+//! `mlxb measure`: a drafter against vanilla mlxb on a prompt file, in one invocation
+//! (see [`crate::spec::measure`]): acceptance, speed, calibration, and at T=0 a losslessness
+//! check.
+
+use super::common::{ModelArgs, SamplingArgs, SpecArgs};
+use super::flags::{open_session, ForkArgs};
+use crate::engine::error::EngineError;
+use crate::engine::prompts::PromptFile;
+use crate::engine::session::resolve_model;
+use crate::spec::dspark::checkpoint;
+use crate::spec::dspark::drafter::PruneMode;
+use crate::spec::measure::{measure, Drafting};
+use crate::spec::source::{open_source_pruned, DraftKind, SpecOptions, VerifyMode};
+use crate::spec::trace::{JsonlTrace, TraceSink};
+use clap::Args;
+use indicatif::{ProgressBar, ProgressStyle};
+use std::path::PathBuf;
+
+/// Flags of `mlxb measure`.
+#[derive(Debug, Args)]
+pub struct MeasureArgs {
+    #[command(flatten)]
+    pub model: ModelArgs,
+    /// Prompt file (JSONL: `prompt`, `messages` or `prompt_ids` per line).
+    #[arg(long)]
+    pub data: PathBuf,
+    #[command(flatten)]
+    pub sampling: SamplingArgs,
+    #[command(flatten)]
+    pub spec: SpecArgs,
+    #[command(flatten)]
+    pub forks: ForkArgs,
+    /// DSpark draft-length pruning: `keep-first`, `deepspec` or `survival`.
+    #[arg(long, value_enum, default_value_t = PruneMode::KeepFirst)]
+    pub dspark_prune: PruneMode,
+    /// Print one JSON object instead of the summary.
+    #[arg(long)]
+    pub json: bool,
+    /// Write one JSON object per speculative round to FILE (JSONL, as `generate --spec-trace`,
+    /// with each round's prompt index).
+    #[arg(long, value_name = "FILE")]
+    pub spec_trace: Option<PathBuf>,
+}
+
+/// A progress bar over prompts on stderr (drawn only on a terminal).
+pub(crate) fn prompt_bar(prompts: usize, what: &str) -> ProgressBar {
+    let bar = ProgressBar::new(prompts as u64);
+    bar.set_style(
+        ProgressStyle::with_template(
+            "{msg} [{elapsed_precise}] {bar:30} {pos}/{len} prompts (eta {eta})",
+        )
+        .unwrap_or_else(|_| ProgressStyle::default_bar()),
+    );
+    bar.set_message(what.to_owned());
+    bar
+}
+
+/// The drafter options: a drafter is required; `--temp > 0` verifies by rejection sampling
+/// unless `--spec-verify` says otherwise.
+fn spec_options(args: &MeasureArgs) -> anyhow::Result<SpecOptions> {
+    let mut opts = args.spec.options().ok_or_else(|| {
+        EngineError::Input(
+            "measure compares a drafter with vanilla decoding; give one (--drafter, --draft-kind ngram|self|model, --draft-model, --draft-layers)".into(),
+        )
+    })?;
+    opts.verify = args
+        .spec
+        .spec_verify
+        .unwrap_or(if args.sampling.temp > 0.0 {
+            VerifyMode::Reject
+        } else {
+            VerifyMode::Match
+        });
+    opts.validate()?;
+    Ok(opts)
+}
+
+/// The DSpark checkpoint's calibration temperatures (`Some(empty)` = uncalibrated), or `None`
+/// when the drafter is not a DSpark drafter with a confidence head.
+fn dspark_temperatures(opts: &SpecOptions) -> anyhow::Result<Option<Vec<f64>>> {
+    let Some(path) = opts.draft_model.as_deref() else {
+        return Ok(None);
+    };
+    let dspark = opts.kind == DraftKind::Dspark
+        || (opts.kind == DraftKind::Model && checkpoint::is_artifact(path));
+    if !dspark {
+        return Ok(None);
+    }
+    let (config, _) = checkpoint::read_config(path)?;
+    Ok(config
+        .confidence_head
+        .then(|| config.sts_temperatures.unwrap_or_default()))
+}
+
+/// Entry point of `mlxb measure`.
+pub fn run(args: MeasureArgs) -> anyhow::Result<()> {
+    // Every input is checked before the models load.
+    let prompts = PromptFile::read(&args.data)?;
+    let opts = spec_options(&args)?;
+    let temps = dspark_temperatures(&opts)?;
+    let mut trace = args
+        .spec_trace
+        .as_deref()
+        .map(JsonlTrace::create)
+        .transpose()?;
+    let dir = resolve_model(args.model.model.as_deref())?;
+    let (mut session, forks) = open_session(&dir, &args.forks)?;
+    let ids = prompts.token_ids(&session)?;
+    let mut source = open_source_pruned(
+        &opts,
+        args.dspark_prune,
+        &session,
+        forks,
+        args.model.prefill_step_size,
+    )?;
+    let mut drafting = Drafting {
+        source: source.as_mut(),
+        num_draft_tokens: opts.num_draft_tokens,
+        verify: opts.verify,
+    };
+    let params = args.sampling.text_params(&args.model);
+    let bar = prompt_bar(ids.len(), "measuring");
+    let report = measure(
+        &mut session,
+        &ids,
+        &params,
+        &mut drafting,
+        temps.as_deref(),
+        |i, run| {
+            if let Some(t) = trace.as_mut() {
+                t.set_prompt(i);
+                for r in &run.rounds {
+                    t.record(r)?;
+                }
+            }
+            bar.inc(1);
+            Ok(())
+        },
+    );
+    bar.finish_and_clear();
+    if let Some(t) = trace.as_mut() {
+        t.flush()?;
+    }
+    let report = report?;
+    if args.json {
+        println!("{}", serde_json::to_string(&report)?);
+    } else {
+        println!("{}", report.summary());
+    }
+    Ok(())
+}

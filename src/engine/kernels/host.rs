@@ -1,0 +1,169 @@
+//! The explicit host path of a 4-bit (or 8-bit) linear layer: its packed weights are read in place from
+//! MLX's evaluated buffers (kept alive, never copied per token), the input is evaluated and
+//! read, the kernel runs on host memory and the result is wrapped as an MLX array.
+
+use super::affine::{QMatrix, MAX_M};
+use super::dispatch::{matmul, selection, Selection};
+use crate::engine::error::{EngineError, Result};
+use crate::engine::weights::QuantSpec;
+use mlx_rs::{Array, Dtype};
+use std::sync::atomic::{AtomicUsize, Ordering};
+use std::sync::OnceLock;
+
+/// A read-only view of an evaluated MLX buffer that [`HostQuant`] keeps alive.
+#[derive(Debug, Clone, Copy)]
+struct HostSlice<T> {
+    ptr: *const T,
+    len: usize,
+}
+
+// SAFETY: the pointer targets the data of an evaluated MLX array that the owning `HostQuant`
+// holds a handle to; MLX never writes an evaluated array's buffer, and a held handle keeps
+// the buffer from being donated to another op, so shared reads from any thread are sound.
+unsafe impl<T> Send for HostSlice<T> {}
+unsafe impl<T> Sync for HostSlice<T> {}
+
+impl<T: mlx_rs::ArrayElement> HostSlice<T> {
+    fn of(a: &Array, what: &str) -> Result<Self> {
+        let s = a.try_as_slice::<T>().map_err(|e| {
+            EngineError::Runtime(format!("the quantized kernel cannot read the {what} ({e})"))
+        })?;
+        Ok(Self {
+            ptr: s.as_ptr(),
+            len: s.len(),
+        })
+    }
+
+    fn get(&self) -> &[T] {
+        // SAFETY: see the `Send`/`Sync` note: the buffer outlives `self`'s owner.
+        unsafe { std::slice::from_raw_parts(self.ptr, self.len) }
+    }
+}
+
+/// A 2-D affine-quantized weight (`[rows, cols * bits / 32]` uint32, f32 `[rows, cols/group]`
+/// scales and biases) pinned in host memory for the kernel.
+#[derive(Debug)]
+pub struct HostQuant {
+    _keep: [Array; 3],
+    packed: HostSlice<u32>,
+    scales: HostSlice<f32>,
+    biases: HostSlice<f32>,
+    bits: usize,
+    rows: usize,
+    cols: usize,
+    group: usize,
+}
+
+impl HostQuant {
+    /// Pins a quantized weight: evaluates it, converts non-f32 scales/biases to f32 once.
+    pub fn new(weight: &Array, scales: &Array, biases: &Array, spec: QuantSpec) -> Result<Self> {
+        let shape = weight.shape();
+        if shape.len() != 2 || weight.dtype() != Dtype::Uint32 {
+            return Err(EngineError::Runtime(format!(
+                "the quantized kernel takes a 2-D uint32 weight, not {shape:?} {:?}",
+                weight.dtype()
+            )));
+        }
+        let bits = spec.bits as usize;
+        let (rows, cols) = (shape[0] as usize, shape[1] as usize * 32 / bits);
+        let f32_of = |a: &Array| -> Result<Array> {
+            let a = a.as_dtype(Dtype::Float32)?;
+            a.eval()?;
+            Ok(a)
+        };
+        let (scales, biases) = (f32_of(scales)?, f32_of(biases)?);
+        weight.eval()?;
+        let me = Self {
+            packed: HostSlice::of(weight, "packed weight")?,
+            scales: HostSlice::of(&scales, "scales")?,
+            biases: HostSlice::of(&biases, "biases")?,
+            _keep: [weight.clone(), scales, biases],
+            bits,
+            rows,
+            cols,
+            group: spec.group_size as usize,
+        };
+        me.matrix()?;
+        Ok(me)
+    }
+
+    fn matrix(&self) -> Result<QMatrix<'_>> {
+        QMatrix::new(
+            self.bits,
+            self.packed.get(),
+            self.scales.get(),
+            self.biases.get(),
+            self.rows,
+            self.cols,
+            self.group,
+        )
+        .map_err(|e| EngineError::Runtime(format!("quantized kernel: {e}")))
+    }
+
+    /// Whether `x` (`[..., cols]`) is small enough for the kernel (at most [`MAX_M`] rows).
+    pub fn takes(x: &Array) -> bool {
+        let last = x.shape().last().copied().unwrap_or(0).max(1) as usize;
+        x.size() / last <= MAX_M
+    }
+
+    /// `x · Wᵀ` for `x` of shape `[..., cols]` with at most [`MAX_M`] rows, in `x`'s dtype,
+    /// with the kernel path and threads of the environment ([`selection`]).
+    pub fn forward(&self, x: &Array) -> Result<Array> {
+        self.forward_with(x, selection()?)
+    }
+
+    /// [`HostQuant::forward`] with an explicit path and thread cap (tests, benchmarks).
+    pub fn forward_with(&self, x: &Array, sel: Selection) -> Result<Array> {
+        let dtype = x.dtype();
+        let xf = if dtype == Dtype::Float32 {
+            x.clone()
+        } else {
+            x.as_dtype(Dtype::Float32)?
+        };
+        let host = xf.try_as_slice::<f32>().map_err(|e| {
+            EngineError::Runtime(format!("the quantized kernel cannot read its input ({e})"))
+        })?;
+        let m = host.len() / self.cols;
+        let y = matmul(sel, &self.matrix()?, host, m)?;
+        CALLS.fetch_add(1, Ordering::Relaxed);
+        let mut shape = x.shape().to_vec();
+        if let Some(last) = shape.last_mut() {
+            *last = self.rows as i32;
+        }
+        let out = Array::from_slice(&y, &shape);
+        Ok(if dtype == Dtype::Float32 {
+            out
+        } else {
+            out.as_dtype(dtype)?
+        })
+    }
+}
+
+static CALLS: AtomicUsize = AtomicUsize::new(0);
+
+/// How many mat-vecs the host kernel has computed in this process (lets tests and benchmarks
+/// check that `--perf-kernel on` really took the host path).
+pub fn host_calls() -> usize {
+    CALLS.load(Ordering::Relaxed)
+}
+
+/// A [`HostQuant`] built on first use (the weights may still be lazy when a layer is loaded).
+#[derive(Debug, Default)]
+pub struct HostQuantCell(OnceLock<HostQuant>);
+
+impl HostQuantCell {
+    /// The pinned weight, pinning it on the first call.
+    pub fn get(
+        &self,
+        weight: &Array,
+        scales: &Array,
+        biases: &Array,
+        spec: QuantSpec,
+    ) -> Result<&HostQuant> {
+        if let Some(h) = self.0.get() {
+            return Ok(h);
+        }
+        let h = HostQuant::new(weight, scales, biases, spec)?;
+        Ok(self.0.get_or_init(|| h))
+    }
+}

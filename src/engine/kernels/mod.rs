@@ -1,0 +1,14 @@
+//! Host-side CPU kernels that replace an MLX op where MLX's own CPU kernel is far from the
+//! memory roofline (`--perf-kernel on`, tier L3): the affine 4-bit (and 8-bit) mat-vec for
+//! quantized linear layers in single-token (and small speculative-verify) steps.
+//!
+//! `affine` is the arithmetic (AVX-512, AVX2+FMA, scalar), `dispatch` picks a path at run time
+//! and splits rows over threads, `host` moves arrays between MLX and host memory.
+
+pub mod affine;
+pub mod dispatch;
+pub mod host;
+
+pub use affine::{KernelPath, Prepared, QMatrix, BITS, MAX_M};
+pub use dispatch::{best_path, matmul, selection, Selection};
+pub use host::{host_calls, HostQuant, HostQuantCell};

@@ -1,0 +1,372 @@
+//! Measuring a drafter honestly (`mlxb measure`): every prompt runs vanilla and speculative
+//! in the same process, interleaved (the order alternates per prompt so warm-up and cache
+//! effects fall on both sides), through the one text-generation loop. The report has vLLM's
+//! acceptance metrics, wall-clock decode speed of both runs and their ratio, and for DSpark
+//! drafters the calibration of the confidence head per position. At temperature 0 the
+//! speculative ids must equal the vanilla ids, prompt by prompt: a free losslessness check.
+
+use super::dspark::calibrate::{position_stats, rounds_from_trace, PositionStats, Round};
+use super::metrics::SpecMetrics;
+use super::source::{DraftSource, VerifyMode};
+use super::trace::{RoundTrace, TraceSink};
+use crate::engine::error::{EngineError, Result};
+use crate::engine::generate::{Flow, GenerationStats};
+use crate::engine::session::Session;
+use crate::engine::text::{generate_text_traced, DraftPlan, TextParams};
+use serde::Serialize;
+use std::cell::RefCell;
+use std::rc::Rc;
+use std::time::Duration;
+
+/// A drafter lent to a series of generations (each one starts it afresh).
+pub struct Drafting<'d> {
+    /// The drafter.
+    pub source: &'d mut dyn DraftSource,
+    /// Tokens drafted per round (a DSpark drafter uses its block size instead).
+    pub num_draft_tokens: usize,
+    /// Verification rule.
+    pub verify: VerifyMode,
+}
+
+/// What one generation produced.
+pub struct Run {
+    /// Generated ids (EOS included when it ended the generation).
+    pub token_ids: Vec<u32>,
+    /// Timings.
+    pub stats: GenerationStats,
+    /// Acceptance counters (speculative runs only).
+    pub spec: Option<SpecMetrics>,
+    /// Every verify round, as `--spec-trace` writes them (speculative runs only).
+    pub rounds: Vec<RoundTrace>,
+}
+
+/// Generates from `prompt` with `params`, speculatively when `drafting` is given, recording
+/// the rounds in memory (after the run, so tracing costs the timed loop nothing extra).
+pub fn generate(
+    session: &mut Session,
+    prompt: &[u32],
+    params: &TextParams,
+    drafting: Option<&mut Drafting<'_>>,
+) -> Result<Run> {
+    let rounds: Rc<RefCell<Vec<RoundTrace>>> = Rc::default();
+    let (draft, sink) = match drafting {
+        Some(d) => (
+            Some(DraftPlan {
+                source: Box::new(&mut *d.source),
+                num_draft_tokens: d.num_draft_tokens,
+                verify: d.verify,
+            }),
+            Some(Box::new(rounds.clone()) as Box<dyn TraceSink>),
+        ),
+        None => (None, None),
+    };
+    let out = generate_text_traced(session, prompt, params, draft, sink, |_| Ok(Flow::Continue))?;
+    let rounds = rounds.take();
+    Ok(Run {
+        token_ids: out.token_ids,
+        stats: out.stats,
+        spec: out.spec,
+        rounds,
+    })
+}
+
+/// Adds one generation's counters to a running total.
+fn accumulate(total: &mut SpecMetrics, m: &SpecMetrics) {
+    total.drafter.clone_from(&m.drafter);
+    total.drafts += m.drafts;
+    total.drafted_tokens += m.drafted_tokens;
+    total.accepted_tokens += m.accepted_tokens;
+    total.target_forwards += m.target_forwards;
+    total.replays += m.replays;
+    if total.accepted_per_position.len() < m.accepted_per_position.len() {
+        total
+            .accepted_per_position
+            .resize(m.accepted_per_position.len(), 0);
+    }
+    for (t, a) in total
+        .accepted_per_position
+        .iter_mut()
+        .zip(&m.accepted_per_position)
+    {
+        *t += a;
+    }
+}
+
+/// Wall-clock decode speed over many generations.
+#[derive(Debug, Clone, Copy, Default)]
+struct Speed {
+    tokens: usize,
+    time: Duration,
+}
+
+impl Speed {
+    fn add(&mut self, s: &GenerationStats) {
+        self.tokens += s.generation_tokens;
+        self.time += s.generation_time;
+    }
+    fn tps(&self) -> f64 {
+        self.tokens as f64 / self.time.as_secs_f64().max(1e-9)
+    }
+}
+
+/// The result of `mlxb measure` (its `--json` object).
+#[derive(Debug, Clone, Serialize)]
+pub struct MeasureReport {
+    /// Drafter name (`dspark`, `ngram`, `self`, `model`, ...).
+    pub drafter: String,
+    /// Prompts measured.
+    pub prompts: usize,
+    /// Sampling temperature (0 = greedy).
+    pub temp: f64,
+    /// Verification rule (`match` or `reject`).
+    pub verify: String,
+    /// Whether speculative ids were checked equal to vanilla ids (greedy runs).
+    pub lossless_checked: bool,
+    /// Tokens the speculative runs generated.
+    pub generated_tokens: usize,
+    /// Tokens the vanilla runs generated.
+    pub generated_tokens_vanilla: usize,
+    /// Verify rounds with at least one drafted token.
+    pub drafts: usize,
+    /// Tokens proposed.
+    pub drafted_tokens: usize,
+    /// Proposed tokens accepted.
+    pub accepted_tokens: usize,
+    /// accepted / drafted.
+    pub acceptance_rate: f64,
+    /// 1 + accepted / drafts (vLLM's definition, bonus token included).
+    pub mean_acceptance_length: f64,
+    /// Accepted at position i / drafts.
+    pub per_position_acceptance: Vec<f64>,
+    /// Target forwards spent on verification.
+    pub target_forwards: usize,
+    /// Rounds whose rollback replayed a snapshot.
+    pub replays: usize,
+    /// Vanilla decode speed (generated tokens / generation time, summed over prompts).
+    pub tokens_per_sec_vanilla: f64,
+    /// Speculative decode speed, measured the same way.
+    pub tokens_per_sec_spec: f64,
+    /// tokens_per_sec_spec / tokens_per_sec_vanilla.
+    pub speedup: f64,
+    /// DSpark: ECE per position of the survival product with the checkpoint's temperatures.
+    pub ece: Option<Vec<f64>>,
+    /// DSpark: the same without temperatures (raw sigmoid confidences).
+    pub ece_before: Option<Vec<f64>>,
+    /// DSpark: AUROC per position with the checkpoint's temperatures.
+    pub auroc: Option<Vec<Option<f64>>>,
+    /// DSpark: AUROC per position without temperatures.
+    pub auroc_before: Option<Vec<Option<f64>>>,
+    /// DSpark: the full per-position calibration table.
+    pub calibration: Option<Vec<PositionStats>>,
+}
+
+/// The first generated position where two id lists differ (a length difference counts).
+fn first_difference(a: &[u32], b: &[u32]) -> Option<usize> {
+    a.iter()
+        .zip(b)
+        .position(|(x, y)| x != y)
+        .or((a.len() != b.len()).then(|| a.len().min(b.len())))
+}
+
+/// Measures `drafting` on every prompt against vanilla generation. `temps` are the DSpark
+/// checkpoint's calibration temperatures (`Some(empty)` = uncalibrated DSpark; `None` = not
+/// DSpark). `after_prompt` sees each prompt's index and speculative run (progress, traces).
+pub fn measure(
+    session: &mut Session,
+    prompts: &[Vec<u32>],
+    params: &TextParams,
+    drafting: &mut Drafting<'_>,
+    temps: Option<&[f64]>,
+    mut after_prompt: impl FnMut(usize, &Run) -> Result<()>,
+) -> Result<MeasureReport> {
+    let greedy = params.sampler.temp == 0.0;
+    let base_seed = params.seed.unwrap_or(0);
+    let (mut vanilla, mut spec) = (Speed::default(), Speed::default());
+    let mut total = SpecMetrics::default();
+    let mut rounds: Vec<Round> = Vec::new();
+    for (i, prompt) in prompts.iter().enumerate() {
+        let p = TextParams {
+            seed: Some(base_seed.wrapping_add(i as u64)),
+            ..params.clone()
+        };
+        let (v, s) = if i % 2 == 0 {
+            let v = generate(session, prompt, &p, None)?;
+            (v, generate(session, prompt, &p, Some(drafting))?)
+        } else {
+            let s = generate(session, prompt, &p, Some(drafting))?;
+            (generate(session, prompt, &p, None)?, s)
+        };
+        if greedy {
+            if let Some(at) = first_difference(&s.token_ids, &v.token_ids) {
+                return Err(EngineError::Parity(format!(
+                    "prompt {i}: the speculative ids differ from vanilla at generated token {at} ({:?} vs {:?}); greedy speculative decoding must be lossless",
+                    s.token_ids.get(at),
+                    v.token_ids.get(at)
+                )));
+            }
+        }
+        vanilla.add(&v.stats);
+        spec.add(&s.stats);
+        if let Some(m) = &s.spec {
+            accumulate(&mut total, m);
+        }
+        if let Some(t) = temps {
+            rounds.extend(rounds_from_trace(&s.rounds, t));
+        }
+        after_prompt(i, &s)?;
+    }
+    let calibration = temps.filter(|_| !rounds.is_empty()).map(|t| {
+        let gamma = rounds.iter().map(|r| r.logits.len()).max().unwrap_or(0);
+        position_stats(&rounds, &[], t, gamma)
+    });
+    let column = |f: fn(&PositionStats) -> f64| {
+        calibration
+            .as_ref()
+            .map(|c| c.iter().map(f).collect::<Vec<_>>())
+    };
+    let column_opt = |f: fn(&PositionStats) -> Option<f64>| {
+        calibration
+            .as_ref()
+            .map(|c| c.iter().map(f).collect::<Vec<_>>())
+    };
+    Ok(MeasureReport {
+        drafter: total.drafter.clone(),
+        prompts: prompts.len(),
+        temp: params.sampler.temp,
+        verify: match drafting.verify {
+            VerifyMode::Match => "match",
+            VerifyMode::Reject => "reject",
+        }
+        .into(),
+        lossless_checked: greedy,
+        generated_tokens: spec.tokens,
+        generated_tokens_vanilla: vanilla.tokens,
+        drafts: total.drafts,
+        drafted_tokens: total.drafted_tokens,
+        accepted_tokens: total.accepted_tokens,
+        acceptance_rate: total.acceptance_rate(),
+        mean_acceptance_length: total.mean_acceptance_length(),
+        per_position_acceptance: total.per_position_rate(),
+        target_forwards: total.target_forwards,
+        replays: total.replays,
+        tokens_per_sec_vanilla: vanilla.tps(),
+        tokens_per_sec_spec: spec.tps(),
+        speedup: spec.tps() / vanilla.tps().max(1e-12),
+        ece: column(|p| p.ece_after),
+        ece_before: column(|p| p.ece_before),
+        auroc: column_opt(|p| p.auroc_after),
+        auroc_before: column_opt(|p| p.auroc_before),
+        calibration,
+    })
+}
+
+impl MeasureReport {
+    /// The human-readable summary `mlxb measure` prints without `--json`.
+    pub fn summary(&self) -> String {
+        let per: Vec<String> = self
+            .per_position_acceptance
+            .iter()
+            .map(|r| format!("{r:.3}"))
+            .collect();
+        let mut out = format!(
+            "drafter {} on {} prompts (temp {}, verify {}{})\n\
+             generated: {} tokens speculative, {} vanilla\n\
+             drafts {}, drafted {}, accepted {}, target forwards {}\n\
+             acceptance rate {:.3}, mean acceptance length {:.3}\n\
+             per-position acceptance: [{}]\n\
+             decode: vanilla {:.2} tok/s, speculative {:.2} tok/s, speedup {:.3}x",
+            self.drafter,
+            self.prompts,
+            self.temp,
+            self.verify,
+            if self.lossless_checked {
+                ", ids equal vanilla"
+            } else {
+                ""
+            },
+            self.generated_tokens,
+            self.generated_tokens_vanilla,
+            self.drafts,
+            self.drafted_tokens,
+            self.accepted_tokens,
+            self.target_forwards,
+            self.acceptance_rate,
+            self.mean_acceptance_length,
+            per.join(", "),
+            self.tokens_per_sec_vanilla,
+            self.tokens_per_sec_spec,
+            self.speedup,
+        );
+        if let Some(c) = &self.calibration {
+            out.push_str("\n\nconfidence calibration (survival product vs prefix accepted):\n");
+            out.push_str(&stats_table(c, None));
+        }
+        out
+    }
+}
+
+fn fmt_opt(v: Option<f64>) -> String {
+    v.map_or("-".into(), |v| format!("{v:.3}"))
+}
+
+/// A per-position calibration table; `fit` adds the fitted (threshold, temperature) columns.
+pub fn stats_table(stats: &[PositionStats], fit: Option<(&[f64], &[f64])>) -> String {
+    let mut out = String::from(
+        "pos  proposed  reached  accept  ECE before  ECE after  AUROC before  AUROC after",
+    );
+    if fit.is_some() {
+        out.push_str("  threshold  temperature");
+    }
+    for s in stats {
+        out.push_str(&format!(
+            "\n{:>3}  {:>8}  {:>7}  {:>6}  {:>10.4}  {:>9.4}  {:>12}  {:>11}",
+            s.position,
+            s.proposed,
+            s.reached,
+            fmt_opt(s.accept_rate),
+            s.ece_before,
+            s.ece_after,
+            fmt_opt(s.auroc_before),
+            fmt_opt(s.auroc_after),
+        ));
+        if let Some((th, temps)) = fit {
+            out.push_str(&format!(
+                "  {:>9}  {:>11}",
+                fmt_opt(th.get(s.position).copied()),
+                fmt_opt(temps.get(s.position).copied())
+            ));
+        }
+    }
+    out
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    #[test]
+    fn totals_add_up_and_differences_are_found() {
+        let mut a = SpecMetrics::default();
+        a.record(3, 2);
+        a.record(0, 0);
+        let mut b = SpecMetrics::default();
+        b.record(5, 5);
+        let mut t = SpecMetrics::default();
+        accumulate(&mut t, &a);
+        accumulate(&mut t, &b);
+        assert_eq!(
+            (
+                t.drafts,
+                t.drafted_tokens,
+                t.accepted_tokens,
+                t.target_forwards
+            ),
+            (2, 8, 7, 3)
+        );
+        assert_eq!(t.accepted_per_position, [2, 2, 1, 1, 1]);
+        assert_eq!(t.mean_acceptance_length(), 1.0 + 7.0 / 2.0);
+        assert_eq!(first_difference(&[1, 2, 3], &[1, 2, 3]), None);
+        assert_eq!(first_difference(&[1, 2, 3], &[1, 5, 3]), Some(1));
+        assert_eq!(first_difference(&[1, 2], &[1, 2, 3]), Some(2));
+    }
+}

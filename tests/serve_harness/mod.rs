@@ -1,0 +1,257 @@
+//! The `mlxb serve` test harness shared by `tests/serve.rs` and `tests/serve_openai.rs`: a
+//! tiny random model, the real binary on a free loopback port, and HTTP helpers. Every wait
+//! is bounded.
+#![allow(dead_code)]
+
+use super::common;
+use serde_json::{json, Value};
+use std::io::{BufRead, BufReader};
+use std::path::{Path, PathBuf};
+use std::process::{Child, Command, Stdio};
+use std::sync::mpsc;
+use std::sync::OnceLock;
+use std::time::{Duration, Instant};
+
+pub const PROMPT: &str = "The quick brown fox jumps over the lazy dog. The quick brown fox";
+
+/// The tiny model, built once per test process.
+pub fn model() -> &'static Path {
+    static DIR: OnceLock<PathBuf> = OnceLock::new();
+    DIR.get_or_init(|| {
+        // One copy per test binary: binaries may run at the same time.
+        let dir = PathBuf::from(env!("CARGO_TARGET_TMPDIR"))
+            .join(env!("CARGO_CRATE_NAME"))
+            .join("serve-tiny-llama");
+        let config = json!({
+            "model_type": "llama", "hidden_size": 64, "num_hidden_layers": 2,
+            "intermediate_size": 128, "num_attention_heads": 4, "num_key_value_heads": 2,
+            "rms_norm_eps": 1e-5, "vocab_size": 384, "tie_word_embeddings": true
+        });
+        common::make_model(&dir, &config, "bf16", None);
+        dir
+    })
+}
+
+/// A running `mlxb serve`; killed when dropped, even if the test failed.
+pub struct Server {
+    pub child: Child,
+    pub url: String,
+    pub agent: ureq::Agent,
+    /// The `--api-key` it was started with, sent on every request.
+    pub key: Option<String>,
+}
+
+impl Drop for Server {
+    fn drop(&mut self) {
+        let _ = self.child.kill();
+        let _ = self.child.wait();
+    }
+}
+
+impl Server {
+    /// Starts the server on a free port and waits (bounded) until /health answers.
+    pub fn start(extra: &[&str]) -> Server {
+        let model = model().to_str().unwrap().to_owned();
+        let mut child = Command::new(common::mlxb())
+            .args([
+                "serve",
+                "--model",
+                &model,
+                "--host",
+                "127.0.0.1",
+                "--port",
+                "0",
+            ])
+            .args(extra)
+            .stdout(Stdio::piped())
+            .stderr(Stdio::inherit())
+            .spawn()
+            .expect("cannot start mlxb serve");
+        let stdout = child.stdout.take().unwrap();
+        let mut server = Server {
+            child,
+            url: String::new(),
+            agent: ureq::AgentBuilder::new()
+                .timeout(Duration::from_secs(120))
+                .build(),
+            key: extra
+                .windows(2)
+                .find(|w| w[0] == "--api-key")
+                .map(|w| w[1].to_owned()),
+        };
+        // Read the ready card on a thread (which then keeps draining stdout).
+        let (tx, rx) = mpsc::channel();
+        std::thread::spawn(move || {
+            for line in BufReader::new(stdout).lines().map_while(Result::ok) {
+                if let Some(url) = line.trim().strip_prefix("url") {
+                    let _ = tx.send(url.trim().to_owned());
+                }
+            }
+        });
+        server.url = rx
+            .recv_timeout(Duration::from_secs(180))
+            .expect("mlxb serve printed no URL within 180 s");
+        assert!(
+            server.url.starts_with("http://127.0.0.1:"),
+            "{}",
+            server.url
+        );
+        let deadline = Instant::now() + Duration::from_secs(30);
+        loop {
+            if let Ok(r) = server.agent.get(&server.url("/health")).call() {
+                assert_eq!(r.status(), 200);
+                break;
+            }
+            assert!(Instant::now() < deadline, "/health never answered");
+            std::thread::sleep(Duration::from_millis(100));
+        }
+        server
+    }
+
+    pub fn url(&self, path: &str) -> String {
+        format!("{}{path}", self.url)
+    }
+
+    /// A request to `path`, with the API key when the server has one.
+    pub fn request(&self, method: &str, path: &str) -> ureq::Request {
+        let r = self.agent.request(method, &self.url(path));
+        match &self.key {
+            Some(key) => r.set("Authorization", &format!("Bearer {key}")),
+            None => r,
+        }
+    }
+
+    /// POSTs raw bytes and returns (status, body).
+    pub fn post_raw(&self, path: &str, body: &str) -> (u16, String) {
+        let result = self
+            .request("POST", path)
+            .set("Content-Type", "application/json")
+            .send_string(body);
+        match result {
+            Ok(r) => (r.status(), r.into_string().unwrap()),
+            Err(ureq::Error::Status(code, r)) => (code, r.into_string().unwrap()),
+            Err(e) => panic!("POST {path} failed: {e}"),
+        }
+    }
+
+    /// POSTs JSON and returns (status, parsed body).
+    pub fn post(&self, path: &str, body: &Value) -> (u16, Value) {
+        let (status, text) = self.post_raw(path, &body.to_string());
+        let value = serde_json::from_str(&text)
+            .unwrap_or_else(|e| panic!("response is not JSON ({e}): {text}"));
+        (status, value)
+    }
+
+    /// POSTs a streaming request; returns the `data:` payloads in order.
+    pub fn stream(&self, path: &str, body: &Value) -> Vec<String> {
+        let r = self
+            .request("POST", path)
+            .send_json(body.clone())
+            .unwrap_or_else(|e| panic!("stream {path} failed: {e}"));
+        assert!(r
+            .header("content-type")
+            .unwrap_or("")
+            .starts_with("text/event-stream"));
+        let mut events = Vec::new();
+        for line in BufReader::new(r.into_reader()).lines() {
+            let line = line.unwrap();
+            if let Some(data) = line.strip_prefix("data: ") {
+                events.push(data.to_owned());
+            }
+        }
+        events
+    }
+
+    /// Opens a long streaming completion and reads its first event, so it surely holds the
+    /// engine (or a concurrency slot); dropping the reader disconnects the client.
+    pub fn open_long_stream(&self) -> BufReader<Box<dyn std::io::Read + Send + Sync>> {
+        let long = json!({"prompt": "Hi", "max_tokens": 1000000, "stream": true});
+        let r = self
+            .request("POST", "/v1/completions")
+            .send_json(long)
+            .unwrap_or_else(|e| panic!("long stream failed: {e}"));
+        let mut reader = BufReader::new(r.into_reader());
+        let mut line = String::new();
+        reader.read_line(&mut line).unwrap();
+        assert!(line.starts_with("data: "), "{line}");
+        reader
+    }
+
+    pub fn metrics(&self) -> String {
+        self.request("GET", "/metrics")
+            .call()
+            .unwrap()
+            .into_string()
+            .unwrap()
+    }
+
+    /// The value of a metric line `name value` (0 when absent).
+    pub fn metric(&self, name: &str) -> f64 {
+        self.metrics()
+            .lines()
+            .find_map(|l| l.strip_prefix(name)?.strip_prefix(' ')?.parse().ok())
+            .unwrap_or(0.0)
+    }
+}
+
+/// `mlxb generate --json` for the same settings.
+pub fn generate(prompt: &str, max_tokens: usize, extra: &[&str]) -> Value {
+    let out = Command::new(common::mlxb())
+        .args([
+            "generate",
+            "--model",
+            model().to_str().unwrap(),
+            "--prompt",
+            prompt,
+        ])
+        .args(["--max-tokens", &max_tokens.to_string(), "--json"])
+        .args(extra)
+        .output()
+        .unwrap();
+    assert!(
+        out.status.success(),
+        "{}",
+        String::from_utf8_lossy(&out.stderr)
+    );
+    serde_json::from_slice(&out.stdout).unwrap()
+}
+
+pub fn ids(v: &Value) -> Vec<u64> {
+    v.as_array()
+        .unwrap_or_else(|| panic!("not an id list: {v}"))
+        .iter()
+        .map(|x| x.as_u64().unwrap())
+        .collect()
+}
+
+pub fn chat_body(prompt: &str, max_tokens: usize) -> Value {
+    json!({"model": "serve-tiny-llama", "messages": [{"role": "user", "content": prompt}],
+           "max_tokens": max_tokens, "temperature": 0, "return_token_ids": true})
+}
+
+/// Concatenates a chat or completions stream's text; checks the framing and [DONE].
+pub fn stream_text(events: &[String]) -> (String, Option<String>, Option<Value>) {
+    assert_eq!(
+        events.last().map(String::as_str),
+        Some("[DONE]"),
+        "{events:?}"
+    );
+    let mut text = String::new();
+    let mut finish = None;
+    let mut usage = None;
+    for e in &events[..events.len() - 1] {
+        let v: Value = serde_json::from_str(e).unwrap();
+        assert!(v.get("error").is_none(), "error in stream: {v}");
+        if let Some(u) = v.get("usage") {
+            usage = Some(u.clone());
+        }
+        for c in v["choices"].as_array().unwrap() {
+            let piece = c["delta"]["content"].as_str().or(c["text"].as_str());
+            text.push_str(piece.unwrap_or(""));
+            if let Some(f) = c["finish_reason"].as_str() {
+                finish = Some(f.to_owned());
+            }
+        }
+    }
+    (text, finish, usage)
+}
