@@ -5,7 +5,8 @@ Each run is a fresh process, as a user starts it, so the numbers include start-u
 records prefill and decode tokens/sec and MLX peak memory from the footer both tools print
 (mlxb's is byte-compatible with mlx-lm's), the process's peak RSS (wait4's ru_maxrss), and
 process-start-to-first-token: the time from spawn to the first byte of generated text on
-stdout (after the `==========` line). Runs alternate ABBA so drift hits both sides equally.
+stdout (after the `==========` line), and the whole command's wall time (the fair end-to-end
+figure for speculative runs, whose prompt/generation split differs between the tools). Runs alternate ABBA so drift hits both sides equally.
 Output: a Markdown table (or JSON with --json) of mean +- std per tool and the mlxb/mlx-lm ratio.
 
 Usage: scripts/bench_cli.py --model DIR [--runs 6] [--max-tokens 64] [--prompt TEXT]
@@ -53,11 +54,13 @@ def run_once(cmd):
                 first = time.perf_counter() - t0
     err = proc.stderr.read()
     _, status, usage = os.wait4(proc.pid, 0)
+    wall = time.perf_counter() - t0
     proc.returncode = os.waitstatus_to_exitcode(status)
     if proc.returncode != 0:
         sys.exit(f"bench_cli: {' '.join(cmd)} failed ({proc.returncode}): {err.decode()[-2000:]}")
     text = out.decode("utf-8", "replace")
-    row = {"start_to_first_token_s": first, "peak_rss_gb": usage.ru_maxrss / 1024 / 1024}
+    row = {"start_to_first_token_s": first, "wall_s": wall,
+           "peak_rss_gb": usage.ru_maxrss / 1024 / 1024}
     m = FOOTER["prompt_tps"].search(text)
     row["prompt_tokens"], row["prompt_tps"] = int(m.group(1)), float(m.group(2))
     m = FOOTER["gen_tps"].search(text)
@@ -109,7 +112,8 @@ def main():
     same_text = len(tools) == 2 and all(
         r["text"] == rows["mlx-lm"][0]["text"] for r in rows["mlxb"]
     )
-    metrics = ["prompt_tps", "gen_tps", "start_to_first_token_s", "peak_gb", "peak_rss_gb"]
+    metrics = ["prompt_tps", "gen_tps", "start_to_first_token_s", "wall_s", "peak_gb",
+               "peak_rss_gb"]
     result = {"model": a.model, "runs": a.runs, "max_tokens": a.max_tokens,
               "prompt_tokens": rows["mlxb"][0]["prompt_tokens"],
               "gen_tokens": rows["mlxb"][0]["gen_tokens"], "same_text": same_text,
@@ -122,6 +126,7 @@ def main():
         return
     labels = {"prompt_tps": "prefill tok/s", "gen_tps": "decode tok/s",
               "start_to_first_token_s": "start→first token (s)",
+              "wall_s": "whole command (s)",
               "peak_gb": "MLX peak memory (GB)", "peak_rss_gb": "process peak RSS (GB)"}
     print(f"model `{os.path.basename(a.model.rstrip('/'))}`, prompt {result['prompt_tokens']} tokens, "
           f"{result['gen_tokens']} generated, {a.runs} interleaved runs; identical text: {same_text}\n")

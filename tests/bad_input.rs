@@ -153,3 +153,21 @@ fn missing_model_directory_is_a_clear_error() {
     assert_eq!(code, 2, "{err}");
     assert!(err.contains("/nonexistent/model"), "{err}");
 }
+
+#[test]
+fn zero_prefill_step_is_refused_before_anything_loads() {
+    let (code, _, err) = common::run_mlxb(&[
+        "generate",
+        "--model",
+        "/nonexistent",
+        "--prefill-step-size",
+        "0",
+        "--prompt",
+        "hi",
+    ]);
+    assert_eq!(code, 2, "{err}");
+    assert!(
+        err.contains("--prefill-step-size") && err.contains("must be at least 1"),
+        "{err}"
+    );
+}

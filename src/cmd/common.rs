@@ -14,7 +14,7 @@ pub struct ModelArgs {
     #[arg(long)]
     pub model: Option<String>,
     /// Prompt tokens per prefill forward (mlx-lm's default 2048).
-    #[arg(long, default_value_t = 2048)]
+    #[arg(long, default_value_t = 2048, value_parser = at_least_one)]
     pub prefill_step_size: usize,
 }
 
@@ -201,5 +201,14 @@ impl SpecArgs {
             verify: self.spec_verify.unwrap_or_default(),
             dspark_min_conf: self.dspark_min_conf,
         })
+    }
+}
+
+/// Parses a count that must be at least 1 (`--prefill-step-size 0` would never finish a prompt).
+fn at_least_one(s: &str) -> Result<usize, String> {
+    match s.parse::<usize>() {
+        Ok(0) => Err("must be at least 1".into()),
+        Ok(n) => Ok(n),
+        Err(e) => Err(e.to_string()),
     }
 }

@@ -73,10 +73,14 @@ pub fn run(args: ServeArgs) -> anyhow::Result<()> {
         opts.validate()?;
     }
     let dir = resolve_model(args.model.model.as_deref())?;
-    let forks = args.forks.forks()?;
+    let resolution = args.forks.resolve()?;
+    for w in &resolution.warnings {
+        eprintln!("mlxb: warning: {w}");
+    }
     serve(ServeConfig {
         dir,
-        forks,
+        forks: resolution.forks,
+        parity: resolution.holds(),
         model_ref: args.model.model.clone(),
         host: args.host,
         port: args.port,

@@ -72,6 +72,8 @@ pub struct ServeConfig {
     pub prefix_reuse: bool,
     /// The fork flags every request runs with (`--l1/--l2/--l3` and per-fork flags).
     pub forks: crate::engine::flags::Forks,
+    /// The parity tier the resolved forks keep (for the ready card).
+    pub parity: crate::engine::flags::Tier,
 }
 
 /// Loads the model, binds, prints the ready card and serves until Ctrl-C or SIGTERM; then
@@ -192,12 +194,14 @@ fn print_card(
     let mut out = std::io::stdout().lock();
     let _ = writeln!(
         out,
-        "mlxb serve: ready in {:.1}s\n  model    {} ({}, {})\n  backend  {}\n  tier     L1 (bit-exact with mlx-lm)\n  drafter  {}\n  queue    {} waiting at most, 1 generating; max_tokens {} by default, {} at most\n  limits   prompt {} tokens, body {} bytes, {} requests in flight\n  prefix   {}\n  auth     {}\n  url      http://{addr}\n  routes   POST /v1/chat/completions, POST /v1/completions, GET /v1/models, GET /health, GET /metrics",
+        "mlxb serve: ready in {:.1}s\n  model    {} ({}, {})\n  backend  {}\n  tier     {} (oracle: {})\n  drafter  {}\n  queue    {} waiting at most, 1 generating; max_tokens {} by default, {} at most\n  limits   prompt {} tokens, body {} bytes, {} requests in flight\n  prefix   {}\n  auth     {}\n  url      http://{addr}\n  routes   POST /v1/chat/completions, POST /v1/completions, GET /v1/models, GET /health, GET /metrics",
         load_time.as_secs_f64(),
         state.model_id,
         cfg.dir.display(),
         info.model_type,
         info.backend,
+        cfg.parity,
+        cfg.parity.oracle(),
         info.drafter.as_deref().unwrap_or("none"),
         cfg.max_queue.max(1),
         state.limits.default_max_tokens,
