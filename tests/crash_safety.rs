@@ -3,9 +3,12 @@
 //! times each. After every kill each file under its final name must be a complete old or new
 //! version (it parses and loads), and a re-run (`--resume` where a training state exists) must
 //! finish with exactly the result of an uninterrupted run, leaving no staging directory behind.
-//! (`calibrate` is not covered yet.)
+//! `calibrate` is killed the same way: its checkpoint config is always the old or the new
+//! complete file, and a re-run from an old one writes exactly the uninterrupted result.
 
 mod common;
+#[path = "common/dspark_cli.rs"]
+mod dspark_cli;
 
 use mlx_rs::Array;
 use mlxb::spec::dspark::checkpoint;
@@ -408,4 +411,62 @@ fn train_dspark_survives_kill_9_and_resumes_to_the_same_drafter() {
     }
     eprintln!("killed {killed} of {RUNS} runs, re-runs matched the uninterrupted result");
     assert!(killed >= 3, "only {killed} of {RUNS} runs were killed");
+}
+
+/// Copies the files of the flat directory `from` into a new directory `to`.
+fn copy_flat_dir(from: &Path, to: &Path) {
+    std::fs::create_dir_all(to).unwrap();
+    for entry in std::fs::read_dir(from).unwrap() {
+        let entry = entry.unwrap();
+        if entry.file_type().unwrap().is_file() {
+            std::fs::copy(entry.path(), to.join(entry.file_name())).unwrap();
+        }
+    }
+}
+
+#[test]
+fn calibrate_survives_kill_9_with_the_old_or_new_config() {
+    let fx = dspark_cli::Fixture::new();
+    let data = fx.prompts(
+        "p.jsonl",
+        "{\"prompt_ids\": [5, 17, 99, 250, 17, 99]}\n{\"prompt_ids\": [7, 8, 9, 10, 11]}\n",
+    );
+    let config = checkpoint::MLXB_CONFIG;
+    let old = std::fs::read(fx.drafter.join(config)).unwrap();
+    let args = |drafter: &Path| -> Vec<String> {
+        let mut a: Vec<String> = fx
+            .args("calibrate", &data, "12")
+            .iter()
+            .map(|s| s.to_string())
+            .collect();
+        a.extend(["--drafter".into(), drafter.to_str().unwrap().into()]);
+        a.extend(["--min-samples".into(), "1".into()]);
+        a
+    };
+    let reference = fx.tmp.path().join("reference");
+    copy_flat_dir(&fx.drafter, &reference);
+    let wall = complete(&strs(&args(&reference)), &[]);
+    let new = std::fs::read(reference.join(config)).unwrap();
+    assert_ne!(new, old, "calibration did not change the config");
+    let mut killed = 0;
+    for (i, delay) in delays(0xca11b, wall).into_iter().enumerate() {
+        let run = fx.tmp.path().join(format!("run{i}"));
+        copy_flat_dir(&fx.drafter, &run);
+        killed += kill_after(&strs(&args(&run)), &[], delay) as usize;
+        let now = std::fs::read(run.join(config)).unwrap();
+        assert!(
+            now == old || now == new,
+            "run {i}: {config} is neither the old nor the new complete file"
+        );
+        checkpoint::load(&run).unwrap();
+        if now == old {
+            complete(&strs(&args(&run)), &[]);
+            assert_eq!(
+                std::fs::read(run.join(config)).unwrap(),
+                new,
+                "run {i}: the re-run did not write the uninterrupted result"
+            );
+        }
+    }
+    assert!(killed >= 1, "no run was killed before it finished");
 }
