@@ -413,17 +413,6 @@ fn train_dspark_survives_kill_9_and_resumes_to_the_same_drafter() {
     assert!(killed >= 3, "only {killed} of {RUNS} runs were killed");
 }
 
-/// Copies the files of the flat directory `from` into a new directory `to`.
-fn copy_flat_dir(from: &Path, to: &Path) {
-    std::fs::create_dir_all(to).unwrap();
-    for entry in std::fs::read_dir(from).unwrap() {
-        let entry = entry.unwrap();
-        if entry.file_type().unwrap().is_file() {
-            std::fs::copy(entry.path(), to.join(entry.file_name())).unwrap();
-        }
-    }
-}
-
 #[test]
 fn calibrate_survives_kill_9_with_the_old_or_new_config() {
     let fx = dspark_cli::Fixture::new();
@@ -444,14 +433,14 @@ fn calibrate_survives_kill_9_with_the_old_or_new_config() {
         a
     };
     let reference = fx.tmp.path().join("reference");
-    copy_flat_dir(&fx.drafter, &reference);
+    common::copy_dir(&fx.drafter, &reference);
     let wall = complete(&strs(&args(&reference)), &[]);
     let new = std::fs::read(reference.join(config)).unwrap();
     assert_ne!(new, old, "calibration did not change the config");
     let mut killed = 0;
     for (i, delay) in delays(0xca11b, wall).into_iter().enumerate() {
         let run = fx.tmp.path().join(format!("run{i}"));
-        copy_flat_dir(&fx.drafter, &run);
+        common::copy_dir(&fx.drafter, &run);
         killed += kill_after(&strs(&args(&run)), &[], delay) as usize;
         let now = std::fs::read(run.join(config)).unwrap();
         assert!(

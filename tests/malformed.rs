@@ -88,15 +88,6 @@ fn snapshot(root: &Path) -> BTreeMap<PathBuf, Option<Vec<u8>>> {
     out
 }
 
-/// Copies the directory `from` to `to` (flat: model and drafter directories are flat).
-fn copy_dir(from: &Path, to: &Path) {
-    std::fs::create_dir_all(to).unwrap();
-    for e in std::fs::read_dir(from).unwrap() {
-        let e = e.unwrap();
-        std::fs::copy(e.path(), to.join(e.file_name())).unwrap();
-    }
-}
-
 /// One way of breaking a JSON file.
 type JsonEdit = Box<dyn Fn(&mut Value)>;
 
@@ -145,7 +136,7 @@ impl Suite {
     /// A copy of the fixture model in the case directory `name`, with `break_it` applied.
     fn model(&self, name: &str, break_it: impl FnOnce(&Path)) -> PathBuf {
         let d = self.dir(name).join("model");
-        copy_dir(&fixture().model, &d);
+        common::copy_dir(&fixture().model, &d);
         break_it(&d);
         d
     }
@@ -153,7 +144,7 @@ impl Suite {
     /// A copy of the fixture drafter in the case directory `name`, with `break_it` applied.
     fn drafter(&self, name: &str, break_it: impl FnOnce(&Path)) -> PathBuf {
         let d = self.dir(name).join("drafter");
-        copy_dir(&fixture().drafter, &d);
+        common::copy_dir(&fixture().drafter, &d);
         break_it(&d);
         d
     }

@@ -186,3 +186,12 @@ pub fn assert_rollback_path(m: &mlxb::spec::metrics::SpecMetrics, wraps: bool) {
         m.to_json()
     );
 }
+
+/// Copies the flat directory `from` (a model or drafter directory) into a new directory `to`.
+pub fn copy_dir(from: &Path, to: &Path) {
+    std::fs::create_dir_all(to).unwrap();
+    for e in std::fs::read_dir(from).unwrap() {
+        let e = e.unwrap();
+        std::fs::copy(e.path(), to.join(e.file_name())).unwrap();
+    }
+}
