@@ -213,12 +213,13 @@ fn tiny_4bit_model_decodes_with_the_host_kernel_close_to_l1() {
         .map(|&v| v as i32)
         .collect();
     let ids = Array::from_slice(&prompt, &[1, prompt.len() as i32]);
-    // The 12-token prefill is above the kernel's 8 rows, so both run MLX there: identical.
+    // The 12-token prefill runs on the host step too (two sub-blocks): close, not identical.
     let (la, lb) = (
         a.forward(&ids, &mut ca).unwrap(),
         b.forward(&ids, &mut cb).unwrap(),
     );
-    assert_eq!(logprobs(&la), logprobs(&lb));
+    let d = kl(&logprobs(&la), &logprobs(&lb));
+    assert!(d.is_finite() && d < 1e-4, "prefill: KL(L1 || kernel) = {d}");
     let before = host_calls();
     let mut worst = 0.0f64;
     let mut tok = argmax(&logprobs(&la));

@@ -115,6 +115,22 @@ pub trait KvCache {
     fn peek_kv(&self) -> Result<Option<(Array, Array)>> {
         Ok(None)
     }
+    /// The buffers a full-attention cache stores, for the host decode step
+    /// (`--perf-kernel on`), which reads past positions in place and appends through
+    /// [`KvCache::update_and_fetch`]. [`StoredKv::Unsupported`] for every other kind.
+    fn stored_kv(&self) -> StoredKv<'_> {
+        StoredKv::Unsupported
+    }
+}
+
+/// What [`KvCache::stored_kv`] exposes.
+pub enum StoredKv<'a> {
+    /// Not a plain full-attention cache.
+    Unsupported,
+    /// A full-attention cache before its first update.
+    Empty,
+    /// Its key and value buffers `[B, H, capacity, D]`; the first `offset` positions are valid.
+    Buffers(&'a Array, &'a Array),
 }
 
 /// An opaque saved cache state (see [`KvCache::snapshot`]).
@@ -279,6 +295,13 @@ impl KvCache for FullCache {
             (Some(k), Some(v)) => Some((prefix(k, self.offset), prefix(v, self.offset))),
             _ => None,
         })
+    }
+
+    fn stored_kv(&self) -> StoredKv<'_> {
+        match (&self.keys, &self.values) {
+            (Some(k), Some(v)) => StoredKv::Buffers(k, v),
+            _ => StoredKv::Empty,
+        }
     }
 }
 

@@ -83,19 +83,26 @@ fn host_cell(w: &WeightStore, weight: &LinearWeight) -> Option<Arc<HostQuantCell
     }
 }
 
+/// The pinned host weight of a layer that has a host kernel cell.
+fn pinned<'a>(w: &LinearWeight, host: Option<&'a HostQuantCell>) -> Result<Option<&'a HostQuant>> {
+    match (host, w) {
+        (
+            Some(cell),
+            LinearWeight::Quantized {
+                weight,
+                scales,
+                biases,
+                spec,
+            },
+        ) => Ok(Some(cell.get(weight, scales, biases, *spec)?)),
+        _ => Ok(None),
+    }
+}
+
 fn matmul_transposed(x: &Array, w: &LinearWeight, host: Option<&HostQuantCell>) -> Result<Array> {
-    if let (
-        Some(cell),
-        LinearWeight::Quantized {
-            weight,
-            scales,
-            biases,
-            spec,
-        },
-    ) = (host, w)
-    {
-        if HostQuant::takes(x) {
-            return cell.get(weight, scales, biases, *spec)?.forward(x);
+    if HostQuant::takes(x) {
+        if let Some(h) = pinned(w, host)? {
+            return h.forward(x);
         }
     }
     Ok(match w {
@@ -213,6 +220,15 @@ impl Linear {
         matmul_transposed(x, &self.weight, self.host.as_deref())
     }
 
+    /// The weight pinned for the host decode step (`--perf-kernel on`), when this is an
+    /// unbiased quantized layer the host kernel takes; `None` otherwise.
+    pub fn host_quant(&self) -> Result<Option<HostQuant>> {
+        if self.bias.is_some() {
+            return Ok(None);
+        }
+        Ok(pinned(&self.weight, self.host.as_deref())?.cloned())
+    }
+
     /// `x @ W.T (+ b)`, with `addmm` for the dense biased case as mlx does.
     pub fn forward(&self, x: &Array) -> Result<Array> {
         match (&self.weight, &self.bias) {
@@ -221,6 +237,18 @@ impl Linear {
             (_, None) => self.matmul(x),
         }
     }
+}
+
+/// Every layer's [`Linear::host_quant`], or `None` when any one has none.
+pub fn host_quants<const N: usize>(layers: [&Linear; N]) -> Result<Option<[HostQuant; N]>> {
+    let mut pinned = Vec::with_capacity(N);
+    for l in layers {
+        match l.host_quant()? {
+            Some(h) => pinned.push(h),
+            None => return Ok(None),
+        }
+    }
+    Ok(pinned.try_into().ok())
 }
 
 /// `nn.Embedding` / `nn.QuantizedEmbedding`, usable as the tied output projection.
@@ -255,6 +283,12 @@ impl Embedding {
                 spec.bits,
             )?,
         })
+    }
+
+    /// The table pinned for the host decode step (`--perf-kernel on`) when it is quantized
+    /// with a width the host kernel takes; `None` otherwise.
+    pub fn host_quant(&self) -> Result<Option<HostQuant>> {
+        Ok(pinned(&self.weight, self.host.as_deref())?.cloned())
     }
 
     /// The tied LM head: `x @ weight.T`.
@@ -293,6 +327,25 @@ impl RmsNorm {
             weight: w.take(&format!("{path}.weight"), &[dim])?,
             eps: eps as f32,
         })
+    }
+
+    /// The weight and epsilon on the host, for the host decode step; `None` unless the
+    /// weight is f32 (the step computes in f32 only).
+    pub fn host_weight(&self) -> Result<Option<(Vec<f32>, f32)>> {
+        if self.weight.dtype() != Dtype::Float32 {
+            return Ok(None);
+        }
+        Ok(Some((
+            self.weight
+                .try_as_slice::<f32>()
+                .map_err(|e| {
+                    super::error::EngineError::Runtime(format!(
+                        "cannot read an RMSNorm weight ({e})"
+                    ))
+                })?
+                .to_vec(),
+            self.eps,
+        )))
     }
 
     /// Applies the norm with the stored weight.

@@ -8,6 +8,7 @@
 use super::affine::{rows_into, KernelPath, Prepared, QMatrix};
 use crate::engine::error::{EngineError, Result};
 use rayon::prelude::*;
+use std::ops::Range;
 use std::sync::OnceLock;
 
 /// Weights below which one thread does the whole mat-vec (a fork/join costs more).
@@ -74,34 +75,68 @@ pub fn selection() -> Result<Selection> {
 /// `sel.path` with the output features split over up to `sel.threads` threads.
 pub fn matmul(sel: Selection, w: &QMatrix<'_>, x: &[f32], m: usize) -> Result<Vec<f32>> {
     let prepared = Prepared::new(x, m, w.cols(), w.bits()).map_err(EngineError::Runtime)?;
-    let rows = w.rows();
-    let mut by_row = vec![0.0f32; rows * m];
-    let threads = if rows * w.cols() < PARALLEL_MIN_WEIGHTS {
+    let mut by_row = vec![0.0f32; w.rows() * m];
+    matvecs(
+        sel,
+        vec![MatVec {
+            w: *w,
+            x: &prepared,
+            out: &mut by_row,
+        }],
+    )?;
+    if m == 1 {
+        return Ok(by_row);
+    }
+    let mut y = vec![0.0f32; w.rows() * m];
+    for (r, vals) in by_row.chunks_exact(m).enumerate() {
+        for (mi, v) in vals.iter().enumerate() {
+            y[mi * w.rows() + r] = *v;
+        }
+    }
+    Ok(y)
+}
+
+/// One mat-vec of a batch for [`matvecs`]: `out = x · Wᵀ` in the kernel's layout (`rows × m`,
+/// by output feature).
+pub struct MatVec<'a> {
+    /// The weight.
+    pub w: QMatrix<'a>,
+    /// The input, prepared for `w`'s bit width.
+    pub x: &'a Prepared,
+    /// `w.rows() × x.m()` outputs.
+    pub out: &'a mut [f32],
+}
+
+/// A piece of one [`MatVec`]: the rows one thread computes.
+type Part<'a> = (QMatrix<'a>, &'a Prepared, Range<usize>, &'a mut [f32]);
+
+/// Runs independent mat-vecs (e.g. a layer's q/k/v projections) in one fork/join: every
+/// job's rows are split over up to `sel.threads` threads, so the threads share each matrix
+/// rather than each other's queue, and one small job does not leave a core idle.
+pub fn matvecs(sel: Selection, jobs: Vec<MatVec<'_>>) -> Result<()> {
+    let weights: usize = jobs.iter().map(|j| j.w.rows() * j.w.cols()).sum();
+    let threads = if weights < PARALLEL_MIN_WEIGHTS {
         1
     } else {
         sel.threads.max(1)
     };
-    let run = |start: usize, out: &mut [f32]| {
-        let range = start..start + out.len() / m;
-        rows_into(sel.path, w, &prepared, range, out).map_err(EngineError::Runtime)
-    };
-    if threads == 1 {
-        run(0, &mut by_row)?;
-    } else {
-        let per = rows.div_ceil(threads);
-        by_row
-            .par_chunks_mut(per * m)
-            .enumerate()
-            .try_for_each(|(i, out)| run(i * per, out))?;
-    }
-    if m == 1 {
-        return Ok(by_row);
-    }
-    let mut y = vec![0.0f32; rows * m];
-    for (r, vals) in by_row.chunks_exact(m).enumerate() {
-        for (mi, v) in vals.iter().enumerate() {
-            y[mi * rows + r] = *v;
+    let mut parts: Vec<Vec<Part<'_>>> = (0..threads).map(|_| Vec::new()).collect();
+    for job in jobs {
+        let (m, rows) = (job.x.m(), job.w.rows());
+        let per = rows.div_ceil(threads).max(1);
+        for (t, out) in job.out.chunks_mut(per * m).enumerate() {
+            let start = t * per;
+            parts[t].push((job.w, job.x, start..start + out.len() / m, out));
         }
     }
-    Ok(y)
+    let run = |part: Vec<Part<'_>>| -> Result<()> {
+        for (w, x, rows, out) in part {
+            rows_into(sel.path, &w, x, rows, out).map_err(EngineError::Runtime)?;
+        }
+        Ok(())
+    };
+    if threads == 1 {
+        return parts.into_iter().try_for_each(run);
+    }
+    parts.into_par_iter().try_for_each(run)
 }

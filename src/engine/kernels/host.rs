@@ -41,8 +41,8 @@ impl<T: mlx_rs::ArrayElement> HostSlice<T> {
 }
 
 /// A 2-D affine-quantized weight (`[rows, cols * bits / 32]` uint32, f32 `[rows, cols/group]`
-/// scales and biases) pinned in host memory for the kernel.
-#[derive(Debug)]
+/// scales and biases) pinned in host memory for the kernel. Cloning shares the pinned buffers.
+#[derive(Debug, Clone)]
 pub struct HostQuant {
     _keep: [Array; 3],
     packed: HostSlice<u32>,
@@ -87,7 +87,13 @@ impl HostQuant {
         Ok(me)
     }
 
-    fn matrix(&self) -> Result<QMatrix<'_>> {
+    /// Output features.
+    pub fn rows(&self) -> usize {
+        self.rows
+    }
+
+    /// The pinned weight as the kernels take it.
+    pub fn matrix(&self) -> Result<QMatrix<'_>> {
         QMatrix::new(
             self.bits,
             self.packed.get(),
@@ -125,7 +131,7 @@ impl HostQuant {
         })?;
         let m = host.len() / self.cols;
         let y = matmul(sel, &self.matrix()?, host, m)?;
-        CALLS.fetch_add(1, Ordering::Relaxed);
+        count_calls(1);
         let mut shape = x.shape().to_vec();
         if let Some(last) = shape.last_mut() {
             *last = self.rows as i32;
@@ -140,6 +146,11 @@ impl HostQuant {
 }
 
 static CALLS: AtomicUsize = AtomicUsize::new(0);
+
+/// Records `n` mat-vecs computed on the host.
+pub(crate) fn count_calls(n: usize) {
+    CALLS.fetch_add(n, Ordering::Relaxed);
+}
 
 /// How many mat-vecs the host kernel has computed in this process (lets tests and benchmarks
 /// check that `--perf-kernel on` really took the host path).

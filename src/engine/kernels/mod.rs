@@ -3,12 +3,17 @@
 //! quantized linear layers in single-token (and small speculative-verify) steps.
 //!
 //! `affine` is the arithmetic (AVX-512, AVX2+FMA, scalar), `dispatch` picks a path at run time
-//! and splits rows over threads, `host` moves arrays between MLX and host memory.
+//! and splits rows over threads, `host` moves arrays between MLX and host memory, `vecops` and
+//! `step` run a whole llama-style decode step on the host.
 
 pub mod affine;
 pub mod dispatch;
 pub mod host;
+pub mod step;
+pub mod vecops;
 
 pub use affine::{KernelPath, Prepared, QMatrix, BITS, MAX_M};
 pub use dispatch::{best_path, matmul, selection, Selection};
 pub use host::{host_calls, HostQuant, HostQuantCell};
+pub use step::{HostDecoder, HostLayer, PastKv, StepOut};
+pub use vecops::{HeadShape, HostRope};

@@ -8,7 +8,8 @@ use super::rope::Rope;
 use crate::engine::attend::attend;
 use crate::engine::cache::{causal_mask, AttentionMask, KvCache};
 use crate::engine::error::Result;
-use crate::engine::nn::{weak_scalar, Linear, RmsNorm};
+use crate::engine::kernels::{HeadShape, HostQuant, HostRope};
+use crate::engine::nn::{host_quants, weak_scalar, Linear, RmsNorm};
 use crate::engine::weights::WeightStore;
 use mlx_rs::error::Exception;
 use mlx_rs::fast::{self, ScaledDotProductAttentionMask};
@@ -288,6 +289,16 @@ impl StepRuntime {
     }
 }
 
+/// An attention block's pieces for the host decode step.
+pub struct HostAttention {
+    /// `[q, k, v, o]` projections.
+    pub proj: [HostQuant; 4],
+    /// Heads and scale.
+    pub heads: HeadShape,
+    /// The rotary embedding.
+    pub rope: HostRope,
+}
+
 /// A loaded grouped-query attention block.
 pub struct GqaAttention {
     m: Heads,
@@ -351,6 +362,33 @@ impl GqaAttention {
             m,
             step: RefCell::new(StepRuntime::default()),
         })
+    }
+
+    /// The block for the host decode step (`--perf-kernel on`): `None` unless it is the plain
+    /// llama block (no q/k norms, soft-cap or output gate, unbiased projections the host kernel
+    /// takes).
+    pub fn host_parts(&self) -> Result<Option<HostAttention>> {
+        let m = &self.m;
+        if m.q_norm.is_some() || m.k_norm.is_some() || m.variant.softcap.is_some() {
+            return Ok(None);
+        }
+        if m.variant.output_gate {
+            return Ok(None);
+        }
+        let Some(proj) = host_quants([&m.q_proj, &m.k_proj, &m.v_proj, &m.o_proj])? else {
+            return Ok(None);
+        };
+        let s = &m.shape;
+        Ok(Some(HostAttention {
+            proj,
+            heads: HeadShape {
+                n_heads: s.n_heads as usize,
+                n_kv_heads: s.n_kv_heads as usize,
+                head_dim: s.head_dim as usize,
+                scale: s.scale,
+            },
+            rope: m.rope.host()?,
+        }))
     }
 
     /// Attention over `x` ([B, L, D]) with the layer's cache and mask. Single-token steps

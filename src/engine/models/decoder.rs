@@ -28,6 +28,18 @@ impl PreNormLayer {
         })
     }
 
+    /// The two norms on the host, for the host decode step (`None` unless both are f32).
+    pub fn host_norms(&self) -> Result<Option<HostNorms>> {
+        let (a, b) = (
+            self.input_layernorm.host_weight()?,
+            self.post_attention_layernorm.host_weight()?,
+        );
+        Ok(match (a, b) {
+            (Some((input, eps)), Some((post, _))) => Some(HostNorms { input, post, eps }),
+            _ => None,
+        })
+    }
+
     /// Runs the layer with its token mixer and feed-forward branches.
     pub fn forward(
         &self,
@@ -38,6 +50,16 @@ impl PreNormLayer {
         let h = x.add(mixer(&self.input_layernorm.forward(x)?)?)?;
         Ok(h.add(ffn(&self.post_attention_layernorm.forward(&h)?)?)?)
     }
+}
+
+/// A [`PreNormLayer`]'s norm weights as host vectors.
+pub struct HostNorms {
+    /// `input_layernorm` weight.
+    pub input: Vec<f32>,
+    /// `post_attention_layernorm` weight.
+    pub post: Vec<f32>,
+    /// Their epsilon.
+    pub eps: f32,
 }
 
 /// The output projection: `lm_head`, or the embedding's `as_linear` when tied.

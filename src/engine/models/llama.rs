@@ -3,11 +3,13 @@
 use super::activations::SwiGlu;
 use super::attention::{inv_sqrt_scale, AttentionShape, GqaAttention};
 use super::decoder::PreNormLayer;
+use super::host_step::{HostOut, HostStep};
 use super::mlp::GatedMlp;
 use super::rope::Rope;
 use super::{Caches, ForwardOpts, ForwardOut, LanguageModel, ModelSpec};
 use crate::engine::cache::{AttentionMask, FullCache, KvCache, RotatingCache};
 use crate::engine::error::Result;
+use crate::engine::kernels::{HostDecoder, HostLayer};
 use crate::engine::nn::{Embedding, Linear, RmsNorm};
 use crate::engine::weights::WeightStore;
 use mlx_rs::Array;
@@ -62,6 +64,7 @@ pub struct Model {
     swiglu: SwiGlu,
     sliding_window: Option<i32>,
     vocab_size: i32,
+    host_step: HostStep,
 }
 
 /// Builds the model from config.json and the checkpoint's tensors.
@@ -128,7 +131,61 @@ pub fn build(spec: &ModelSpec, w: &mut WeightStore) -> Result<Box<dyn LanguageMo
         swiglu: SwiGlu::new(spec.forks.compiled_activations),
         sliding_window: a.sliding_window,
         vocab_size: a.vocab_size,
+        host_step: HostStep::default(),
     }))
+}
+
+impl Model {
+    /// The whole model as a host decode step (`--perf-kernel on`), when every layer is the
+    /// plain full-attention llama block with host-kernel weights and f32 norms.
+    fn host_decoder(&self) -> Result<Option<HostDecoder>> {
+        if self.layers.iter().any(|l| l.sliding) {
+            return Ok(None);
+        }
+        let Some(embed) = self.embed_tokens.host_quant()? else {
+            return Ok(None);
+        };
+        let head = match &self.lm_head {
+            None => None,
+            Some(h) => match h.host_quant()? {
+                Some(h) => Some(h),
+                None => return Ok(None),
+            },
+        };
+        let Some((final_norm, eps)) = self.norm.host_weight()? else {
+            return Ok(None);
+        };
+        let mut layers = Vec::with_capacity(self.layers.len());
+        let mut shape = None;
+        for l in &self.layers {
+            let (Some(attn), Some(mlp), Some(norms)) = (
+                l.attn.host_parts()?,
+                l.mlp.host_parts()?,
+                l.norms.host_norms()?,
+            ) else {
+                return Ok(None);
+            };
+            shape = Some((attn.heads, attn.rope));
+            layers.push(HostLayer {
+                input_norm: norms.input,
+                post_norm: norms.post,
+                attn: attn.proj,
+                mlp,
+            });
+        }
+        let Some((heads, rope)) = shape else {
+            return Ok(None);
+        };
+        Ok(Some(HostDecoder {
+            layers,
+            embed,
+            head,
+            final_norm,
+            eps,
+            heads,
+            rope,
+        }))
+    }
 }
 
 impl LanguageModel for Model {
@@ -145,6 +202,16 @@ impl LanguageModel for Model {
         opts: &ForwardOpts,
     ) -> Result<ForwardOut> {
         let run = opts.layers_to_run(self.layers.len(), caches.len())?;
+        match self
+            .host_step
+            .run(|| self.host_decoder(), inputs, caches, opts)?
+        {
+            Some(HostOut::Logits(logits)) => return Ok(ForwardOut::logits(logits)),
+            Some(HostOut::Hidden(h)) => {
+                return Ok(ForwardOut::logits(self.lm_head(&self.final_norm(&h)?)?))
+            }
+            None => {}
+        }
         let layers = &self.layers[..run];
         let mut h = self.embed(inputs)?;
         let n = h.shape()[1];

@@ -2,7 +2,8 @@
 
 use super::activations::{CompiledOp, SwiGlu};
 use crate::engine::error::Result;
-use crate::engine::nn::Linear;
+use crate::engine::kernels::HostQuant;
+use crate::engine::nn::{host_quants, Linear};
 use crate::engine::weights::WeightStore;
 use mlx_rs::Array;
 
@@ -27,6 +28,11 @@ impl GatedMlp {
             up_proj: Linear::load(w, &format!("{prefix}.up_proj"), hidden, inter, bias)?,
             down_proj: Linear::load(w, &format!("{prefix}.down_proj"), inter, hidden, bias)?,
         })
+    }
+
+    /// `[gate, up, down]` pinned for the host decode step, when the host kernel takes all three.
+    pub fn host_parts(&self) -> Result<Option<[HostQuant; 3]>> {
+        host_quants([&self.gate_proj, &self.up_proj, &self.down_proj])
     }
 
     /// `down(swiglu(gate(x), up(x)))`.

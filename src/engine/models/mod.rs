@@ -8,6 +8,7 @@ pub mod gated_delta;
 pub mod gemma2;
 pub mod gemma3_text;
 pub mod gemma4_text;
+pub mod host_step;
 pub mod llama;
 pub mod minicpm;
 pub mod mlp;
@@ -135,6 +136,16 @@ pub struct ForwardOut {
     pub logits: Array,
     /// One array `[B, L, D]` per requested tap, in the order requested.
     pub taps: Vec<Array>,
+}
+
+impl ForwardOut {
+    /// Logits without taps.
+    pub fn logits(logits: Array) -> Self {
+        Self {
+            logits,
+            taps: Vec::new(),
+        }
+    }
 }
 
 impl ForwardOpts {

@@ -2,6 +2,7 @@
 //! (`nn.RoPE`) and llama3 (frequency array built with the same MLX ops and dtypes).
 
 use crate::engine::error::{EngineError, Result};
+use crate::engine::kernels::HostRope;
 use mlx_rs::{fast, ops, Array};
 use serde_json::Value;
 
@@ -90,6 +91,29 @@ impl Rope {
                 "config.json: rope_scaling type \"{other}\" is not supported yet (supported: default, linear, llama3, mrope, proportional)"
             ))),
         }
+    }
+
+    /// The same rotation for the host decode step (`--perf-kernel on`).
+    pub fn host(&self) -> Result<HostRope> {
+        Ok(match self {
+            Rope::Plain {
+                dims,
+                traditional,
+                base,
+                scale,
+            } => HostRope::from_base(*dims as usize, *traditional, *base, *scale),
+            Rope::Freqs {
+                dims,
+                traditional,
+                freqs,
+            } => {
+                let f = freqs.as_dtype(mlx_rs::Dtype::Float32)?;
+                let f = f.try_as_slice::<f32>().map_err(|e| {
+                    EngineError::Runtime(format!("cannot read the rope frequencies ({e})"))
+                })?;
+                HostRope::from_freqs(*dims as usize, *traditional, f)
+            }
+        })
     }
 
     /// Like [`Rope::apply`] with the offset as an MLX array (`offset=mx.array(cache.offset)`).

@@ -1,0 +1,167 @@
+//! `--perf-kernel on` for llama-style models: small blocks (a decode token, a speculative
+//! verify block) run as one [`HostDecoder`] step on the host instead of an MLX graph.
+//!
+//! The MLX caches stay the source of truth: the step reads each layer's past keys/values in
+//! place from the cache buffers and appends its new ones through `update_and_fetch`, so
+//! trimming, snapshots, speculative rollback and prefix reuse work unchanged. Anything the
+//! step does not cover (another cache kind, early exit or taps, a batch, a long block, a
+//! non-f32 cache) takes the model's MLX path.
+
+use super::{Caches, ForwardOpts};
+use crate::engine::cache::StoredKv;
+use crate::engine::error::{EngineError, Result};
+use crate::engine::kernels::{HostDecoder, PastKv, StepOut, MAX_M};
+use mlx_rs::{Array, Dtype};
+use std::cell::OnceCell;
+
+/// A model's host step, built on first use (`None` inside when the model does not qualify).
+#[derive(Default)]
+pub struct HostStep(OnceCell<Option<HostDecoder>>);
+
+/// One layer's cache buffers as host slices, or `None` when the step cannot read them.
+fn past_of(stored: StoredKv<'_>, offset: i32) -> Result<Option<PastKv<'_>>> {
+    let (k, v) = match stored {
+        StoredKv::Unsupported => return Ok(None),
+        StoredKv::Empty => {
+            return Ok(Some(PastKv {
+                keys: &[],
+                values: &[],
+                capacity: 0,
+                len: 0,
+            }))
+        }
+        StoredKv::Buffers(k, v) => (k, v),
+    };
+    if k.dtype() != Dtype::Float32 || v.dtype() != Dtype::Float32 || k.ndim() != 4 {
+        return Ok(None);
+    }
+    if k.shape()[0] != 1 || k.shape() != v.shape() {
+        return Ok(None);
+    }
+    let (Ok(keys), Ok(values)) = (k.try_as_slice::<f32>(), v.try_as_slice::<f32>()) else {
+        return Ok(None);
+    };
+    Ok(Some(PastKv {
+        keys,
+        values,
+        capacity: k.shape()[2] as usize,
+        len: offset.max(0) as usize,
+    }))
+}
+
+/// What the host step hands back to the model.
+pub enum HostOut {
+    /// The block's logits `[1, L, V]` (blocks of at most [`MAX_M`] tokens).
+    Logits(Array),
+    /// The residual stream after the last layer `[1, L, D]`, for longer blocks (prompt
+    /// chunks): the model applies its final norm and LM head as a lazy MLX graph, which is
+    /// never computed when only the cache matters, as in mlx-lm's prefill.
+    Hidden(Array),
+}
+
+impl HostStep {
+    /// Runs `inputs` (`[1, L]`) through the host step, in sub-blocks of at most [`MAX_M`]
+    /// tokens, when the model (`build` makes its [`HostDecoder`], once) and every cache
+    /// qualify; `Ok(None)` sends the caller down its MLX path.
+    pub fn run(
+        &self,
+        build: impl FnOnce() -> Result<Option<HostDecoder>>,
+        inputs: &Array,
+        caches: &mut Caches,
+        opts: &ForwardOpts,
+    ) -> Result<Option<HostOut>> {
+        let shape = inputs.shape();
+        if opts.exit_after.is_some() || !opts.taps.is_empty() {
+            return Ok(None);
+        }
+        if shape.len() != 2 || shape[0] != 1 || shape[1] < 1 {
+            return Ok(None);
+        }
+        if self.0.get().is_none() {
+            let built = build()?;
+            let _ = self.0.set(built);
+        }
+        let Some(decoder) = self.0.get().and_then(Option::as_ref) else {
+            return Ok(None);
+        };
+        if caches.len() != decoder.layers.len()
+            || caches
+                .iter()
+                .any(|c| matches!(c.stored_kv(), StoredKv::Unsupported))
+        {
+            return Ok(None);
+        }
+        let ids = inputs.as_dtype(Dtype::Uint32)?;
+        let ids = ids
+            .try_as_slice::<u32>()
+            .map_err(|e| EngineError::Runtime(format!("cannot read the input ids ({e})")))?
+            .to_vec();
+        let vocab = decoder.vocab();
+        if let Some(bad) = ids.iter().find(|&&t| t as usize >= vocab) {
+            return Err(EngineError::Input(format!(
+                "token id {bad} is outside the model's vocabulary of {vocab}"
+            )));
+        }
+        let short = ids.len() <= MAX_M;
+        let mut hidden = Vec::new();
+        let mut logits = Vec::new();
+        for block in ids.chunks(MAX_M) {
+            let Some(out) = block_step(decoder, block, caches, short)? else {
+                // Only the first block can bail out (nothing appended yet): every later one
+                // reads caches this step itself wrote.
+                return Ok(None);
+            };
+            if short {
+                logits = out.logits;
+            } else {
+                hidden.extend_from_slice(&out.hidden);
+            }
+        }
+        let l = ids.len() as i32;
+        Ok(Some(if short {
+            HostOut::Logits(Array::from_slice(&logits, &[1, l, vocab as i32]))
+        } else {
+            let d = (hidden.len() / ids.len()) as i32;
+            HostOut::Hidden(Array::from_slice(&hidden, &[1, l, d]))
+        }))
+    }
+}
+
+/// One block through the decoder, its keys/values appended to the caches and materialized.
+/// `Ok(None)` when a cache cannot be read in place.
+fn block_step(
+    decoder: &HostDecoder,
+    ids: &[u32],
+    caches: &mut Caches,
+    logits: bool,
+) -> Result<Option<StepOut>> {
+    let out = {
+        let mut past = Vec::with_capacity(caches.len());
+        for c in caches.iter() {
+            match past_of(c.stored_kv(), c.offset())? {
+                Some(p) => past.push(p),
+                None => return Ok(None),
+            }
+        }
+        decoder.step(ids, &past, logits)?
+    };
+    let heads = decoder.heads;
+    let kv_shape = [
+        1,
+        heads.n_kv_heads as i32,
+        ids.len() as i32,
+        heads.head_dim as i32,
+    ];
+    let mut state = Vec::with_capacity(2 * caches.len());
+    for ((cache, k), v) in caches.iter_mut().zip(&out.keys).zip(&out.values) {
+        let (k, v) = (
+            Array::from_slice(k, &kv_shape),
+            Array::from_slice(v, &kv_shape),
+        );
+        cache.update_and_fetch(&k, &v)?;
+        state.extend(cache.state());
+    }
+    // Materialize the appended buffers now, so the next block reads them in place.
+    mlx_rs::transforms::eval(&state)?;
+    Ok(Some(out))
+}

@@ -1,0 +1,155 @@
+//! The whole-step host decoder of `--perf-kernel on` (tier L3) on a tiny 4-bit llama:
+//! - it stays close to L1 (mlx's own graph on the same weights) through a long prefill in
+//!   sub-blocks and decode steps that cross the cache's 256-position growth;
+//! - it is batch-invariant: a block of k tokens gives bit-identical logits, row for row, to
+//!   k single-token steps, which is what makes speculative decoding under it lossless;
+//! - greedy speculative decoding (n-gram drafter) under it equals its own greedy vanilla
+//!   output token for token.
+
+mod common;
+
+use mlx_rs::{Array, Dtype};
+use mlxb::engine::flags::Forks;
+use mlxb::engine::kernels::host_calls;
+use mlxb::engine::models::{self, Caches, LanguageModel};
+use mlxb::spec::ngram::NgramSource;
+use serde_json::json;
+use std::path::Path;
+
+const VOCAB: u32 = 384;
+
+fn tiny_q4(dir: &Path) {
+    common::make_model(dir, &common::tiny_llama(json!({})), "f32", Some(4));
+}
+
+fn perf_kernel() -> Forks {
+    Forks {
+        perf_kernel: true,
+        ..Forks::default()
+    }
+}
+
+fn ids_array(ids: &[u32]) -> Array {
+    let v: Vec<i32> = ids.iter().map(|&t| t as i32).collect();
+    Array::from_slice(&v, &[1, v.len() as i32])
+}
+
+/// Log-probabilities of every position, `[L][V]`.
+fn logprobs(logits: &Array) -> Vec<Vec<f32>> {
+    let l = logits.as_dtype(Dtype::Float32).unwrap();
+    let lp = l.subtract(l.logsumexp_axis(-1, true).unwrap()).unwrap();
+    let v = *lp.shape().last().unwrap() as usize;
+    lp.as_slice::<f32>()
+        .chunks(v)
+        .map(<[f32]>::to_vec)
+        .collect()
+}
+
+fn kl(p: &[f32], q: &[f32]) -> f64 {
+    p.iter()
+        .zip(q)
+        .map(|(a, b)| f64::from(a.exp()) * f64::from(a - b))
+        .sum()
+}
+
+fn argmax(v: &[f32]) -> u32 {
+    v.iter()
+        .enumerate()
+        .fold((0, f32::MIN), |b, (i, &x)| if x > b.1 { (i, x) } else { b })
+        .0 as u32
+}
+
+fn forward(model: &mut dyn LanguageModel, ids: &[u32], caches: &mut Caches) -> Vec<Vec<f32>> {
+    logprobs(&model.forward(&ids_array(ids), caches).unwrap())
+}
+
+#[test]
+fn host_step_stays_close_to_l1_through_prefill_and_cache_growth() {
+    let dir = tempfile::tempdir().unwrap();
+    tiny_q4(dir.path());
+    let mut l1 = models::load(dir.path(), Forks::default()).unwrap().model;
+    let mut host = models::load(dir.path(), perf_kernel()).unwrap().model;
+    let (mut c1, mut ch) = (l1.make_caches(), host.make_caches());
+    // 250 prompt tokens: the host step runs them in 8-token sub-blocks; decoding then
+    // crosses position 256, where the cache buffers grow.
+    let prompt = common::prompt_ids(250, VOCAB, 5);
+    let before = host_calls();
+    let (p1, ph) = (
+        forward(l1.as_mut(), &prompt, &mut c1),
+        forward(host.as_mut(), &prompt, &mut ch),
+    );
+    assert!(
+        host_calls() - before >= 4 * 7 * prompt.len().div_ceil(8),
+        "the prefill did not run on the host step"
+    );
+    let last = prompt.len() - 1;
+    let d = kl(&p1[last], &ph[last]);
+    assert!(d.is_finite() && d < 1e-4, "prefill: KL(L1 || host) = {d}");
+    let mut tok = argmax(&p1[last]);
+    let mut worst = d;
+    for step in 0..12 {
+        let before = host_calls();
+        let (a, b) = (
+            forward(l1.as_mut(), &[tok], &mut c1),
+            forward(host.as_mut(), &[tok], &mut ch),
+        );
+        // 4 layers x 7 projections + the tied head.
+        assert_eq!(host_calls() - before, 29, "step {step} left the host step");
+        let d = kl(&a[0], &b[0]);
+        assert!(
+            d.is_finite() && d < 1e-4,
+            "step {step}: KL(L1 || host) = {d}"
+        );
+        worst = worst.max(d);
+        tok = argmax(&a[0]);
+    }
+    assert_eq!(ch[0].offset(), 262);
+    eprintln!("host step vs L1 over a 250-token prefill and 12 steps: max KL {worst:.3e}");
+}
+
+#[test]
+fn a_block_gives_the_same_bits_as_single_token_steps() {
+    let dir = tempfile::tempdir().unwrap();
+    tiny_q4(dir.path());
+    let mut a = models::load(dir.path(), perf_kernel()).unwrap().model;
+    let mut b = models::load(dir.path(), perf_kernel()).unwrap().model;
+    let (mut ca, mut cb) = (a.make_caches(), b.make_caches());
+    let prompt = common::prompt_ids(20, VOCAB, 9);
+    forward(a.as_mut(), &prompt, &mut ca);
+    forward(b.as_mut(), &prompt, &mut cb);
+    for k in [2, 5, 8] {
+        let block = common::prompt_ids(k, VOCAB, k as u32);
+        let together = forward(a.as_mut(), &block, &mut ca);
+        let one_by_one: Vec<Vec<f32>> = block
+            .iter()
+            .map(|t| forward(b.as_mut(), &[*t], &mut cb).remove(0))
+            .collect();
+        for (j, (x, y)) in together.iter().zip(&one_by_one).enumerate() {
+            let same = x.iter().zip(y).all(|(p, q)| p.to_bits() == q.to_bits());
+            assert!(
+                same,
+                "block of {k}: row {j} differs from its single-token step"
+            );
+        }
+    }
+}
+
+#[test]
+fn speculative_decoding_under_the_host_step_is_lossless() {
+    let dir = tempfile::tempdir().unwrap();
+    tiny_q4(dir.path());
+    let mut model = models::load(dir.path(), perf_kernel()).unwrap().model;
+    // A repetitive prompt, so the n-gram drafter proposes (and gets some accepted).
+    let base = common::prompt_ids(10, VOCAB, 4);
+    let prompt: Vec<u32> = base.iter().cycle().take(40).copied().collect();
+    let (vanilla, _) = common::greedy_ids(model.as_mut(), &prompt, None, 0, 48);
+    let source = Box::new(NgramSource::new(1, 3));
+    let (spec, metrics) = common::greedy_ids(model.as_mut(), &prompt, Some(source), 4, 48);
+    assert_eq!(spec, vanilla, "speculative ids differ from vanilla ids");
+    let m = metrics.unwrap();
+    assert!(
+        m.accepted_tokens > 0,
+        "no draft was accepted: {:?}",
+        m.to_json()
+    );
+}
