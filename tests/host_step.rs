@@ -153,3 +153,54 @@ fn speculative_decoding_under_the_host_step_is_lossless() {
         m.to_json()
     );
 }
+
+#[test]
+fn forced_vnni_path_keeps_speculative_decoding_lossless_or_is_refused() {
+    let dir = tempfile::tempdir().unwrap();
+    tiny_q4(dir.path());
+    let model = dir.path().to_str().unwrap();
+    let run = |extra: &[&str]| {
+        let out = std::process::Command::new(common::mlxb())
+            .args([
+                "generate",
+                "--model",
+                model,
+                "--prompt",
+                "a b a b a b a b a b",
+            ])
+            .args([
+                "--ignore-chat-template",
+                "-m",
+                "32",
+                "--json",
+                "--perf-kernel",
+                "on",
+            ])
+            .args(extra)
+            .env("MLXB_Q4_KERNEL", "avx512vnni")
+            .output()
+            .unwrap();
+        let err = String::from_utf8_lossy(&out.stderr).into_owned();
+        (
+            out.status.code(),
+            String::from_utf8_lossy(&out.stdout).into_owned(),
+            err,
+        )
+    };
+    let (code, out, err) = run(&[]);
+    if !mlxb::engine::kernels::KernelPath::Avx512Vnni.available() {
+        assert_eq!(code, Some(2), "{err}");
+        assert!(err.contains("MLXB_Q4_KERNEL"), "{err}");
+        return;
+    }
+    assert_eq!(code, Some(0), "{err}");
+    let ids =
+        |s: &str| serde_json::from_str::<serde_json::Value>(s.trim()).unwrap()["token_ids"].clone();
+    let (code, spec, err) = run(&["--draft-kind", "ngram"]);
+    assert_eq!(code, Some(0), "{err}");
+    assert_eq!(
+        ids(&spec),
+        ids(&out),
+        "ngram speculative ids differ under the VNNI path"
+    );
+}

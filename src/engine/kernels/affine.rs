@@ -14,6 +14,7 @@
 //! at 8 bits the order is already natural. Weights are dequantized once per chunk
 //! (`fma(q, scale, bias)`) and reused for every input row (M ≤ [`MAX_M`]).
 
+use super::vnni::{Int8Input, SPAN};
 use std::ops::Range;
 
 #[cfg(target_arch = "x86_64")]
@@ -101,6 +102,26 @@ impl<'a> QMatrix<'a> {
         self.bits
     }
 
+    /// Elements per scale/bias group.
+    pub fn group(&self) -> usize {
+        self.group
+    }
+
+    /// The packed codes, `rows × cols · bits / 32` words.
+    pub fn packed(&self) -> &'a [u32] {
+        self.packed
+    }
+
+    /// Per-group scales, `rows × cols / group`.
+    pub fn scales(&self) -> &'a [f32] {
+        self.scales
+    }
+
+    /// Per-group biases, `rows × cols / group`.
+    pub fn biases(&self) -> &'a [f32] {
+        self.biases
+    }
+
     /// Row `r` dequantized (`scale * q + bias`) into `out` (`cols` values): an embedding lookup
     /// from a quantized table. Errors when `r` or `out` is out of shape.
     pub fn dequantize_row(&self, r: usize, out: &mut [f32]) -> Result<(), String> {
@@ -133,6 +154,7 @@ impl<'a> QMatrix<'a> {
 /// of `bits`-bit chunks.
 pub struct Prepared {
     xp: Vec<f32>,
+    int8: Option<Int8Input>,
     m: usize,
     cols: usize,
     bits: usize,
@@ -151,6 +173,7 @@ impl Prepared {
         if bits != 4 {
             return Ok(Self {
                 xp: x.to_vec(),
+                int8: None,
                 m,
                 cols,
                 bits,
@@ -163,7 +186,35 @@ impl Prepared {
                 dst[CHUNK / 2 + k] = src[2 * k + 1];
             }
         }
-        Ok(Self { xp, m, cols, bits })
+        Ok(Self {
+            xp,
+            int8: None,
+            m,
+            cols,
+            bits,
+        })
+    }
+
+    /// [`Prepared::new`], plus the int8 form `path` reads when it is the VNNI path and
+    /// `cols` is a whole number of its spans (otherwise that path computes in f32 like
+    /// [`KernelPath::Avx512`]).
+    pub fn for_path(
+        x: &[f32],
+        m: usize,
+        cols: usize,
+        bits: usize,
+        path: KernelPath,
+    ) -> Result<Self, String> {
+        let mut p = Self::new(x, m, cols, bits)?;
+        if path == KernelPath::Avx512Vnni && cols.is_multiple_of(SPAN) {
+            p.int8 = Some(Int8Input::new(x, m, cols, bits));
+        }
+        Ok(p)
+    }
+
+    /// The int8 form, when prepared for the VNNI path.
+    pub fn int8(&self) -> Option<&Int8Input> {
+        self.int8.as_ref()
     }
 
     /// Input rows.
@@ -175,6 +226,9 @@ impl Prepared {
 /// Which implementation computes the rows.
 #[derive(Debug, Clone, Copy, PartialEq, Eq, Hash)]
 pub enum KernelPath {
+    /// AVX-512 VNNI over int8-rounded inputs ([`super::vnni`]): fewest instructions per
+    /// weight, at the cost of rounding the input to 8 bits per 32-element block.
+    Avx512Vnni,
     /// 16-lane AVX-512F.
     Avx512,
     /// 8-lane AVX2 with FMA.
@@ -185,11 +239,17 @@ pub enum KernelPath {
 
 impl KernelPath {
     /// Every path, fastest first.
-    pub const ALL: [KernelPath; 3] = [KernelPath::Avx512, KernelPath::Avx2, KernelPath::Scalar];
+    pub const ALL: [KernelPath; 4] = [
+        KernelPath::Avx512Vnni,
+        KernelPath::Avx512,
+        KernelPath::Avx2,
+        KernelPath::Scalar,
+    ];
 
     /// The name used by `MLXB_Q4_KERNEL`.
     pub fn name(self) -> &'static str {
         match self {
+            KernelPath::Avx512Vnni => "avx512vnni",
             KernelPath::Avx512 => "avx512",
             KernelPath::Avx2 => "avx2",
             KernelPath::Scalar => "scalar",
@@ -200,6 +260,7 @@ impl KernelPath {
     pub fn available(self) -> bool {
         match self {
             KernelPath::Scalar => true,
+            KernelPath::Avx512Vnni => super::vnni::available(),
             #[cfg(target_arch = "x86_64")]
             KernelPath::Avx512 => std::arch::is_x86_feature_detected!("avx512f"),
             #[cfg(target_arch = "x86_64")]
@@ -261,12 +322,19 @@ pub fn rows_into(
         KernelPath::Scalar => by_m!(rows_scalar),
         // SAFETY: `available()` checked the CPU features above, and the shapes were checked
         // here and in `QMatrix::new`/`Prepared::new`, which is all the kernels index by.
+        // SAFETY: as above; the int8 input was prepared for this matrix's width and columns.
         #[cfg(target_arch = "x86_64")]
-        KernelPath::Avx512 if w.bits == 4 && x.m == 1 => unsafe {
+        KernelPath::Avx512Vnni if x.int8.is_some() => unsafe {
+            if let Some(int8) = &x.int8 {
+                super::vnni::rows_into(w, int8, rows, out)
+            }
+        },
+        #[cfg(target_arch = "x86_64")]
+        KernelPath::Avx512 | KernelPath::Avx512Vnni if w.bits == 4 && x.m == 1 => unsafe {
             x86::rows_avx512_q4_m1(w, &x.xp, rows, out)
         },
         #[cfg(target_arch = "x86_64")]
-        KernelPath::Avx512 => unsafe { by_m!(rows_avx512) },
+        KernelPath::Avx512 | KernelPath::Avx512Vnni => unsafe { by_m!(rows_avx512) },
         #[cfg(target_arch = "x86_64")]
         KernelPath::Avx2 => unsafe { by_m!(rows_avx2) },
         #[cfg(not(target_arch = "x86_64"))]

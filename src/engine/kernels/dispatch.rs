@@ -23,11 +23,13 @@ pub struct Selection {
     pub threads: usize,
 }
 
-/// The best path this CPU runs.
+/// The best path this CPU runs that computes on the exact input (f32): the VNNI path rounds
+/// the input to int8, which changes greedy text within a few dozen tokens, so it runs only
+/// when `MLXB_Q4_KERNEL=avx512vnni` asks for it.
 pub fn best_path() -> KernelPath {
     KernelPath::ALL
         .into_iter()
-        .find(|p| p.available())
+        .find(|p| *p != KernelPath::Avx512Vnni && p.available())
         .unwrap_or(KernelPath::Scalar)
 }
 
@@ -40,7 +42,7 @@ fn from_env() -> std::result::Result<Selection, String> {
                 .into_iter()
                 .find(|p| p.name() == v.to_ascii_lowercase())
                 .ok_or_else(|| {
-                    format!("MLXB_Q4_KERNEL={v:?} is not a kernel path; use avx512, avx2 or scalar, or unset it")
+                    format!("MLXB_Q4_KERNEL={v:?} is not a kernel path; use avx512vnni, avx512, avx2 or scalar, or unset it")
                 })?;
             if !p.available() {
                 return Err(format!(
@@ -74,7 +76,8 @@ pub fn selection() -> Result<Selection> {
 /// `y = x · Wᵀ` for `x` of `m` rows (`m × cols`), returned as `m × rows`, computed by
 /// `sel.path` with the output features split over up to `sel.threads` threads.
 pub fn matmul(sel: Selection, w: &QMatrix<'_>, x: &[f32], m: usize) -> Result<Vec<f32>> {
-    let prepared = Prepared::new(x, m, w.cols(), w.bits()).map_err(EngineError::Runtime)?;
+    let prepared =
+        Prepared::for_path(x, m, w.cols(), w.bits(), sel.path).map_err(EngineError::Runtime)?;
     let mut by_row = vec![0.0f32; w.rows() * m];
     matvecs(
         sel,

@@ -2,7 +2,8 @@
 //! memory roofline (`--perf-kernel on`, tier L3): the affine 4-bit (and 8-bit) mat-vec for
 //! quantized linear layers in single-token (and small speculative-verify) steps.
 //!
-//! `affine` is the arithmetic (AVX-512, AVX2+FMA, scalar), `dispatch` picks a path at run time
+//! `affine` is the arithmetic (AVX-512, AVX2+FMA, scalar; `vnni` the int8-input AVX-512 VNNI
+//! variant), `dispatch` picks a path at run time
 //! and splits rows over threads, `host` moves arrays between MLX and host memory, `vecops` and
 //! `step` run a whole llama-style decode step on the host.
 
@@ -11,9 +12,11 @@ pub mod dispatch;
 pub mod host;
 pub mod step;
 pub mod vecops;
+pub mod vnni;
 
 pub use affine::{KernelPath, Prepared, QMatrix, BITS, MAX_M};
 pub use dispatch::{best_path, matmul, selection, Selection};
 pub use host::{host_calls, HostQuant, HostQuantCell};
 pub use step::{HostDecoder, HostLayer, PastKv, StepOut};
 pub use vecops::{HeadShape, HostRope};
+pub use vnni::Int8Input;

@@ -90,10 +90,17 @@ struct Inputs {
 }
 
 impl Inputs {
-    fn new(x: &[f32], m: usize, cols: usize, mats: &[&QMatrix<'_>]) -> Result<Self> {
+    fn new(
+        sel: Selection,
+        x: &[f32],
+        m: usize,
+        cols: usize,
+        mats: &[&QMatrix<'_>],
+    ) -> Result<Self> {
         let make = |bits: usize| -> Result<Option<Prepared>> {
             if mats.iter().any(|w| w.bits() == bits) {
-                Ok(Some(Prepared::new(x, m, cols, bits).map_err(runtime)?))
+                let p = Prepared::for_path(x, m, cols, bits, sel.path).map_err(runtime)?;
+                Ok(Some(p))
             } else {
                 Ok(None)
             }
@@ -125,7 +132,7 @@ fn project(
 ) -> Result<()> {
     let cols = pairs.first().map_or(0, |(w, _)| w.cols());
     let mats: Vec<&QMatrix<'_>> = pairs.iter().map(|(w, _)| *w).collect();
-    let inputs = Inputs::new(x, m, cols, &mats)?;
+    let inputs = Inputs::new(sel, x, m, cols, &mats)?;
     let mut by_row: Vec<Vec<f32>> = pairs.iter().map(|(w, _)| vec![0.0; w.rows() * m]).collect();
     let jobs = pairs
         .iter()
