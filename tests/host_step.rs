@@ -3,8 +3,8 @@
 //!   sub-blocks and decode steps that cross the cache's 256-position growth;
 //! - it is batch-invariant: a block of k tokens gives bit-identical logits, row for row, to
 //!   k single-token steps, which is what makes speculative decoding under it lossless;
-//! - greedy speculative decoding (n-gram drafter) under it equals its own greedy vanilla
-//!   output token for token.
+//! - greedy speculative decoding under it (n-gram, early-exit and DSpark drafters, and the
+//!   opt-in VNNI path) equals its own greedy vanilla output token for token.
 
 mod common;
 
@@ -154,53 +154,92 @@ fn speculative_decoding_under_the_host_step_is_lossless() {
     );
 }
 
+/// `mlxb generate --perf-kernel on` on `model` with `extra` flags and environment: exit code,
+/// the generated ids (JSON), stderr.
+fn cli_ids(model: &str, extra: &[&str], env: &[(&str, &str)]) -> (Option<i32>, String, String) {
+    let out = std::process::Command::new(common::mlxb())
+        .args([
+            "generate",
+            "--model",
+            model,
+            "--prompt",
+            "a b a b a b a b a b",
+        ])
+        .args([
+            "--ignore-chat-template",
+            "-m",
+            "32",
+            "--json",
+            "--perf-kernel",
+            "on",
+        ])
+        .args(extra)
+        .envs(env.iter().copied())
+        .output()
+        .unwrap();
+    let err = String::from_utf8_lossy(&out.stderr).into_owned();
+    let ids = serde_json::from_slice::<serde_json::Value>(&out.stdout)
+        .map(|v| v["token_ids"].to_string())
+        .unwrap_or_default();
+    (out.status.code(), ids, err)
+}
+
+#[test]
+fn every_drafter_verifies_on_the_host_step_losslessly() {
+    // The self (early exit) and DSpark (layer taps) drafters read the target through
+    // `forward_ext` options the host step serves itself; vanilla and speculative ids match.
+    let dir = tempfile::tempdir().unwrap();
+    tiny_q4(dir.path());
+    let model = dir.path().to_str().unwrap();
+    let drafter = dir.path().join("drafter");
+    let (code, _, err) = common::run_mlxb(&[
+        "dspark-init",
+        "--model",
+        model,
+        "--out",
+        drafter.to_str().unwrap(),
+        "--layers",
+        "1",
+        "--gamma",
+        "4",
+        "--markov-rank",
+        "16",
+    ]);
+    assert_eq!(code, 0, "{err}");
+    let (code, vanilla, err) = cli_ids(model, &[], &[]);
+    assert_eq!(code, Some(0), "{err}");
+    let drafters: [&[&str]; 3] = [
+        &["--draft-kind", "ngram"],
+        &["--draft-kind", "self", "--draft-layers", "2"],
+        &["--drafter", drafter.to_str().unwrap()],
+    ];
+    for extra in drafters {
+        let (code, spec, err) = cli_ids(model, extra, &[]);
+        assert_eq!(code, Some(0), "{extra:?}: {err}");
+        assert_eq!(
+            spec, vanilla,
+            "{extra:?}: speculative ids differ from vanilla"
+        );
+    }
+}
+
 #[test]
 fn forced_vnni_path_keeps_speculative_decoding_lossless_or_is_refused() {
     let dir = tempfile::tempdir().unwrap();
     tiny_q4(dir.path());
     let model = dir.path().to_str().unwrap();
-    let run = |extra: &[&str]| {
-        let out = std::process::Command::new(common::mlxb())
-            .args([
-                "generate",
-                "--model",
-                model,
-                "--prompt",
-                "a b a b a b a b a b",
-            ])
-            .args([
-                "--ignore-chat-template",
-                "-m",
-                "32",
-                "--json",
-                "--perf-kernel",
-                "on",
-            ])
-            .args(extra)
-            .env("MLXB_Q4_KERNEL", "avx512vnni")
-            .output()
-            .unwrap();
-        let err = String::from_utf8_lossy(&out.stderr).into_owned();
-        (
-            out.status.code(),
-            String::from_utf8_lossy(&out.stdout).into_owned(),
-            err,
-        )
-    };
-    let (code, out, err) = run(&[]);
+    let env = [("MLXB_Q4_KERNEL", "avx512vnni")];
+    let (code, vanilla, err) = cli_ids(model, &[], &env);
     if !mlxb::engine::kernels::KernelPath::Avx512Vnni.available() {
         assert_eq!(code, Some(2), "{err}");
         assert!(err.contains("MLXB_Q4_KERNEL"), "{err}");
         return;
     }
     assert_eq!(code, Some(0), "{err}");
-    let ids =
-        |s: &str| serde_json::from_str::<serde_json::Value>(s.trim()).unwrap()["token_ids"].clone();
-    let (code, spec, err) = run(&["--draft-kind", "ngram"]);
+    let (code, spec, err) = cli_ids(model, &["--draft-kind", "ngram"], &env);
     assert_eq!(code, Some(0), "{err}");
     assert_eq!(
-        ids(&spec),
-        ids(&out),
+        spec, vanilla,
         "ngram speculative ids differ under the VNNI path"
     );
 }

@@ -17,6 +17,6 @@ pub mod vnni;
 pub use affine::{KernelPath, Prepared, QMatrix, BITS, MAX_M};
 pub use dispatch::{best_path, matmul, selection, Selection};
 pub use host::{host_calls, HostQuant, HostQuantCell};
-pub use step::{HostDecoder, HostLayer, PastKv, StepOut};
+pub use step::{HostDecoder, HostLayer, PastKv, StepOut, StepPlan};
 pub use vecops::{HeadShape, HostRope};
 pub use vnni::Int8Input;

@@ -63,13 +63,27 @@ pub struct PastKv<'a> {
     pub len: usize,
 }
 
+/// What a step is asked for.
+#[derive(Debug, Clone, Copy)]
+pub struct StepPlan<'a> {
+    /// How many layers run (all of them, or fewer for an early-exit drafter).
+    pub layers: usize,
+    /// Layers whose outputs (the residual stream after them) to hand back, in this order.
+    pub taps: &'a [usize],
+    /// Whether to compute the final norm and LM head (a prefill chunk whose logits nobody
+    /// reads skips the largest mat-vec of the step).
+    pub logits: bool,
+}
+
 /// What a step computes.
 #[derive(Debug)]
 pub struct StepOut {
     /// Logits, `m × vocab`, by token (empty when the step was asked for none).
     pub logits: Vec<f32>,
-    /// The residual stream after the last layer (before the final norm), `m × hidden`.
+    /// The residual stream after the last layer run (before the final norm), `m × hidden`.
     pub hidden: Vec<f32>,
+    /// The requested taps, `m × hidden` each, in the order asked.
+    pub taps: Vec<Vec<f32>>,
     /// Per layer, the block's new keys as `[kv_heads, m, head_dim]` (the cache layout).
     pub keys: Vec<Vec<f32>>,
     /// Per layer, the block's new values, same layout.
@@ -179,22 +193,25 @@ impl HostDecoder {
         self.head.as_ref().unwrap_or(&self.embed).rows()
     }
 
-    /// Runs the block `ids` (1..=[`MAX_M`] tokens at positions `past[_].len..`) through
-    /// every layer, and the final norm and LM head when `logits` is set (a prefill chunk
-    /// whose logits nobody reads skips the largest mat-vec of the step).
-    pub fn step(&self, ids: &[u32], past: &[PastKv<'_>], logits: bool) -> Result<StepOut> {
+    /// Runs the block `ids` (1..=[`MAX_M`] tokens at positions `past[_].len..`) through the
+    /// first `plan.layers` layers (one `past` each), collecting `plan.taps`, then the final
+    /// norm and LM head when `plan.logits` is set.
+    pub fn step(&self, ids: &[u32], past: &[PastKv<'_>], plan: StepPlan<'_>) -> Result<StepOut> {
         let sel = selection()?;
         let m = ids.len();
-        if m == 0 || m > MAX_M || past.len() != self.layers.len() {
+        let run = plan.layers;
+        if m == 0 || m > MAX_M || past.len() != run || run == 0 || run > self.layers.len() {
             return Err(runtime(format!(
-                "{m} tokens (1..={MAX_M}) with {} caches for {} layers",
+                "{m} tokens (1..={MAX_M}) with {} caches for {run} of {} layers",
                 past.len(),
                 self.layers.len()
             )));
         }
+        if plan.taps.iter().any(|&t| t >= run) {
+            return Err(runtime(format!("a tap is outside the {run} layers run")));
+        }
         // The MLX handles stay on this thread; the pool sees only borrowed host memory.
-        let layers = self
-            .layers
+        let layers = self.layers[..run]
             .iter()
             .map(|l| {
                 let [q, k, v, o] = &l.attn;
@@ -221,7 +238,7 @@ impl HostDecoder {
             rope: &self.rope,
         };
         // Run on a pool thread so the step's many fork/joins stay inside the pool.
-        let (out, ()) = rayon::join(|| view.step(sel, ids, past, logits), || ());
+        let (out, ()) = rayon::join(|| view.step(sel, ids, past, plan), || ());
         out
     }
 }
@@ -251,7 +268,7 @@ impl View<'_> {
         sel: Selection,
         ids: &[u32],
         past: &[PastKv<'_>],
-        with_logits: bool,
+        plan: StepPlan<'_>,
     ) -> Result<StepOut> {
         let m = ids.len();
         let s = self.heads;
@@ -272,7 +289,8 @@ impl View<'_> {
         let mut attn = vec![0.0f32; m * qd];
         let mut scores = Vec::new();
         let (mut new_keys, mut new_values) = (Vec::new(), Vec::new());
-        for (layer, past) in self.layers.iter().zip(past) {
+        let mut taps = vec![Vec::new(); plan.taps.len()];
+        for (i, (layer, past)) in self.layers.iter().zip(past).enumerate() {
             let [wq, wk, wv, wo] = layer.attn;
             if wq.rows() != qd || wk.rows() != kvd || wv.rows() != kvd || wo.cols() != qd {
                 return Err(runtime(
@@ -331,16 +349,20 @@ impl View<'_> {
             silu_mul(&mut gate, &up);
             project(sel, &gate, m, &mut [(&wd, &mut down)])?;
             h.iter_mut().zip(&down).for_each(|(a, b)| *a += b);
+            for (tap, _) in taps.iter_mut().zip(plan.taps).filter(|(_, &t)| t == i) {
+                tap.clone_from(&h);
+            }
         }
         let mut logits = Vec::new();
-        if with_logits {
+        if plan.logits {
             rms_norm(&h, self.final_norm, self.eps, &mut xn);
             project(sel, &xn, m, &mut [(&self.head, &mut logits)])?;
         }
-        super::host::count_calls(7 * self.layers.len() + usize::from(with_logits));
+        super::host::count_calls(7 * self.layers.len() + usize::from(plan.logits));
         Ok(StepOut {
             logits,
             hidden: h,
+            taps,
             keys: new_keys,
             values: new_values,
         })

@@ -3,14 +3,15 @@
 //!
 //! The MLX caches stay the source of truth: the step reads each layer's past keys/values in
 //! place from the cache buffers and appends its new ones through `update_and_fetch`, so
-//! trimming, snapshots, speculative rollback and prefix reuse work unchanged. Anything the
-//! step does not cover (another cache kind, early exit or taps, a batch, a long block, a
-//! non-f32 cache) takes the model's MLX path.
+//! trimming, snapshots, speculative rollback and prefix reuse work unchanged. Early exit and
+//! layer taps (the `self` and DSpark drafters) run here too, so every drafter verifies with
+//! the same arithmetic as vanilla decoding. Anything the step does not cover (another cache
+//! kind, a batch, a non-f32 cache) takes the model's MLX path.
 
 use super::{Caches, ForwardOpts};
-use crate::engine::cache::StoredKv;
+use crate::engine::cache::{KvCache, StoredKv};
 use crate::engine::error::{EngineError, Result};
-use crate::engine::kernels::{HostDecoder, PastKv, StepOut, MAX_M};
+use crate::engine::kernels::{HostDecoder, PastKv, StepOut, StepPlan, MAX_M};
 use mlx_rs::{Array, Dtype};
 use std::cell::OnceCell;
 
@@ -49,20 +50,29 @@ fn past_of(stored: StoredKv<'_>, offset: i32) -> Result<Option<PastKv<'_>>> {
     }))
 }
 
-/// What the host step hands back to the model.
-pub enum HostOut {
+/// The host step's result before the model's head.
+pub enum HostHead {
     /// The block's logits `[1, L, V]` (blocks of at most [`MAX_M`] tokens).
     Logits(Array),
-    /// The residual stream after the last layer `[1, L, D]`, for longer blocks (prompt
+    /// The residual stream after the last layer run `[1, L, D]`, for longer blocks (prompt
     /// chunks): the model applies its final norm and LM head as a lazy MLX graph, which is
     /// never computed when only the cache matters, as in mlx-lm's prefill.
     Hidden(Array),
 }
 
+/// What the host step hands back to the model.
+pub struct HostOut {
+    /// Logits, or the hidden states the model's head still has to map.
+    pub head: HostHead,
+    /// The requested layer taps `[1, L, D]`, in the order asked.
+    pub taps: Vec<Array>,
+}
+
 impl HostStep {
     /// Runs `inputs` (`[1, L]`) through the host step, in sub-blocks of at most [`MAX_M`]
-    /// tokens, when the model (`build` makes its [`HostDecoder`], once) and every cache
-    /// qualify; `Ok(None)` sends the caller down its MLX path.
+    /// tokens, with `opts`' early exit and taps, when the model (`build` makes its
+    /// [`HostDecoder`], once) and every cache qualify; `Ok(None)` sends the caller down its
+    /// MLX path.
     pub fn run(
         &self,
         build: impl FnOnce() -> Result<Option<HostDecoder>>,
@@ -71,9 +81,6 @@ impl HostStep {
         opts: &ForwardOpts,
     ) -> Result<Option<HostOut>> {
         let shape = inputs.shape();
-        if opts.exit_after.is_some() || !opts.taps.is_empty() {
-            return Ok(None);
-        }
         if shape.len() != 2 || shape[0] != 1 || shape[1] < 1 {
             return Ok(None);
         }
@@ -84,10 +91,11 @@ impl HostStep {
         let Some(decoder) = self.0.get().and_then(Option::as_ref) else {
             return Ok(None);
         };
-        if caches.len() != decoder.layers.len()
-            || caches
-                .iter()
-                .any(|c| matches!(c.stored_kv(), StoredKv::Unsupported))
+        let run = opts.layers_to_run(decoder.layers.len(), caches.len())?;
+        let caches = &mut caches[..run];
+        if caches
+            .iter()
+            .any(|c| matches!(c.stored_kv(), StoredKv::Unsupported))
         {
             return Ok(None);
         }
@@ -103,10 +111,15 @@ impl HostStep {
             )));
         }
         let short = ids.len() <= MAX_M;
-        let mut hidden = Vec::new();
-        let mut logits = Vec::new();
+        let plan = StepPlan {
+            layers: run,
+            taps: &opts.taps,
+            logits: short,
+        };
+        let (mut hidden, mut logits) = (Vec::new(), Vec::new());
+        let mut taps = vec![Vec::new(); opts.taps.len()];
         for block in ids.chunks(MAX_M) {
-            let Some(out) = block_step(decoder, block, caches, short)? else {
+            let Some(out) = block_step(decoder, block, caches, plan)? else {
                 // Only the first block can bail out (nothing appended yet): every later one
                 // reads caches this step itself wrote.
                 return Ok(None);
@@ -116,14 +129,22 @@ impl HostStep {
             } else {
                 hidden.extend_from_slice(&out.hidden);
             }
+            for (all, part) in taps.iter_mut().zip(&out.taps) {
+                all.extend_from_slice(part);
+            }
         }
         let l = ids.len() as i32;
-        Ok(Some(if short {
-            HostOut::Logits(Array::from_slice(&logits, &[1, l, vocab as i32]))
+        let d = decoder.embed.matrix()?.cols() as i32;
+        let head = if short {
+            HostHead::Logits(Array::from_slice(&logits, &[1, l, vocab as i32]))
         } else {
-            let d = (hidden.len() / ids.len()) as i32;
-            HostOut::Hidden(Array::from_slice(&hidden, &[1, l, d]))
-        }))
+            HostHead::Hidden(Array::from_slice(&hidden, &[1, l, d]))
+        };
+        let taps = taps
+            .iter()
+            .map(|t| Array::from_slice(t, &[1, l, d]))
+            .collect();
+        Ok(Some(HostOut { head, taps }))
     }
 }
 
@@ -132,8 +153,8 @@ impl HostStep {
 fn block_step(
     decoder: &HostDecoder,
     ids: &[u32],
-    caches: &mut Caches,
-    logits: bool,
+    caches: &mut [Box<dyn KvCache>],
+    plan: StepPlan<'_>,
 ) -> Result<Option<StepOut>> {
     let out = {
         let mut past = Vec::with_capacity(caches.len());
@@ -143,7 +164,7 @@ fn block_step(
                 None => return Ok(None),
             }
         }
-        decoder.step(ids, &past, logits)?
+        decoder.step(ids, &past, plan)?
     };
     let heads = decoder.heads;
     let kv_shape = [

@@ -3,7 +3,7 @@
 use super::activations::SwiGlu;
 use super::attention::{inv_sqrt_scale, AttentionShape, GqaAttention};
 use super::decoder::PreNormLayer;
-use super::host_step::{HostOut, HostStep};
+use super::host_step::{HostHead, HostStep};
 use super::mlp::GatedMlp;
 use super::rope::Rope;
 use super::{Caches, ForwardOpts, ForwardOut, LanguageModel, ModelSpec};
@@ -202,15 +202,18 @@ impl LanguageModel for Model {
         opts: &ForwardOpts,
     ) -> Result<ForwardOut> {
         let run = opts.layers_to_run(self.layers.len(), caches.len())?;
-        match self
+        if let Some(out) = self
             .host_step
             .run(|| self.host_decoder(), inputs, caches, opts)?
         {
-            Some(HostOut::Logits(logits)) => return Ok(ForwardOut::logits(logits)),
-            Some(HostOut::Hidden(h)) => {
-                return Ok(ForwardOut::logits(self.lm_head(&self.final_norm(&h)?)?))
-            }
-            None => {}
+            let logits = match out.head {
+                HostHead::Logits(logits) => logits,
+                HostHead::Hidden(h) => self.lm_head(&self.final_norm(&h)?)?,
+            };
+            return Ok(ForwardOut {
+                logits,
+                taps: out.taps,
+            });
         }
         let layers = &self.layers[..run];
         let mut h = self.embed(inputs)?;
