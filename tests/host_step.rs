@@ -192,19 +192,19 @@ fn every_drafter_verifies_on_the_host_step_losslessly() {
     tiny_q4(dir.path());
     let model = dir.path().to_str().unwrap();
     let drafter = dir.path().join("drafter");
-    let (code, _, err) = common::run_mlxb(&[
-        "dspark-init",
-        "--model",
-        model,
-        "--out",
-        drafter.to_str().unwrap(),
-        "--layers",
-        "1",
-        "--gamma",
-        "4",
-        "--markov-rank",
-        "16",
-    ]);
+    let (code, _, err) = common::run_mlxb(
+        &[
+            &[
+                "dspark-init",
+                "--model",
+                model,
+                "--out",
+                drafter.to_str().unwrap(),
+            ][..],
+            &common::TINY_DRAFTER,
+        ]
+        .concat(),
+    );
     assert_eq!(code, 0, "{err}");
     let (code, vanilla, err) = cli_ids(model, &[], &[]);
     assert_eq!(code, Some(0), "{err}");

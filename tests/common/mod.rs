@@ -162,6 +162,10 @@ pub fn edit_config(dir: &Path, f: impl FnOnce(&mut serde_json::Value)) {
     std::fs::write(p, c.to_string()).unwrap();
 }
 
+/// `dspark-init` flags for the smallest drafter the tests build (1 layer, block 4, Markov
+/// rank 16).
+pub const TINY_DRAFTER: [&str; 6] = ["--layers", "1", "--gamma", "4", "--markov-rank", "16"];
+
 /// The tiny llama config the speculative tests share (4 layers, width 64, vocabulary 384, tied
 /// head), with `extra` fields added or replaced.
 pub fn tiny_llama(extra: serde_json::Value) -> serde_json::Value {

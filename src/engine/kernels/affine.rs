@@ -594,20 +594,21 @@ mod x86 {
     }
 }
 
+/// Packs codes `q` (values below `2^bits`, row-major) the way MLX does (unit tests' weights).
+#[cfg(test)]
+pub(crate) fn pack(q: &[u8], bits: usize) -> Vec<u32> {
+    q.chunks_exact(32 / bits)
+        .map(|c| {
+            c.iter()
+                .enumerate()
+                .fold(0u32, |w, (i, &v)| w | (u32::from(v) << (bits * i)))
+        })
+        .collect()
+}
+
 #[cfg(test)]
 mod tests {
     use super::*;
-
-    /// Packs `q` (values below `2^bits`, row-major `rows × cols`) the way MLX does.
-    fn pack(q: &[u8], bits: usize) -> Vec<u32> {
-        q.chunks_exact(32 / bits)
-            .map(|c| {
-                c.iter()
-                    .enumerate()
-                    .fold(0u32, |w, (i, &v)| w | (u32::from(v) << (bits * i)))
-            })
-            .collect()
-    }
 
     #[test]
     fn every_path_matches_a_plain_dequantized_dot_product() {

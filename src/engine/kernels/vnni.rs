@@ -298,18 +298,7 @@ unsafe fn rows_q8<const M: usize>(
 #[cfg(test)]
 mod tests {
     use super::*;
-    use crate::engine::kernels::affine::{rows_into, KernelPath, Prepared};
-
-    /// Packs `q` (values below `2^bits`, row-major) the way MLX does.
-    fn pack(q: &[u8], bits: usize) -> Vec<u32> {
-        q.chunks_exact(32 / bits)
-            .map(|c| {
-                c.iter()
-                    .enumerate()
-                    .fold(0u32, |w, (i, &v)| w | (u32::from(v) << (bits * i)))
-            })
-            .collect()
-    }
+    use crate::engine::kernels::affine::{pack, rows_into, KernelPath, Prepared};
 
     #[test]
     fn vnni_rows_equal_the_dequantized_product_on_the_rounded_input() {
