@@ -81,7 +81,7 @@ fn input_rounding_bound(
     x: &Array,
 ) -> Option<Vec<f32>> {
     let cols = *x.shape().last().unwrap() as usize;
-    if !KernelPath::Avx512Vnni.available() || cols % 64 != 0 {
+    if !KernelPath::Avx512Vnni.available() || !cols.is_multiple_of(64) {
         return None;
     }
     let xf = x.as_dtype(Dtype::Float32).unwrap();

@@ -11,6 +11,7 @@ pub mod fsutil;
 pub mod generate;
 pub mod gguf;
 pub mod kernels;
+pub mod loader;
 pub mod models;
 pub mod nn;
 pub mod oracle;

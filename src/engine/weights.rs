@@ -3,6 +3,7 @@
 //! a missing, mis-shaped or left-over tensor is an error naming the file and the tensor.
 
 use super::error::{EngineError, Result};
+use super::loader;
 use mlx_rs::{Array, Dtype};
 use std::collections::{BTreeSet, HashMap};
 use std::path::{Path, PathBuf};
@@ -115,17 +116,11 @@ pub struct WeightStore {
 }
 
 impl WeightStore {
-    /// Loads every `model*.safetensors` in `dir` (the index file is not needed: mlx-lm globs too).
+    /// Loads every `model*.safetensors` in `dir` (the index file is not needed: mlx-lm globs
+    /// too), read into memory now, as mlx-lm evaluates a model's parameters at load: the read
+    /// then overlaps the tokenizer parse in `Session::open` instead of the first forward.
     pub fn load(dir: &Path, quant: QuantConfig) -> Result<Self> {
-        let mut files: Vec<PathBuf> = std::fs::read_dir(dir)
-            .map_err(|e| EngineError::file(dir, format!("cannot read the model directory ({e})")))?
-            .filter_map(|e| e.ok().map(|e| e.path()))
-            .filter(|p| {
-                let name = p.file_name().and_then(|n| n.to_str()).unwrap_or("");
-                name.starts_with("model") && name.ends_with(".safetensors")
-            })
-            .collect();
-        files.sort();
+        let files = loader::model_files(dir)?;
         if files.is_empty() {
             return Err(EngineError::file(
                 dir,
@@ -134,19 +129,8 @@ impl WeightStore {
         }
         let mut tensors = HashMap::new();
         for f in &files {
-            check_safetensors_header(f)?;
-            let loaded = Array::load_safetensors(f).map_err(|e| {
-                EngineError::file(
-                    f,
-                    format!("cannot load safetensors ({e}); the file is corrupt or truncated"),
-                )
-            })?;
-            tensors.extend(loaded);
+            tensors.extend(loader::load(f)?);
         }
-        // Read every tensor now, as mlx-lm evaluates a model's parameters at load: the read
-        // then overlaps the tokenizer parse in `Session::open` instead of the first forward.
-        mlx_rs::transforms::eval(tensors.values())
-            .map_err(|e| EngineError::file(dir, format!("cannot read the weights ({e})")))?;
         Ok(Self {
             dir: dir.to_path_buf(),
             tensors,
@@ -272,89 +256,21 @@ impl WeightStore {
     }
 }
 
-/// Validates a safetensors header before handing the file to MLX, so that a corrupt or
-/// truncated file is a clear error instead of whatever the C++ loader throws.
-fn check_safetensors_header(path: &Path) -> Result<()> {
-    use std::io::Read;
-    let bad = |why: &str| EngineError::file(path, format!("corrupt safetensors file: {why}"));
-    let mut f = std::fs::File::open(path)
-        .map_err(|e| EngineError::file(path, format!("cannot open ({e})")))?;
-    let len = f.metadata().map(|m| m.len()).unwrap_or(0);
-    let mut n = [0u8; 8];
-    f.read_exact(&mut n)
-        .map_err(|_| bad("shorter than its 8-byte header length"))?;
-    let n = u64::from_le_bytes(n);
-    if n > 100_000_000 || 8 + n > len {
-        return Err(bad("header length points past the end of the file"));
-    }
-    let mut header = vec![0u8; n as usize];
-    f.read_exact(&mut header)
-        .map_err(|_| bad("header is truncated"))?;
-    let json: serde_json::Value =
-        serde_json::from_slice(&header).map_err(|_| bad("header is not valid JSON"))?;
-    let obj = json
-        .as_object()
-        .ok_or_else(|| bad("header is not a JSON object"))?;
-    let data_len = len - 8 - n;
-    for (name, info) in obj {
-        if name == "__metadata__" {
-            continue;
-        }
-        let end = info
-            .get("data_offsets")
-            .and_then(|o| o.get(1))
-            .and_then(|e| e.as_u64())
-            .ok_or_else(|| bad(&format!("tensor `{name}` has no data_offsets")))?;
-        if end > data_len {
-            return Err(bad(&format!(
-                "tensor `{name}` extends past the end of the file (truncated download?)"
-            )));
-        }
-    }
-    Ok(())
-}
-
 /// Weight bytes and parameter count of the checkpoint in `dir`, read from the safetensors
 /// headers (quantized weights count `32 / bits` parameters per packed u32; scales and biases
 /// of quantized layers are not parameters). Used by `mlxb bench`'s size/params columns.
 pub fn checkpoint_size(dir: &Path, quant_bits: Option<i32>) -> Result<(u64, u64)> {
-    use std::io::Read;
     let mut bytes = 0u64;
     let mut params = 0u64;
-    let entries =
-        std::fs::read_dir(dir).map_err(|e| EngineError::file(dir, format!("cannot read ({e})")))?;
-    for entry in entries.filter_map(|e| e.ok()) {
-        let path = entry.path();
-        let name = path.file_name().and_then(|n| n.to_str()).unwrap_or("");
-        if !(name.starts_with("model") && name.ends_with(".safetensors")) {
-            continue;
-        }
-        check_safetensors_header(&path)?;
-        let mut f = std::fs::File::open(&path)
-            .map_err(|e| EngineError::file(&path, format!("cannot open ({e})")))?;
-        let mut n = [0u8; 8];
-        f.read_exact(&mut n)
-            .map_err(|e| EngineError::file(&path, format!("cannot read ({e})")))?;
-        let mut header = vec![0u8; u64::from_le_bytes(n) as usize];
-        f.read_exact(&mut header)
-            .map_err(|e| EngineError::file(&path, format!("cannot read ({e})")))?;
-        let json: serde_json::Value = serde_json::from_slice(&header)
-            .map_err(|e| EngineError::file(&path, format!("bad header ({e})")))?;
-        for (tensor, info) in json.as_object().into_iter().flatten() {
-            let Some(off) = info.get("data_offsets").and_then(|o| o.as_array()) else {
-                continue;
-            };
-            let (a, b) = (off[0].as_u64().unwrap_or(0), off[1].as_u64().unwrap_or(0));
-            bytes += b.saturating_sub(a);
-            let elems: u64 = info["shape"]
-                .as_array()
-                .map(|s| s.iter().filter_map(|d| d.as_u64()).product())
-                .unwrap_or(0);
+    for path in loader::model_files(dir)? {
+        for t in loader::read_header(&path)?.tensors {
+            bytes += t.end - t.start;
+            let elems: u64 = t.shape.iter().product();
             let quantized_aux = quant_bits.is_some()
-                && (tensor.ends_with(".scales") || tensor.ends_with(".biases"));
-            params += match (info["dtype"].as_str(), quant_bits) {
+                && (t.name.ends_with(".scales") || t.name.ends_with(".biases"));
+            params += match (t.dtype.as_str(), quant_bits) {
                 _ if quantized_aux => 0,
-                (Some("U32"), Some(bits)) => elems * 32 / bits.max(1) as u64,
+                ("U32", Some(bits)) => elems * 32 / bits.max(1) as u64,
                 _ => elems,
             };
         }
