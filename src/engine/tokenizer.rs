@@ -74,13 +74,22 @@ impl Tokenizer {
                 ))
             }
         };
-        let tok_json: Json = serde_json::from_slice(&bytes).map_err(|e| {
-            EngineError::file(
-                &tok_path,
-                format!("is not valid JSON ({e}); re-download the model's tokenizer files"),
-            )
-        })?;
-        let mut inner = tokenizers::Tokenizer::from_bytes(&bytes).map_err(|e| {
+        // Both parses of the file are the longest step of start-up once weights load fast,
+        // so they run side by side; a JSON error is reported first (it names the real fault).
+        let (tok_json, inner) = std::thread::scope(|s| {
+            let json = s.spawn(|| serde_json::from_slice::<Json>(&bytes));
+            let inner = tokenizers::Tokenizer::from_bytes(&bytes);
+            (json.join(), inner)
+        });
+        let tok_json: Json = tok_json
+            .map_err(|_| EngineError::Runtime("the tokenizer.json parser thread panicked".into()))?
+            .map_err(|e| {
+                EngineError::file(
+                    &tok_path,
+                    format!("is not valid JSON ({e}); re-download the model's tokenizer files"),
+                )
+            })?;
+        let mut inner = inner.map_err(|e| {
             EngineError::file(
                 &tok_path,
                 format!(
