@@ -10,7 +10,7 @@ mod common;
 
 use mlx_rs::{Array, Dtype};
 use mlxb::engine::flags::Forks;
-use mlxb::engine::kernels::host_calls;
+use mlxb::engine::kernels::{host_calls, host_steps};
 use mlxb::engine::models::{self, Caches, LanguageModel};
 use mlxb::spec::ngram::NgramSource;
 use serde_json::json;
@@ -73,13 +73,14 @@ fn host_step_stays_close_to_l1_through_prefill_and_cache_growth() {
     // 250 prompt tokens: the host step runs them in 8-token sub-blocks; decoding then
     // crosses position 256, where the cache buffers grow.
     let prompt = common::prompt_ids(250, VOCAB, 5);
-    let before = host_calls();
+    // Other tests in this binary run host steps concurrently, so counters only bound below.
+    let before = host_steps();
     let (p1, ph) = (
         forward(l1.as_mut(), &prompt, &mut c1),
         forward(host.as_mut(), &prompt, &mut ch),
     );
     assert!(
-        host_calls() - before >= 4 * 7 * prompt.len().div_ceil(8),
+        host_steps() - before >= prompt.len().div_ceil(8),
         "the prefill did not run on the host step"
     );
     let last = prompt.len() - 1;
@@ -88,13 +89,17 @@ fn host_step_stays_close_to_l1_through_prefill_and_cache_growth() {
     let mut tok = argmax(&p1[last]);
     let mut worst = d;
     for step in 0..12 {
-        let before = host_calls();
+        let (before, calls) = (host_steps(), host_calls());
         let (a, b) = (
             forward(l1.as_mut(), &[tok], &mut c1),
             forward(host.as_mut(), &[tok], &mut ch),
         );
+        assert!(host_steps() > before, "step {step} left the host step");
         // 4 layers x 7 projections + the tied head.
-        assert_eq!(host_calls() - before, 29, "step {step} left the host step");
+        assert!(
+            host_calls() - calls >= 29,
+            "step {step} left the host kernel"
+        );
         let d = kl(&a[0], &b[0]);
         assert!(
             d.is_finite() && d < 1e-4,

@@ -4,19 +4,20 @@
 //!
 //! `affine` is the arithmetic (AVX-512, AVX2+FMA, scalar; `vnni` the int8-input AVX-512 VNNI
 //! variant), `dispatch` picks a path at run time
-//! and splits rows over threads, `host` moves arrays between MLX and host memory, `vecops` and
-//! `step` run a whole llama-style decode step on the host.
+//! and splits rows over threads, `host` moves arrays between MLX and host memory, `vecops`, `step`
+//! and `team` run a whole llama-style decode step on the host.
 
 pub mod affine;
 pub mod dispatch;
 pub mod host;
 pub mod step;
+pub mod team;
 pub mod vecops;
 pub mod vnni;
 
 pub use affine::{KernelPath, Prepared, QMatrix, BITS, MAX_M};
 pub use dispatch::{best_path, matmul, selection, Selection};
 pub use host::{host_calls, HostQuant, HostQuantCell};
-pub use step::{HostDecoder, HostLayer, PastKv, StepOut, StepPlan};
+pub use step::{host_steps, HostDecoder, HostLayer, PastKv, StepOut, StepPlan};
 pub use vecops::{HeadShape, HostRope};
 pub use vnni::Int8Input;

@@ -9,12 +9,12 @@
 //! lost most of its time. Here the only MLX work left per step is reading the past
 //! keys/values in place and appending the new ones (done by the caller).
 
-use super::affine::{Prepared, QMatrix, MAX_M};
-use super::dispatch::{matvecs, selection, MatVec, Selection};
+use super::affine::{rows_into, Prepared, QMatrix, MAX_M};
+use super::dispatch::{selection, Selection};
 use super::host::HostQuant;
+use super::team::{run_team, ErrorSlot, Member, Shared};
 use super::vecops::{attend_head, rms_norm, silu_mul, HeadShape, HostRope, KvRows};
 use crate::engine::error::{EngineError, Result};
-use rayon::prelude::*;
 
 /// One pre-norm layer: `h += o(attn(rope(q, k), v))` over `input_norm(h)`, then
 /// `h += down(silu(gate(x)) * up(x))` over `x = post_norm(h)`.
@@ -90,8 +90,13 @@ pub struct StepOut {
     pub values: Vec<Vec<f32>>,
 }
 
-/// Context × heads × head width below which attention stays on one thread.
-const ATTENTION_PARALLEL_MIN: usize = 1 << 15;
+static STEPS: std::sync::atomic::AtomicUsize = std::sync::atomic::AtomicUsize::new(0);
+
+/// How many blocks the host decode step has run in this process (lets tests and benchmarks
+/// check that a forward really took the whole-step path, not the per-projection one).
+pub fn host_steps() -> usize {
+    STEPS.load(std::sync::atomic::Ordering::Relaxed)
+}
 
 fn runtime(e: String) -> EngineError {
     EngineError::Runtime(format!("host decode step: {e}"))
@@ -136,42 +141,39 @@ impl Inputs {
     }
 }
 
-/// `y = x · Wᵀ` for each `(W, out)` pair over one input `x`, with outputs by token
-/// (`m × rows`), in one fork/join.
-fn project(
+/// Rows-major mat-vec output (`rows × m`, the kernel's layout) to token-major (`m × rows`).
+fn by_token(by_row: &[f32], m: usize, out: &mut Vec<f32>) {
+    let rows = by_row.len() / m;
+    out.resize(by_row.len(), 0.0);
+    if m == 1 {
+        out.copy_from_slice(by_row);
+        return;
+    }
+    for (r, vals) in by_row.chunks_exact(m).enumerate() {
+        for (j, v) in vals.iter().enumerate() {
+            out[j * rows + r] = *v;
+        }
+    }
+}
+
+/// This thread's rows of `x · Wᵀ` for each `(W, out)` pair (outputs in the kernel's
+/// `rows × m` layout), over one input `x` prepared here.
+fn rows_share(
+    me: Member<'_>,
     sel: Selection,
     x: &[f32],
     m: usize,
-    pairs: &mut [(&QMatrix<'_>, &mut Vec<f32>)],
+    pairs: &[(&QMatrix<'_>, &Shared)],
 ) -> Result<()> {
     let cols = pairs.first().map_or(0, |(w, _)| w.cols());
     let mats: Vec<&QMatrix<'_>> = pairs.iter().map(|(w, _)| *w).collect();
     let inputs = Inputs::new(sel, x, m, cols, &mats)?;
-    let mut by_row: Vec<Vec<f32>> = pairs.iter().map(|(w, _)| vec![0.0; w.rows() * m]).collect();
-    let jobs = pairs
-        .iter()
-        .zip(by_row.iter_mut())
-        .map(|((w, _), out)| {
-            Ok(MatVec {
-                w: **w,
-                x: inputs.for_matrix(w)?,
-                out,
-            })
-        })
-        .collect::<Result<Vec<_>>>()?;
-    matvecs(sel, jobs)?;
-    for ((w, out), rows_major) in pairs.iter_mut().zip(by_row) {
-        let rows = w.rows();
-        out.resize(rows * m, 0.0);
-        if m == 1 {
-            out.copy_from_slice(&rows_major);
-            continue;
-        }
-        for (r, vals) in rows_major.chunks_exact(m).enumerate() {
-            for (j, v) in vals.iter().enumerate() {
-                out[j * rows + r] = *v;
-            }
-        }
+    for (w, out) in pairs {
+        let rows = me.share(w.rows());
+        // SAFETY: each member writes only its own share of rows; readers wait for the
+        // barrier that follows.
+        let part = unsafe { out.part_mut(rows.start * m..rows.end * m) };
+        rows_into(sel.path, w, inputs.for_matrix(w)?, rows, part).map_err(runtime)?;
     }
     Ok(())
 }
@@ -262,6 +264,28 @@ struct View<'a> {
     rope: &'a HostRope,
 }
 
+/// The team's shared mat-vec outputs and attention output for one step.
+struct Buffers {
+    q: Shared,
+    k: Shared,
+    v: Shared,
+    attn: Shared,
+    o: Shared,
+    gate: Shared,
+    up: Shared,
+    down: Shared,
+    logits: Shared,
+}
+
+/// What thread 0 collects for the caller while the team runs.
+#[derive(Default)]
+struct Collected {
+    keys: Vec<Vec<f32>>,
+    values: Vec<Vec<f32>>,
+    taps: Vec<Vec<f32>>,
+    hidden: Vec<f32>,
+}
+
 impl View<'_> {
     fn step(
         &self,
@@ -272,38 +296,120 @@ impl View<'_> {
     ) -> Result<StepOut> {
         let m = ids.len();
         let s = self.heads;
-        let (hd, qd, kvd) = (
-            s.head_dim,
-            s.n_heads * s.head_dim,
-            s.n_kv_heads * s.head_dim,
-        );
-        let embed = self.embed;
-        let d = embed.cols();
-        let mut h = vec![0.0f32; m * d];
-        for (id, row) in ids.iter().zip(h.chunks_exact_mut(d)) {
-            embed.dequantize_row(*id as usize, row).map_err(runtime)?;
-        }
-        let mut xn = vec![0.0f32; m * d];
-        let (mut q, mut k, mut v) = (Vec::new(), Vec::new(), Vec::new());
-        let (mut o, mut gate, mut up, mut down) = (Vec::new(), Vec::new(), Vec::new(), Vec::new());
-        let mut attn = vec![0.0f32; m * qd];
-        let mut scores = Vec::new();
-        let (mut new_keys, mut new_values) = (Vec::new(), Vec::new());
-        let mut taps = vec![Vec::new(); plan.taps.len()];
-        for (i, (layer, past)) in self.layers.iter().zip(past).enumerate() {
-            let [wq, wk, wv, wo] = layer.attn;
+        let (qd, kvd) = (s.n_heads * s.head_dim, s.n_kv_heads * s.head_dim);
+        for l in &self.layers {
+            let [wq, wk, wv, wo] = l.attn;
             if wq.rows() != qd || wk.rows() != kvd || wv.rows() != kvd || wo.cols() != qd {
                 return Err(runtime(
                     "attention projections disagree with the head shape".into(),
                 ));
             }
+        }
+        if let Some(bad) = ids.iter().find(|&&t| t as usize >= self.embed.rows()) {
+            return Err(runtime(format!(
+                "token id {bad} is outside the embedding table of {}",
+                self.embed.rows()
+            )));
+        }
+        let inter = self.layers.first().map_or(0, |l| l.mlp[0].rows());
+        let d = self.embed.cols();
+        let buffers = Buffers {
+            q: Shared::new(m * qd),
+            k: Shared::new(m * kvd),
+            v: Shared::new(m * kvd),
+            attn: Shared::new(m * qd),
+            o: Shared::new(m * d),
+            gate: Shared::new(m * inter),
+            up: Shared::new(m * inter),
+            down: Shared::new(m * d),
+            logits: Shared::new(if plan.logits { m * self.head.rows() } else { 0 }),
+        };
+        let errors = ErrorSlot::new();
+        let collected = std::sync::Mutex::new(Collected::default());
+        run_team(sel.threads, |me| {
+            let mut mine = Collected::default();
+            self.member(me, sel, ids, past, plan, &buffers, &errors, &mut mine);
+            if me.index == 0 {
+                if let Ok(mut c) = collected.lock() {
+                    *c = mine;
+                }
+            }
+        });
+        if let Some(e) = errors.take() {
+            return Err(e);
+        }
+        let c = collected
+            .into_inner()
+            .map_err(|_| runtime("a team thread panicked".into()))?;
+        let mut logits = Vec::new();
+        if plan.logits {
+            // SAFETY: the team has finished; nothing writes the buffer any more.
+            by_token(unsafe { buffers.logits.all() }, m, &mut logits);
+        }
+        super::host::count_calls(7 * self.layers.len() + usize::from(plan.logits));
+        STEPS.fetch_add(1, std::sync::atomic::Ordering::Relaxed);
+        Ok(StepOut {
+            logits,
+            hidden: c.hidden,
+            taps: c.taps,
+            keys: c.keys,
+            values: c.values,
+        })
+    }
+
+    /// One team member's walk through the step. It never returns early: every member meets
+    /// every barrier even after an error (reported into `errors`), so none waits forever.
+    #[allow(clippy::too_many_arguments)]
+    fn member(
+        &self,
+        me: Member<'_>,
+        sel: Selection,
+        ids: &[u32],
+        past: &[PastKv<'_>],
+        plan: StepPlan<'_>,
+        b: &Buffers,
+        errors: &ErrorSlot<EngineError>,
+        out: &mut Collected,
+    ) {
+        let m = ids.len();
+        let s = self.heads;
+        let (hd, qd, kvd) = (
+            s.head_dim,
+            s.n_heads * s.head_dim,
+            s.n_kv_heads * s.head_dim,
+        );
+        let d = self.embed.cols();
+        // The residual stream and the small per-token ops are computed by every member
+        // (cheap, and it saves a barrier each); the mat-vecs and attention are shared out.
+        let mut h = vec![0.0f32; m * d];
+        for (id, row) in ids.iter().zip(h.chunks_exact_mut(d)) {
+            errors.keep(
+                self.embed
+                    .dequantize_row(*id as usize, row)
+                    .map_err(runtime),
+            );
+        }
+        let mut xn = vec![0.0f32; m * d];
+        let (mut q, mut k, mut v, mut t) = (Vec::new(), Vec::new(), Vec::new(), Vec::new());
+        let (mut gate, mut up) = (Vec::new(), Vec::new());
+        let mut scores = Vec::new();
+        out.taps = vec![Vec::new(); plan.taps.len()];
+        // SAFETY (every `all()` below): the buffer was written before the barrier just passed
+        // and is next written only after at least one more barrier.
+        for (i, (layer, past)) in self.layers.iter().zip(past).enumerate() {
+            let [wq, wk, wv, wo] = &layer.attn;
             rms_norm(&h, layer.input_norm, self.eps, &mut xn);
-            project(
+            errors.keep(rows_share(
+                me,
                 sel,
                 &xn,
                 m,
-                &mut [(&wq, &mut q), (&wk, &mut k), (&wv, &mut v)],
-            )?;
+                &[(wq, &b.q), (wk, &b.k), (wv, &b.v)],
+            ));
+            me.sync();
+            by_token(unsafe { b.q.all() }, m, &mut q);
+            by_token(unsafe { b.k.all() }, m, &mut k);
+            by_token(unsafe { b.v.all() }, m, &mut v);
             for j in 0..m {
                 self.rope
                     .apply(&mut q[j * qd..(j + 1) * qd], hd, past.len + j);
@@ -322,49 +428,52 @@ impl View<'_> {
                 new_len: m,
             };
             let (keys, values) = (rows(past.keys, &kc), rows(past.values, &vc));
-            let positions = past.len + m;
-            let head = |scores: &mut Vec<f32>, (i, out): (usize, &mut [f32])| {
-                let (j, h) = (i / s.n_heads, i % s.n_heads);
-                scores.resize(positions, 0.0);
-                attend_head(s, h, &q[i * hd..(i + 1) * hd], keys, values, j, scores, out);
-            };
-            // Heads split over the pool once the context makes them worth a fork/join.
-            if sel.threads > 1 && positions * s.n_heads * hd >= ATTENTION_PARALLEL_MIN {
-                attn.par_chunks_mut(hd)
-                    .enumerate()
-                    .for_each_init(Vec::new, head);
-            } else {
-                attn.chunks_mut(hd)
-                    .enumerate()
-                    .for_each(|x| head(&mut scores, x));
+            let items = me.share(m * s.n_heads);
+            // SAFETY: each member writes the heads of its own share.
+            let attn = unsafe { b.attn.part_mut(items.start * hd..items.end * hd) };
+            for (n, out) in items.clone().zip(attn.chunks_exact_mut(hd)) {
+                let (j, head) = (n / s.n_heads, n % s.n_heads);
+                scores.resize(past.len + m, 0.0);
+                let qh = &q[n * hd..(n + 1) * hd];
+                attend_head(s, head, qh, keys, values, j, &mut scores, out);
             }
-            new_keys.push(kc);
-            new_values.push(vc);
-            project(sel, &attn, m, &mut [(&wo, &mut o)])?;
-            h.iter_mut().zip(&o).for_each(|(a, b)| *a += b);
+            if me.index == 0 {
+                out.keys.push(kc);
+                out.values.push(vc);
+            }
+            me.sync();
+            errors.keep(rows_share(
+                me,
+                sel,
+                unsafe { b.attn.all() },
+                m,
+                &[(wo, &b.o)],
+            ));
+            me.sync();
+            by_token(unsafe { b.o.all() }, m, &mut t);
+            h.iter_mut().zip(&t).for_each(|(a, b)| *a += b);
 
-            let [wg, wu, wd] = layer.mlp;
+            let [wg, wu, wd] = &layer.mlp;
             rms_norm(&h, layer.post_norm, self.eps, &mut xn);
-            project(sel, &xn, m, &mut [(&wg, &mut gate), (&wu, &mut up)])?;
+            errors.keep(rows_share(me, sel, &xn, m, &[(wg, &b.gate), (wu, &b.up)]));
+            me.sync();
+            by_token(unsafe { b.gate.all() }, m, &mut gate);
+            by_token(unsafe { b.up.all() }, m, &mut up);
             silu_mul(&mut gate, &up);
-            project(sel, &gate, m, &mut [(&wd, &mut down)])?;
-            h.iter_mut().zip(&down).for_each(|(a, b)| *a += b);
-            for (tap, _) in taps.iter_mut().zip(plan.taps).filter(|(_, &t)| t == i) {
-                tap.clone_from(&h);
+            errors.keep(rows_share(me, sel, &gate, m, &[(wd, &b.down)]));
+            me.sync();
+            by_token(unsafe { b.down.all() }, m, &mut t);
+            h.iter_mut().zip(&t).for_each(|(a, b)| *a += b);
+            if me.index == 0 {
+                for (tap, _) in out.taps.iter_mut().zip(plan.taps).filter(|(_, &t)| t == i) {
+                    tap.clone_from(&h);
+                }
             }
         }
-        let mut logits = Vec::new();
         if plan.logits {
             rms_norm(&h, self.final_norm, self.eps, &mut xn);
-            project(sel, &xn, m, &mut [(&self.head, &mut logits)])?;
+            errors.keep(rows_share(me, sel, &xn, m, &[(&self.head, &b.logits)]));
         }
-        super::host::count_calls(7 * self.layers.len() + usize::from(plan.logits));
-        Ok(StepOut {
-            logits,
-            hidden: h,
-            taps,
-            keys: new_keys,
-            values: new_values,
-        })
+        out.hidden = h;
     }
 }

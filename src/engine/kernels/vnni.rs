@@ -60,7 +60,11 @@ impl Int8Input {
                 let at = if bits == 4 {
                     let span = e / SPAN * SPAN;
                     let k = e - span;
-                    span + if k.is_multiple_of(2) { k / 2 } else { SPAN / 2 + k / 2 }
+                    span + if k.is_multiple_of(2) {
+                        k / 2
+                    } else {
+                        SPAN / 2 + k / 2
+                    }
                 } else {
                     e
                 };
@@ -99,7 +103,11 @@ impl Int8Input {
         let span = col / SPAN * SPAN;
         let k = col - span;
         let at = if bits == 4 {
-            span + if k.is_multiple_of(2) { k / 2 } else { SPAN / 2 + k / 2 }
+            span + if k.is_multiple_of(2) {
+                k / 2
+            } else {
+                SPAN / 2 + k / 2
+            }
         } else {
             col
         };
