@@ -7,8 +7,10 @@
 # Needs `cargo install cargo-fuzz`; libFuzzer's flags are nightly-only, so the stable toolchain
 # runs with RUSTC_BOOTSTRAP=1. Seed corpora are generated here from real files (a tiny model
 # made by mlx-lm, a DSpark drafter made by mlxb, GGUF files written by the `gguf` package) into
-# fuzz/corpus/TARGET (not committed); crashes land in fuzz/artifacts/TARGET, logs and the
-# final statistics of each run in fuzz/logs/TARGET.log.
+# fuzz/corpus/TARGET (not committed; runs add to it); crashes land in fuzz/artifacts/TARGET,
+# logs and the final statistics of each run in fuzz/logs/TARGET.log, its coverage timeline in
+# fuzz/logs/TARGET.cov.tsv. Runs are sequential at `nice -n 19` (the machine is shared), and
+# each prints whether its target plateaued (neither cov nor ft grew over the last third).
 set -euo pipefail
 cd "$(dirname "$0")/.."
 SECS=${1:-120}
@@ -189,17 +191,52 @@ EOF
 
 # ---- runs ---------------------------------------------------------------------------------
 # The binaries built above run directly (`cargo fuzz run` would rebuild whenever the tree moved).
+# Each run also writes fuzz/logs/TARGET.cov.tsv, a coverage timeline (seconds, executions, cov,
+# ft: one row per libFuzzer status line), and prints whether the target plateaued: neither cov
+# nor ft grew over the last third of the run.
 BIN=fuzz/target/x86_64-unknown-linux-gnu/release
 export ASAN_OPTIONS=detect_odr_violation=0
+
+# Reads libFuzzer's output on stdin, copies it to $1 and writes the timeline to $2.
+timeline() {
+  local start=$SECONDS line
+  printf 'seconds\texecs\tcov\tft\n' >"$2"
+  while IFS= read -r line; do
+    printf '%s\n' "$line" >>"$1"
+    if [[ $line =~ ^#([0-9]+).*cov:\ ([0-9]+)\ ft:\ ([0-9]+) ]]; then
+      printf '%s\t%s\t%s\t%s\n' $((SECONDS - start)) "${BASH_REMATCH[1]}" \
+        "${BASH_REMATCH[2]}" "${BASH_REMATCH[3]}" >>"$2"
+    fi
+  done
+}
+
+# Prints the final figures of a timeline and whether it plateaued (the rule above).
+plateau() {
+  awk -F'\t' 'NR > 1 { t[n] = $1; e[n] = $2; c[n] = $3; f[n] = $4; n++ }
+    END {
+      if (n == 0) { print "   no status lines"; exit }
+      cut = t[n - 1] * 2 / 3; i = 0
+      while (i + 1 < n && t[i + 1] <= cut) i++
+      flat = (c[i] == c[n - 1] && f[i] == f[n - 1]) ? "plateaued" : "still rising"
+      printf "   %s execs, %s s, cov %s, ft %s; at %d s cov %s ft %s: %s\n",
+        e[n - 1], t[n - 1], c[n - 1], f[n - 1], t[i], c[i], f[i], flat
+    }' "$1"
+}
+
 mkdir -p fuzz/logs
 for t in "${TARGETS[@]}"; do
   echo "== $t (${SECS}s)"
   mkdir -p "fuzz/artifacts/$t"
-  nice -n 10 "$BIN/$t" "fuzz/corpus/$t" -artifact_prefix="fuzz/artifacts/$t/" \
+  : >"fuzz/logs/$t.log"
+  set +e
+  nice -n 19 "$BIN/$t" "fuzz/corpus/$t" -artifact_prefix="fuzz/artifacts/$t/" \
     -max_total_time="$SECS" -timeout=10 -rss_limit_mb=4096 -malloc_limit_mb=2048 \
-    -print_final_stats=1 >"fuzz/logs/$t.log" 2>&1 || {
-      echo "   crash: see fuzz/logs/$t.log and fuzz/artifacts/$t/"
-      continue
-    }
-  grep -E '^#[0-9]+[[:space:]]+DONE' "fuzz/logs/$t.log" | tail -1 | sed 's/^/   /' || true
+    -print_final_stats=1 2>&1 | timeline "fuzz/logs/$t.log" "fuzz/logs/$t.cov.tsv"
+  rc=${PIPESTATUS[0]}
+  set -e
+  if [ "$rc" -ne 0 ]; then
+    echo "   crash: see fuzz/logs/$t.log and fuzz/artifacts/$t/"
+    continue
+  fi
+  plateau "fuzz/logs/$t.cov.tsv"
 done

@@ -4,7 +4,8 @@
 //! version (it parses and loads), and a re-run (`--resume` where a training state exists) must
 //! finish with exactly the result of an uninterrupted run, leaving no staging directory behind.
 //! `calibrate` is killed the same way: its checkpoint config is always the old or the new
-//! complete file, and a re-run from an old one writes exactly the uninterrupted result.
+//! complete file, and a re-run from an old one writes exactly the uninterrupted result. After
+//! every re-run no temporary file is left; an import holds its notices when it appears.
 
 mod common;
 #[path = "common/dspark_cli.rs"]
@@ -147,10 +148,28 @@ fn assert_same_safetensors(a: &Path, b: &Path) {
     }
 }
 
-/// Whether `name` is a temporary file of an atomic write (`tempfile`'s `.tmpXXXXXX`, mlxb's
-/// `tmp-NAME`): a kill during the write may leave one, never under a final name.
+/// Whether `name` is a temporary file of an atomic write (`write_atomic`'s
+/// `.NAME.tmp-PID-XXXXXX`, `tempfile`'s `.tmpXXXXXX`, the checkpoint writers' `tmp-NAME` and
+/// `NAME.tmp`): a kill during the write may leave one, never under a final name.
 fn is_temp(name: &str) -> bool {
-    name.starts_with(".tmp") || name.starts_with("tmp-")
+    name.starts_with(".tmp")
+        || name.starts_with("tmp-")
+        || name.ends_with(".tmp")
+        || (name.starts_with('.') && name.contains(".tmp-"))
+}
+
+/// Asserts no temporary file (see [`is_temp`]) is left in `dir` once a run has finished.
+fn assert_no_temps(dir: &Path) {
+    let temps: Vec<String> = std::fs::read_dir(dir)
+        .unwrap()
+        .map(|e| e.unwrap().file_name().to_string_lossy().into_owned())
+        .filter(|n| is_temp(n))
+        .collect();
+    assert!(
+        temps.is_empty(),
+        "{}: temp files left: {temps:?}",
+        dir.display()
+    );
 }
 
 /// Asserts the directories `a` and `b` hold the same files under their final names:
@@ -408,6 +427,8 @@ fn train_dspark_survives_kill_9_and_resumes_to_the_same_drafter() {
             std::fs::read(reference.join(checkpoint::MLXB_CONFIG)).unwrap()
         );
         assert_same_dir(&out.join("cache"), &reference.join("cache"));
+        assert_no_temps(&out);
+        assert_no_temps(&out.join("cache"));
     }
     eprintln!("killed {killed} of {RUNS} runs, re-runs matched the uninterrupted result");
     assert!(killed >= 3, "only {killed} of {RUNS} runs were killed");
@@ -456,6 +477,64 @@ fn calibrate_survives_kill_9_with_the_old_or_new_config() {
                 "run {i}: the re-run did not write the uninterrupted result"
             );
         }
+        assert_no_temps(&run);
     }
     assert!(killed >= 1, "no run was killed before it finished");
+}
+
+/// The notices of an import (licence terms) are in the model directory by the time it appears
+/// under its final name: they are copied into the staging directory before the rename, so a
+/// kill right after the rename cannot leave a complete-looking import without them.
+#[test]
+fn an_import_holds_its_notices_when_it_appears() {
+    use mlxb::engine::gguf::{import_gguf, ImportOptions};
+    let gguf = smollm2_gguf();
+    let tmp = tempfile::tempdir_in(env!("CARGO_TARGET_TMPDIR")).unwrap();
+    let notice = tmp.path().join("LICENSE.src");
+    std::fs::write(&notice, "terms of use\n").unwrap();
+    let out = tmp.path().join("model");
+    let appeared = std::sync::Arc::new(std::sync::atomic::AtomicBool::new(false));
+    // Watch for the directory's appearance while the import runs; the notice must be there
+    // at the first sight of it.
+    let watcher = {
+        let (out, appeared) = (out.clone(), appeared.clone());
+        std::thread::spawn(move || {
+            let start = Instant::now();
+            while start.elapsed() < Duration::from_secs(600) {
+                if out.exists() {
+                    appeared.store(true, std::sync::atomic::Ordering::SeqCst);
+                    return out.join("LICENSE").is_file();
+                }
+                std::thread::sleep(Duration::from_micros(200));
+            }
+            false
+        })
+    };
+    let opts = ImportOptions {
+        extra_files: vec![
+            (notice.clone(), "LICENSE".into()),
+            (tmp.path().join("absent"), "NOTICE".into()),
+        ],
+        ..ImportOptions::default()
+    };
+    import_gguf(&gguf, &out, &opts, &mut |_, _| {}).unwrap();
+    assert!(
+        watcher.join().unwrap(),
+        "the import appeared without its notice"
+    );
+    assert!(appeared.load(std::sync::atomic::Ordering::SeqCst));
+    assert_eq!(
+        std::fs::read(out.join("LICENSE")).unwrap(),
+        b"terms of use\n"
+    );
+    assert!(
+        !out.join("NOTICE").exists(),
+        "a missing source was invented"
+    );
+    assert_loads(&out);
+    assert!(
+        leftovers(tmp.path()).is_empty(),
+        "{:?}",
+        leftovers(tmp.path())
+    );
 }

@@ -214,7 +214,63 @@ fn broken_models_are_refused_and_left_untouched() {
         (
             "zero_layers",
             Box::new(|c| c["num_hidden_layers"] = json!(0)),
-            vec!["unexpected tensor", "does not match config.json"],
+            vec![
+                "config.json",
+                "`num_hidden_layers` is 0; it must be a positive size",
+            ],
+        ),
+        (
+            "negative_hidden",
+            Box::new(|c| c["hidden_size"] = json!(-64)),
+            vec![
+                "config.json",
+                "`hidden_size` is -64; it must be a positive size",
+            ],
+        ),
+        (
+            "zero_intermediate",
+            Box::new(|c| c["intermediate_size"] = json!(0)),
+            vec!["config.json", "`intermediate_size` is 0"],
+        ),
+        (
+            "negative_vocab",
+            Box::new(|c| c["vocab_size"] = json!(-384)),
+            vec!["config.json", "`vocab_size` is -384"],
+        ),
+        (
+            "qwen3_negative_head_dim",
+            Box::new(|c| {
+                c["model_type"] = json!("qwen3");
+                c["head_dim"] = json!(-16);
+            }),
+            vec!["config.json", "`head_dim` is -16"],
+        ),
+        (
+            "gemma3_negative_heads",
+            Box::new(|c| {
+                c["model_type"] = json!("gemma3_text");
+                c["num_attention_heads"] = json!(-4);
+            }),
+            vec!["config.json", "`num_attention_heads` is -4"],
+        ),
+        (
+            "qwen3_5_nested_negative",
+            Box::new(|c| {
+                c["model_type"] = json!("qwen3_5");
+                c["text_config"] = json!({"linear_num_key_heads": -2});
+            }),
+            vec!["config.json", "`text_config.linear_num_key_heads` is -2"],
+        ),
+        (
+            "moe_negative_experts",
+            Box::new(|c| {
+                c["model_type"] = json!("qwen3_moe");
+                c["num_experts"] = json!(-4);
+            }),
+            vec![
+                "config.json",
+                "`num_experts` is -4; it must be zero or more",
+            ],
         ),
         (
             "unknown_rope",
@@ -377,7 +433,7 @@ fn broken_models_are_refused_and_left_untouched() {
         b"",
         &["is not supported", "`model_type` is missing"],
     );
-    assert_eq!(s.count, 19);
+    assert_eq!(s.count, 26);
 }
 
 #[test]
@@ -466,21 +522,38 @@ fn broken_drafters_are_refused_and_left_untouched() {
         &["--dspark-min-conf 2.0 is out of range"],
     );
     // An existing drafter is never overwritten by a new run.
-    let dir = s.dir("train_over_drafter");
-    let fx = fixture();
-    s.refuse(
-        &dir,
-        &[
+    /// `train-dspark` of the fixture model and prompts into `out`.
+    fn train_into(out: &str) -> Vec<&str> {
+        let fx = fixture();
+        vec![
             "train-dspark",
             "--model",
             fx.model(),
             "--data",
             fx.prompts(),
             "--out",
-            fx.drafter(),
-        ],
+            out,
+        ]
+    }
+    let dir = s.dir("train_over_drafter");
+    let fx = fixture();
+    s.refuse(
+        &dir,
+        &train_into(fx.drafter()),
         b"",
         &["already holds a DSpark checkpoint", "--resume"],
+    );
+    // A broken training state is refused before the target cache is built (nothing written).
+    let d = s.drafter("resume_corrupt_state", |d| {
+        std::fs::write(d.join("train-state.safetensors"), b"not a safetensors file").unwrap()
+    });
+    let mut args = train_into(d.to_str().unwrap());
+    args.push("--resume");
+    s.refuse(
+        d.parent().unwrap(),
+        &args,
+        b"",
+        &["train-state.safetensors", "start without --resume"],
     );
     let dir = s.dir("init_over_drafter");
     s.refuse(
@@ -489,7 +562,7 @@ fn broken_drafters_are_refused_and_left_untouched() {
         b"",
         &["already holds a DSpark checkpoint", "--force"],
     );
-    assert_eq!(s.count, 12);
+    assert_eq!(s.count, 13);
 }
 
 #[test]
@@ -566,7 +639,8 @@ fn contradictory_or_out_of_range_flags_are_refused() {
     let mut s = Suite::new();
     let fx = fixture();
     let model = fx.model.clone();
-    let generate_cases: [(&str, &[&str], &[&str]); 7] = [
+    let d = fx.drafter();
+    let generate_cases: [(&str, &[&str], &[&str]); 11] = [
         (
             "top_p",
             &["--top-p", "2"],
@@ -613,6 +687,30 @@ fn contradictory_or_out_of_range_flags_are_refused() {
             "prompt_ids",
             &["--prompt-ids", "1,2,99999"],
             &["--prompt-ids has id 99999", "vocabulary of 384"],
+        ),
+        (
+            "drafter_vs_ngram",
+            &["--drafter", d, "--draft-kind", "ngram"],
+            &[
+                "--drafter",
+                "--draft-kind ngram",
+                "drop one of the two flags",
+            ],
+        ),
+        (
+            "drafter_vs_draft_model",
+            &["--drafter", d, "--draft-model", d],
+            &["--drafter and --draft-model both name a drafter"],
+        ),
+        (
+            "draft_model_vs_ngram",
+            &["--draft-model", d, "--draft-kind", "ngram"],
+            &["--draft-model is not used by --draft-kind ngram"],
+        ),
+        (
+            "draft_layers_vs_ngram",
+            &["--draft-kind", "ngram", "--draft-layers", "1"],
+            &["--draft-layers is only used by --draft-kind self", "ngram"],
         ),
     ];
     for (name, extra, needles) in generate_cases {
@@ -690,6 +788,34 @@ fn contradictory_or_out_of_range_flags_are_refused() {
             ],
         ),
         (
+            "measure_drafter_vs_self",
+            vec![
+                "measure",
+                "--model",
+                fx.model(),
+                "--data",
+                fx.prompts(),
+                "--drafter",
+                d,
+                "--draft-kind",
+                "self",
+            ],
+            &["--drafter", "--draft-kind self"],
+        ),
+        (
+            "serve_drafter_vs_model",
+            vec![
+                "serve",
+                "--model",
+                fx.model(),
+                "--drafter",
+                d,
+                "--draft-kind",
+                "model",
+            ],
+            &["--drafter", "--draft-kind model"],
+        ),
+        (
             "serve_limit",
             vec!["serve", "--model", fx.model(), "--max-tokens-limit", "0"],
             &["--max-tokens-limit must be at least 1"],
@@ -699,7 +825,7 @@ fn contradictory_or_out_of_range_flags_are_refused() {
         let dir = s.dir(name);
         s.refuse(&dir, &args, b"", needles);
     }
-    assert_eq!(s.count, 17);
+    assert_eq!(s.count, 23);
 }
 
 /// A hand-made GGUF file, byte by byte (little endian, as the format is).

@@ -15,13 +15,11 @@ fuzz_target!(|data: &[u8]| {
         Endpoint::Completions
     };
     let limits = Limits {
-        model_ids: vec!["default".into(), "smollm2".into()],
-        vocab_size: 384,
         default_max_tokens: 16,
         max_tokens_limit: 4096,
         max_prompt_tokens: 8192,
-        prefill_step_size: 2048,
         has_drafter: which & 2 != 0,
+        ..Limits::new(vec!["default".into(), "smollm2".into()], 384)
     };
     let _ = parse(endpoint, body, &limits);
 });

@@ -172,6 +172,41 @@ pub struct SpecArgs {
 }
 
 impl SpecArgs {
+    /// Refuses drafter flags that contradict each other (`--drafter D --draft-kind ngram`
+    /// would otherwise drop one of them silently), naming both flags.
+    pub fn check(&self) -> Result<(), crate::engine::error::EngineError> {
+        let name = |k: DraftKind| {
+            clap::ValueEnum::to_possible_value(&k).map_or_else(String::new, |v| v.get_name().into())
+        };
+        let clash = match (self.draft_kind, &self.drafter, &self.draft_model) {
+            (_, Some(_), Some(_)) => Some("--drafter and --draft-model both name a drafter".into()),
+            (Some(k), Some(_), None) if k != DraftKind::Dspark => Some(format!(
+                "--drafter is a DSpark drafter but --draft-kind {} asks for another kind",
+                name(k)
+            )),
+            (Some(k @ (DraftKind::Ngram | DraftKind::SelfLayers)), None, Some(_)) => Some(format!(
+                "--draft-model is not used by --draft-kind {}",
+                name(k)
+            )),
+            _ => None,
+        };
+        let kind = self.options().map(|o| o.kind);
+        let clash = clash.or_else(|| {
+            (self.draft_layers.is_some() && kind != Some(DraftKind::SelfLayers)).then(|| {
+                format!(
+                    "--draft-layers is only used by --draft-kind self, not by --draft-kind {}",
+                    kind.map_or_else(String::new, name)
+                )
+            })
+        });
+        match clash {
+            Some(c) => Err(crate::engine::error::EngineError::Input(format!(
+                "{c}; drop one of the two flags"
+            ))),
+            None => Ok(()),
+        }
+    }
+
     /// The drafter options, or `None` when no drafter was asked for.
     pub fn options(&self) -> Option<SpecOptions> {
         let kind = self.draft_kind.or(if self.drafter.is_some() {

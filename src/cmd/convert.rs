@@ -43,6 +43,7 @@ pub fn run(args: ConvertArgs) -> anyhow::Result<()> {
     let opts = ImportOptions {
         dtype,
         keep_quant: args.keep_quant,
+        ..ImportOptions::default()
     };
     let s = gguf::import_with_progress(&args.gguf, &args.out, &opts)?;
     eprintln!(

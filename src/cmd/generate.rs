@@ -85,6 +85,7 @@ pub fn footer(stats: &GenerationStats) -> String {
 
 /// Entry point of `mlxb generate`.
 pub fn run(args: GenerateArgs) -> anyhow::Result<()> {
+    args.spec.check()?;
     let dir = resolve_model(args.model.model.as_deref())?;
     let (mut session, forks) = open_session(&dir, &args.forks)?;
     let prompt_ids = prompt_ids(&args, &session)?;

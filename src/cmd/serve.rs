@@ -30,16 +30,16 @@ pub struct ServeArgs {
     #[arg(long, default_value_t = 64)]
     pub max_queue: usize,
     /// `max_tokens` for requests that give none (mlx-lm's server uses 512).
-    #[arg(long, default_value_t = 512)]
+    #[arg(long, default_value_t = crate::server::request::DEFAULT_MAX_TOKENS)]
     pub default_max_tokens: usize,
     /// Largest `max_tokens` a request may ask for.
-    #[arg(long, default_value_t = 32768)]
+    #[arg(long, default_value_t = crate::server::request::DEFAULT_TOKEN_LIMIT)]
     pub max_tokens_limit: usize,
     /// Largest request body in bytes (larger ones get 413).
     #[arg(long, default_value_t = 4 << 20)]
     pub max_body_bytes: usize,
     /// Longest prompt in tokens (longer ones get 400 `context_length_exceeded`).
-    #[arg(long, default_value_t = 32768)]
+    #[arg(long, default_value_t = crate::server::request::DEFAULT_TOKEN_LIMIT)]
     pub max_prompt_tokens: usize,
     /// Most completion requests in flight at once, queued and streaming ones included (more
     /// get 429); /health, /metrics and /v1/models are exempt.
@@ -68,6 +68,7 @@ pub fn run(args: ServeArgs) -> anyhow::Result<()> {
     }
     // Refuse a remote --host before a first run spends time fetching the model.
     crate::server::bind::check_host(&args.host, args.allow_remote)?;
+    args.spec.check()?;
     let spec = args.spec.options();
     if let Some(opts) = &spec {
         opts.validate()?;

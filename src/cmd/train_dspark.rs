@@ -9,13 +9,14 @@ use crate::cmd::dspark_init::ShapeArgs;
 use crate::engine::error::EngineError;
 use crate::engine::flags::Forks;
 use crate::engine::session::{resolve_model, Session};
-use crate::spec::dspark::checkpoint::{self, TargetFacts};
+use crate::spec::dspark::checkpoint::{self, DsparkConfig, TargetFacts};
 use crate::spec::dspark::data::{build_cache, read_prompts, RegenOptions};
 use crate::spec::dspark::init::init;
 use crate::spec::dspark::train::{load_state, AdamW, Frozen, Params, TrainOptions, Trainer};
 use clap::Args;
 use mlx_rs::{Array, Dtype};
-use std::path::PathBuf;
+use std::collections::HashMap;
+use std::path::{Path, PathBuf};
 use std::time::Instant;
 
 /// Flags of `mlxb train-dspark`.
@@ -68,6 +69,36 @@ pub struct TrainDsparkArgs {
     pub resume: bool,
 }
 
+/// A checkpoint and training state to continue, read and checked before any work starts.
+struct ResumeState {
+    config: DsparkConfig,
+    tensors: HashMap<String, Array>,
+    params: Params,
+    opt: AdamW,
+    opts: TrainOptions,
+}
+
+/// Reads the drafter in `out` and its training state; any broken file is an error naming it.
+fn read_resume_state(out: &Path) -> anyhow::Result<ResumeState> {
+    let (config, _) = checkpoint::read_config(out)?;
+    let weights = out.join(checkpoint::WEIGHTS_FILE);
+    let tensors = Array::load_safetensors(&weights).map_err(|e| {
+        EngineError::file(
+            &weights,
+            format!("cannot read the weights ({e}); start without --resume"),
+        )
+    })?;
+    let mut params = Params::from_tensors(&config, &tensors)?;
+    let (opt, opts) = load_state(out, &mut params)?;
+    Ok(ResumeState {
+        config,
+        tensors,
+        params,
+        opt,
+        opts,
+    })
+}
+
 /// Entry point of `mlxb train-dspark`.
 pub fn run(args: TrainDsparkArgs) -> anyhow::Result<()> {
     // Check every input before anything is written.
@@ -98,24 +129,32 @@ pub fn run(args: TrainDsparkArgs) -> anyhow::Result<()> {
         )
         .into());
     }
+    // A resumed drafter and its training state are read in full here, so a broken one is
+    // refused before the target cache is built.
+    let resumed = if args.resume {
+        Some(read_resume_state(&args.out)?)
+    } else {
+        None
+    };
     let dir = resolve_model(args.model.as_deref())?;
     let mut session = Session::open(&dir, Forks::default())?;
-    let (config, tensors) = if args.resume {
-        let (config, _) = checkpoint::read_config(&args.out)?;
-        config.check_target(&TargetFacts::of(session.model.model.as_ref())?, &args.out)?;
-        let weights = args.out.join(checkpoint::WEIGHTS_FILE);
-        let tensors = Array::load_safetensors(&weights)
-            .map_err(|e| EngineError::file(&weights, format!("cannot read the weights ({e})")))?;
-        (config, tensors)
-    } else {
-        let opts = args.shape.init_options(args.seed);
-        init(
-            session.model.model.as_ref(),
-            &session.model.config,
-            &dir,
-            Some(session.tokenizer.vocab_len()),
-            &opts,
-        )?
+    let (config, tensors, resumed) = match resumed {
+        Some(r) => {
+            r.config
+                .check_target(&TargetFacts::of(session.model.model.as_ref())?, &args.out)?;
+            (r.config, r.tensors, Some((r.params, r.opt, r.opts)))
+        }
+        None => {
+            let opts = args.shape.init_options(args.seed);
+            let (config, tensors) = init(
+                session.model.model.as_ref(),
+                &session.model.config,
+                &dir,
+                Some(session.tokenizer.vocab_len()),
+                &opts,
+            )?;
+            (config, tensors, None)
+        }
     };
     let save_dtype = tensors
         .get("fc.weight")
@@ -142,7 +181,6 @@ pub fn run(args: TrainDsparkArgs) -> anyhow::Result<()> {
         )
         .into());
     }
-    let mut params = Params::from_tensors(&config, &tensors)?;
     let mut opts = TrainOptions {
         steps: args
             .iters
@@ -154,15 +192,19 @@ pub fn run(args: TrainDsparkArgs) -> anyhow::Result<()> {
         checkpoint_every: args.checkpoint_every,
         ..TrainOptions::default()
     };
-    let opt = if args.resume {
-        let (opt, saved) = load_state(&args.out, &mut params)?;
-        if saved != opts {
-            eprintln!("resuming with the saved training options (the flags given differ)");
+    let (params, opt) = match resumed {
+        Some((params, opt, saved)) => {
+            if saved != opts {
+                eprintln!("resuming with the saved training options (the flags given differ)");
+            }
+            opts = saved;
+            (params, opt)
         }
-        opts = saved;
-        opt
-    } else {
-        AdamW::new(&params)?
+        None => {
+            let params = Params::from_tensors(&config, &tensors)?;
+            let opt = AdamW::new(&params)?;
+            (params, opt)
+        }
     };
     let frozen = Frozen::new(&config, &params, session.model.model.as_ref())?;
     let mut trainer = Trainer {

@@ -184,15 +184,19 @@ impl RealModel {
                 EngineError::file(&dir, format!("cannot replace the outdated import ({e})"))
             })?;
         }
-        let result = gguf::import_with_progress(&gguf, &dir, &ImportOptions::default());
+        // Notices go into the staging directory, so the import is complete once it appears.
+        let mut extra_files = Vec::new();
+        for n in self.notices {
+            extra_files.push((self.notice_path(n)?, n.file_name().to_owned()));
+        }
+        let opts = ImportOptions {
+            extra_files,
+            ..ImportOptions::default()
+        };
+        let result = gguf::import_with_progress(&gguf, &dir, &opts);
         let _ = std::fs::remove_dir_all(&stale);
         match result {
-            Ok(_) => {
-                for n in self.notices {
-                    let _ = std::fs::copy(self.notice_path(n)?, dir.join(n.file_name()));
-                }
-                Ok(dir)
-            }
+            Ok(_) => Ok(dir),
             // Another process finished the same import first.
             Err(_) if self.is_cached()? => Ok(dir),
             Err(e) => Err(e),

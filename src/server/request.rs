@@ -37,6 +37,28 @@ pub struct Limits {
     pub has_drafter: bool,
 }
 
+/// `serve --default-max-tokens`'s default (mlx-lm's server uses 512).
+pub const DEFAULT_MAX_TOKENS: usize = 512;
+/// `serve --max-tokens-limit`'s and `--max-prompt-tokens`'s default.
+pub const DEFAULT_TOKEN_LIMIT: usize = 32768;
+
+impl Limits {
+    /// Limits for a model of `vocab_size` tokens served as `model_ids`, every bound at serve's
+    /// flag defaults. Callers that set a few fields write `Limits { .., ..Limits::new(..) }`,
+    /// so a new field does not break them (the fuzz target, tests).
+    pub fn new(model_ids: Vec<String>, vocab_size: usize) -> Self {
+        Self {
+            model_ids,
+            vocab_size,
+            default_max_tokens: DEFAULT_MAX_TOKENS,
+            max_tokens_limit: DEFAULT_TOKEN_LIMIT,
+            max_prompt_tokens: DEFAULT_TOKEN_LIMIT,
+            prefill_step_size: 2048,
+            has_drafter: false,
+        }
+    }
+}
+
 /// Most tokens a speculative round may draft when a request sets `num_draft_tokens`.
 pub const MAX_DRAFT_TOKENS: u64 = 64;
 /// Most `top_logprobs` a request may ask for (OpenAI's bound).

@@ -14,7 +14,7 @@ use std::time::Instant;
 
 /// Version of the importer's output; the model registry re-imports cached models written by an
 /// older one.
-pub const IMPORTER_VERSION: u32 = 1;
+pub const IMPORTER_VERSION: u32 = 2;
 
 /// Name of the provenance file written next to the weights.
 pub const PROVENANCE_FILE: &str = "mlxb-import.json";
@@ -51,13 +51,17 @@ impl OutDtype {
 }
 
 /// How to import.
-#[derive(Debug, Clone, Copy)]
+#[derive(Debug, Clone)]
 pub struct ImportOptions {
     /// Dtype of dense weights and of quantization scales/biases.
     pub dtype: OutDtype,
     /// Keep block-quantized linear/embedding weights as MLX affine quantization where the
     /// layout maps losslessly (groups of 32: Q4_0, Q4_1, Q5_0, Q5_1, Q8_0, Q4_K, Q5_K).
     pub keep_quant: bool,
+    /// Files (licence terms, notices) copied into the model directory as (source, name), before
+    /// it is renamed into place, so a finished import never lacks them; a source that does not
+    /// exist is skipped.
+    pub extra_files: Vec<(PathBuf, String)>,
 }
 
 impl Default for ImportOptions {
@@ -65,6 +69,7 @@ impl Default for ImportOptions {
         Self {
             dtype: OutDtype::F32,
             keep_quant: false,
+            extra_files: Vec::new(),
         }
     }
 }
@@ -522,6 +527,17 @@ impl Staging {
             .map_err(|e| EngineError::file(&p, format!("cannot be written ({e})")))
     }
 
+    /// Copies the files of [`ImportOptions::extra_files`] whose source exists.
+    fn copy_extra(&self, files: &[(PathBuf, String)]) -> Result<()> {
+        for (src, name) in files.iter().filter(|(src, _)| src.is_file()) {
+            let p = self.path.join(name);
+            std::fs::copy(src, &p).map_err(|e| {
+                EngineError::file(&p, format!("cannot be copied from {} ({e})", src.display()))
+            })?;
+        }
+        Ok(())
+    }
+
     fn write_json(&self, name: &str, v: &Value, pretty: bool) -> Result<()> {
         let text = if pretty {
             serde_json::to_string_pretty(v)
@@ -548,26 +564,7 @@ impl Staging {
 /// gone), so a crash does not leave hundreds of megabytes behind; live imports keep theirs.
 fn remove_dead_staging(parent: &Path, name: &str) {
     let prefix = format!(".{name}.partial-");
-    let Ok(entries) = std::fs::read_dir(parent) else {
-        return;
-    };
-    for e in entries.flatten() {
-        let file_name = e.file_name();
-        let pid = file_name
-            .to_str()
-            .and_then(|n| n.strip_prefix(&prefix))
-            .and_then(|p| p.parse::<libc::pid_t>().ok());
-        if pid.is_some_and(|p| p > 0 && !process_alive(p)) {
-            let _ = std::fs::remove_dir_all(e.path());
-        }
-    }
-}
-
-/// Whether process `pid` exists (signal 0 only checks; EPERM means it exists under another user).
-fn process_alive(pid: libc::pid_t) -> bool {
-    // SAFETY: kill with signal 0 sends nothing; it only reports whether the pid exists.
-    let r = unsafe { libc::kill(pid, 0) };
-    r == 0 || std::io::Error::last_os_error().raw_os_error() == Some(libc::EPERM)
+    crate::engine::fsutil::remove_dead_entries(parent, |n| n.strip_prefix(&prefix)?.parse().ok());
 }
 
 impl Drop for Staging {
@@ -722,6 +719,8 @@ pub fn import_gguf(
     Array::save_safetensors(&arrays, &meta, &weights)
         .map_err(|e| EngineError::file(&weights, format!("cannot be written ({e})")))?;
     drop(arrays);
+    // Padded header: the loader then maps the weights from the page cache instead of copying.
+    crate::engine::loader::pad_header(&weights)?;
     let weight_bytes = std::fs::metadata(&weights).map(|m| m.len()).unwrap_or(0);
     staging.write_json(
         PROVENANCE_FILE,
@@ -734,6 +733,7 @@ pub fn import_gguf(
         }),
         true,
     )?;
+    staging.copy_extra(&opts.extra_files)?;
     staging.commit(out)?;
     Ok(ImportSummary {
         out: out.to_path_buf(),

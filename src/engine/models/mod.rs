@@ -207,6 +207,35 @@ pub fn supported_types() -> Vec<&'static str> {
     REGISTRY.iter().map(|(t, _)| *t).collect()
 }
 
+/// config.json fields that size a tensor or a loop and must be at least 1 when given.
+const POSITIVE_SIZES: &[&str] = &[
+    "hidden_size",
+    "num_hidden_layers",
+    "intermediate_size",
+    "num_attention_heads",
+    "num_key_value_heads",
+    "vocab_size",
+    "head_dim",
+    "global_head_dim",
+    "moe_intermediate_size",
+    "linear_num_value_heads",
+    "linear_num_key_heads",
+    "linear_key_head_dim",
+    "linear_value_head_dim",
+    "linear_conv_kernel_dim",
+];
+
+/// config.json counts where 0 means "none" (dense models, no sharing) but a negative is corrupt.
+const NON_NEGATIVE_COUNTS: &[&str] = &[
+    "num_experts",
+    "num_experts_per_tok",
+    "shared_expert_intermediate_size",
+    "num_kv_shared_layers",
+    "hidden_size_per_layer_input",
+    "sliding_window",
+    "max_position_embeddings",
+];
+
 /// config.json plus what a builder needs to interpret it.
 pub struct ModelSpec {
     /// Path of config.json (for error messages).
@@ -240,6 +269,30 @@ impl ModelSpec {
                 "num_key_value_heads",
                 &format!("is {n_kv} with num_attention_heads {n_heads}; it must divide the attention heads"),
             ));
+        }
+        Ok(())
+    }
+
+    /// Refuses a non-positive size (or a negative count) in config.json, or in its
+    /// `text_config`, for every family before any shape is computed from it.
+    pub fn check_sizes(&self) -> Result<()> {
+        let nested = self.config.get("text_config").filter(|t| t.is_object());
+        for (prefix, config) in [("", Some(&self.config)), ("text_config.", nested)] {
+            let Some(config) = config else { continue };
+            for (fields, min, what) in [
+                (POSITIVE_SIZES, 1.0, "a positive size"),
+                (NON_NEGATIVE_COUNTS, 0.0, "zero or more"),
+            ] {
+                for field in fields {
+                    let value = config.get(*field).and_then(serde_json::Value::as_f64);
+                    if let Some(v) = value.filter(|&v| v < min) {
+                        return Err(self.field_error(
+                            &format!("{prefix}{field}"),
+                            &format!("is {v}; it must be {what}"),
+                        ));
+                    }
+                }
+            }
         }
         Ok(())
     }
@@ -317,14 +370,15 @@ pub fn load(dir: &Path, forks: Forks) -> Result<LoadedModel> {
                 ),
             )
         })?;
-    let quant = QuantConfig::from_config(&config_path, &config)?;
-    let mut weights = WeightStore::load(dir, quant)?;
-    weights.set_host_kernel(forks.host_q4());
     let spec = ModelSpec {
         config_path,
         config: config.clone(),
         forks,
     };
+    spec.check_sizes()?;
+    let quant = QuantConfig::from_config(&spec.config_path, &config)?;
+    let mut weights = WeightStore::load(dir, quant)?;
+    weights.set_host_kernel(forks.host_q4());
     let model = builder(&spec, &mut weights)?;
     weights.finish()?;
     let plan =
