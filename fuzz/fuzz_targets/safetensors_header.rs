@@ -1,5 +1,5 @@
-//! A `model.safetensors` file: mlxb's header check and size reader, then MLX's own loader (which
-//! only ever sees files the header check accepted).
+//! A `model.safetensors` file: mlxb's header check and size reader, then mlxb's loader (its own
+//! header parse, then page mapping or a threaded read into MLX-allocated blocks).
 #![no_main]
 
 use libfuzzer_sys::fuzz_target;

@@ -5,7 +5,7 @@ use crate::engine::error::EngineError;
 use crate::engine::flags::Forks;
 use crate::engine::session::{resolve_model, Session};
 use crate::spec::dspark::checkpoint::{self, SeqHead};
-use crate::spec::dspark::init::{init, InitOptions};
+use crate::spec::dspark::init::{init_for_session, InitOptions};
 use clap::Args;
 use std::path::PathBuf;
 
@@ -90,13 +90,7 @@ pub fn run(args: DsparkInitArgs) -> anyhow::Result<()> {
         zero_seq_output: args.zero_seq_head,
         ..args.shape.init_options(args.seed)
     };
-    let (config, tensors) = init(
-        session.model.model.as_ref(),
-        &session.model.config,
-        &dir,
-        Some(session.tokenizer.vocab_len()),
-        &opts,
-    )?;
+    let (config, tensors) = init_for_session(&session, &dir, &opts)?;
     checkpoint::save(&args.out, &config, &tensors)?;
     println!(
         "wrote a random {:?} DSpark drafter for {} to {} ({} layers, γ {}, taps {:?}, mask token {})",

@@ -11,7 +11,7 @@ use crate::engine::flags::Forks;
 use crate::engine::session::{resolve_model, Session};
 use crate::spec::dspark::checkpoint::{self, DsparkConfig, TargetFacts};
 use crate::spec::dspark::data::{build_cache, read_prompts, RegenOptions};
-use crate::spec::dspark::init::init;
+use crate::spec::dspark::init::init_for_session;
 use crate::spec::dspark::train::{load_state, AdamW, Frozen, Params, TrainOptions, Trainer};
 use clap::Args;
 use mlx_rs::{Array, Dtype};
@@ -146,13 +146,7 @@ pub fn run(args: TrainDsparkArgs) -> anyhow::Result<()> {
         }
         None => {
             let opts = args.shape.init_options(args.seed);
-            let (config, tensors) = init(
-                session.model.model.as_ref(),
-                &session.model.config,
-                &dir,
-                Some(session.tokenizer.vocab_len()),
-                &opts,
-            )?;
+            let (config, tensors) = init_for_session(&session, &dir, &opts)?;
             (config, tensors, None)
         }
     };

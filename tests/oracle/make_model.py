@@ -7,6 +7,8 @@ usage: python make_model.py OUT_DIR '{"model_type": "llama", ...config...}' [--d
 import argparse
 import importlib
 import json
+import os
+import sys
 from pathlib import Path
 
 import mlx.core as mx
@@ -152,3 +154,8 @@ def to_hf_layout(config, w):
 
 if __name__ == "__main__":
     main()
+    # Leave without exit-time destructors: the OpenBLAS bundled with mlx-cpu can deadlock
+    # joining its threads there (seen as a hung oracle process after its output was written).
+    sys.stdout.flush()
+    sys.stderr.flush()
+    os._exit(0)

@@ -120,6 +120,22 @@ fn check_flags(opts: &InitOptions, vocab_size: i32) -> Result<()> {
     }
 }
 
+/// [`init`] for a target opened as a session from `target_dir` (its model, config.json and
+/// tokenizer size): what `dspark-init` and a fresh `train-dspark` both start from.
+pub fn init_for_session(
+    session: &crate::engine::session::Session,
+    target_dir: &Path,
+    opts: &InitOptions,
+) -> Result<(DsparkConfig, HashMap<String, Array>)> {
+    init(
+        session.model.model.as_ref(),
+        &session.model.config,
+        target_dir,
+        Some(session.tokenizer.vocab_len()),
+        opts,
+    )
+}
+
 /// The config and tensors of a fresh drafter for the target at `target_dir` (its `config.json`
 /// as `target_config`, its tokenizer's size as `tokenizer_len` when known).
 pub fn init(
