@@ -172,6 +172,13 @@ impl RealModel {
             return Ok(dir);
         }
         let gguf = self.ensure_gguf()?;
+        // One import at a time per model: a second process started alongside waits here, then
+        // finds the first one's import (without the lock it took that fresh import for an
+        // outdated one and moved it away while the first process was reading it).
+        let _lock = ImportLock::acquire(&dir)?;
+        if self.is_cached()? {
+            return Ok(dir);
+        }
         eprintln!(
             "mlxb: importing {} into {} (first use only)",
             self.gguf_name,
@@ -475,4 +482,38 @@ fn ensure_named(name: &str) -> Result<PathBuf> {
     find(name)
         .ok_or_else(|| EngineError::Input(format!("unknown built-in model {name}")))?
         .ensure()
+}
+
+/// An exclusive `flock` on `.NAME.lock` beside a model directory, released when dropped (or
+/// when the process dies, so a killed import never leaves it held).
+struct ImportLock {
+    _held: std::fs::File,
+}
+
+impl ImportLock {
+    fn acquire(dir: &Path) -> Result<Self> {
+        use std::os::fd::AsRawFd;
+        let name = dir.file_name().map(|n| n.to_string_lossy().into_owned());
+        let path = dir.with_file_name(format!(".{}.lock", name.unwrap_or_default()));
+        if let Some(parent) = path.parent() {
+            std::fs::create_dir_all(parent).map_err(|e| {
+                EngineError::file(parent, format!("cannot create the model cache ({e})"))
+            })?;
+        }
+        let file = std::fs::OpenOptions::new()
+            .create(true)
+            .truncate(false)
+            .write(true)
+            .open(&path)
+            .map_err(|e| EngineError::file(&path, format!("cannot open the import lock ({e})")))?;
+        // SAFETY: flock on a descriptor this function owns; blocking until the holder is done.
+        if unsafe { libc::flock(file.as_raw_fd(), libc::LOCK_EX) } != 0 {
+            let e = std::io::Error::last_os_error();
+            return Err(EngineError::file(
+                &path,
+                format!("cannot lock the import ({e})"),
+            ));
+        }
+        Ok(Self { _held: file })
+    }
 }
