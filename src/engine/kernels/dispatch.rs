@@ -8,7 +8,6 @@
 use super::affine::{rows_into, KernelPath, Prepared, QMatrix};
 use crate::engine::error::{EngineError, Result};
 use rayon::prelude::*;
-use std::ops::Range;
 use std::sync::OnceLock;
 
 /// Weights below which one thread does the whole mat-vec (a fork/join costs more).
@@ -78,68 +77,43 @@ pub fn selection() -> Result<Selection> {
 pub fn matmul(sel: Selection, w: &QMatrix<'_>, x: &[f32], m: usize) -> Result<Vec<f32>> {
     let prepared =
         Prepared::for_path(x, m, w.cols(), w.bits(), sel.path).map_err(EngineError::Runtime)?;
-    let mut by_row = vec![0.0f32; w.rows() * m];
-    matvecs(
-        sel,
-        vec![MatVec {
-            w: *w,
-            x: &prepared,
-            out: &mut by_row,
-        }],
-    )?;
-    if m == 1 {
-        return Ok(by_row);
-    }
-    let mut y = vec![0.0f32; w.rows() * m];
-    for (r, vals) in by_row.chunks_exact(m).enumerate() {
-        for (mi, v) in vals.iter().enumerate() {
-            y[mi * w.rows() + r] = *v;
-        }
-    }
-    Ok(y)
-}
-
-/// One mat-vec of a batch for [`matvecs`]: `out = x · Wᵀ` in the kernel's layout (`rows × m`,
-/// by output feature).
-pub struct MatVec<'a> {
-    /// The weight.
-    pub w: QMatrix<'a>,
-    /// The input, prepared for `w`'s bit width.
-    pub x: &'a Prepared,
-    /// `w.rows() × x.m()` outputs.
-    pub out: &'a mut [f32],
-}
-
-/// A piece of one [`MatVec`]: the rows one thread computes.
-type Part<'a> = (QMatrix<'a>, &'a Prepared, Range<usize>, &'a mut [f32]);
-
-/// Runs independent mat-vecs (e.g. a layer's q/k/v projections) in one fork/join: every
-/// job's rows are split over up to `sel.threads` threads, so the threads share each matrix
-/// rather than each other's queue, and one small job does not leave a core idle.
-pub fn matvecs(sel: Selection, jobs: Vec<MatVec<'_>>) -> Result<()> {
-    let weights: usize = jobs.iter().map(|j| j.w.rows() * j.w.cols()).sum();
-    let threads = if weights < PARALLEL_MIN_WEIGHTS {
+    let rows = w.rows();
+    let mut by_row = vec![0.0f32; rows * m];
+    let threads = if rows * w.cols() < PARALLEL_MIN_WEIGHTS {
         1
     } else {
         sel.threads.max(1)
     };
-    let mut parts: Vec<Vec<Part<'_>>> = (0..threads).map(|_| Vec::new()).collect();
-    for job in jobs {
-        let (m, rows) = (job.x.m(), job.w.rows());
-        let per = rows.div_ceil(threads).max(1);
-        for (t, out) in job.out.chunks_mut(per * m).enumerate() {
-            let start = t * per;
-            parts[t].push((job.w, job.x, start..start + out.len() / m, out));
-        }
-    }
-    let run = |part: Vec<Part<'_>>| -> Result<()> {
-        for (w, x, rows, out) in part {
-            rows_into(sel.path, &w, x, rows, out).map_err(EngineError::Runtime)?;
-        }
-        Ok(())
+    let run = |start: usize, out: &mut [f32]| {
+        let range = start..start + out.len() / m;
+        rows_into(sel.path, w, &prepared, range, out).map_err(EngineError::Runtime)
     };
     if threads == 1 {
-        return parts.into_iter().try_for_each(run);
+        run(0, &mut by_row)?;
+    } else {
+        let per = rows.div_ceil(threads);
+        by_row
+            .par_chunks_mut(per * m)
+            .enumerate()
+            .try_for_each(|(i, out)| run(i * per, out))?;
     }
-    parts.into_par_iter().try_for_each(run)
+    let mut y = Vec::new();
+    by_token(&by_row, m, &mut y);
+    Ok(y)
+}
+
+/// A mat-vec output in the kernel's layout (`rows × m`, by output feature) turned token-major
+/// (`m × rows`) into `out`.
+pub(super) fn by_token(by_row: &[f32], m: usize, out: &mut Vec<f32>) {
+    let rows = by_row.len() / m;
+    out.resize(by_row.len(), 0.0);
+    if m == 1 {
+        out.copy_from_slice(by_row);
+        return;
+    }
+    for (r, vals) in by_row.chunks_exact(m).enumerate() {
+        for (j, v) in vals.iter().enumerate() {
+            out[j * rows + r] = *v;
+        }
+    }
 }

@@ -10,7 +10,7 @@
 //! keys/values in place and appending the new ones (done by the caller).
 
 use super::affine::{rows_into, Prepared, QMatrix, MAX_M};
-use super::dispatch::{selection, Selection};
+use super::dispatch::{by_token, selection, Selection};
 use super::host::HostQuant;
 use super::team::{run_team, ErrorSlot, Member, Shared};
 use super::vecops::{attend_head, rms_norm, silu_mul, HeadShape, HostRope, KvRows};
@@ -138,21 +138,6 @@ impl Inputs {
         };
         p.as_ref()
             .ok_or_else(|| runtime(format!("no input prepared for {} bits", w.bits())))
-    }
-}
-
-/// Rows-major mat-vec output (`rows × m`, the kernel's layout) to token-major (`m × rows`).
-fn by_token(by_row: &[f32], m: usize, out: &mut Vec<f32>) {
-    let rows = by_row.len() / m;
-    out.resize(by_row.len(), 0.0);
-    if m == 1 {
-        out.copy_from_slice(by_row);
-        return;
-    }
-    for (r, vals) in by_row.chunks_exact(m).enumerate() {
-        for (j, v) in vals.iter().enumerate() {
-            out[j * rows + r] = *v;
-        }
     }
 }
 

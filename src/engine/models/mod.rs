@@ -138,16 +138,6 @@ pub struct ForwardOut {
     pub taps: Vec<Array>,
 }
 
-impl ForwardOut {
-    /// Logits without taps.
-    pub fn logits(logits: Array) -> Self {
-        Self {
-            logits,
-            taps: Vec::new(),
-        }
-    }
-}
-
 impl ForwardOpts {
     /// How many layers to run out of `total`, checking the request against the model.
     pub fn layers_to_run(&self, total: usize, caches: usize) -> Result<usize> {
