@@ -820,12 +820,25 @@ fn contradictory_or_out_of_range_flags_are_refused() {
             vec!["serve", "--model", fx.model(), "--max-tokens-limit", "0"],
             &["--max-tokens-limit must be at least 1"],
         ),
+        (
+            "bench_drafter_vs_ngram",
+            vec![
+                "bench",
+                "--model",
+                fx.model(),
+                "--drafter",
+                d,
+                "--draft-kind",
+                "ngram",
+            ],
+            &["--drafter", "--draft-kind ngram"],
+        ),
     ];
     for (name, args, needles) in flag_cases {
         let dir = s.dir(name);
         s.refuse(&dir, &args, b"", needles);
     }
-    assert_eq!(s.count, 23);
+    assert_eq!(s.count, 24);
 }
 
 /// A hand-made GGUF file, byte by byte (little endian, as the format is).

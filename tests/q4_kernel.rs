@@ -14,7 +14,6 @@ mod common;
 use mlx_rs::{ops, random, Array, Dtype};
 use mlxb::engine::flags::Forks;
 use mlxb::engine::kernels::{host_calls, HostQuant, Int8Input, KernelPath, Selection};
-use mlxb::engine::models::{self, Caches};
 use mlxb::engine::weights::QuantSpec;
 use serde_json::json;
 use std::path::Path;
@@ -234,35 +233,21 @@ fn kl(p: &[f32], q: &[f32]) -> f64 {
 fn tiny_4bit_model_decodes_with_the_host_kernel_close_to_l1() {
     let dir = tempfile::tempdir().unwrap();
     common::make_model(dir.path(), &common::tiny_llama(json!({})), "f32", Some(4));
-    let l1 = Forks::default();
     let on = Forks {
         perf_kernel: true,
         ..Forks::default()
     };
-    let mut a = models::load(dir.path(), l1).unwrap().model;
-    let mut b = models::load(dir.path(), on).unwrap().model;
-    let (mut ca, mut cb): (Caches, Caches) = (a.make_caches(), b.make_caches());
-    let prompt: Vec<i32> = common::prompt_ids(12, 384, 1)
-        .iter()
-        .map(|&v| v as i32)
-        .collect();
-    let ids = Array::from_slice(&prompt, &[1, prompt.len() as i32]);
     // The 12-token prefill runs on the host step too (two sub-blocks): close, not identical.
-    let (la, lb) = (
-        a.forward(&ids, &mut ca).unwrap(),
-        b.forward(&ids, &mut cb).unwrap(),
-    );
+    let mut t = common::Twins::prefill(dir.path(), Forks::default(), on, 12, 1);
+    let (la, lb) = t.prefill.clone();
     let d = kl(&logprobs(&la), &logprobs(&lb));
     assert!(d.is_finite() && d < 1e-4, "prefill: KL(L1 || kernel) = {d}");
     let before = host_calls();
     let mut worst = 0.0f64;
     let mut tok = argmax(&logprobs(&la));
     for step in 0..16 {
-        let x = Array::from_slice(&[tok as i32], &[1, 1]);
-        let (pa, pb) = (
-            logprobs(&a.forward(&x, &mut ca).unwrap()),
-            logprobs(&b.forward(&x, &mut cb).unwrap()),
-        );
+        let (ya, yb) = t.step(tok as i32);
+        let (pa, pb) = (logprobs(&ya), logprobs(&yb));
         let d = kl(&pa, &pb);
         assert!(
             d.is_finite() && d < 1e-4,

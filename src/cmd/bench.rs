@@ -173,6 +173,7 @@ fn observer(tui: bool, total: usize) -> Box<dyn Observer> {
 /// Entry point of `mlxb bench`.
 pub fn run(args: BenchArgs) -> anyhow::Result<()> {
     let tests = plan_tests(&args)?;
+    args.spec.check()?;
     if args.matrix {
         check_matrix_args(&args)?;
     }

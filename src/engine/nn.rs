@@ -2,10 +2,10 @@
 //! forms, RMSNorm), issuing exactly the MLX ops `mlx.nn` issues so results stay bit-identical.
 
 use super::error::Result;
-use super::kernels::{HostQuant, HostQuantCell};
+use super::kernels::{HostDense, HostDenseCell, HostQuant, HostQuantCell};
 use super::weights::{QuantSpec, WeightStore};
 use mlx_rs::{fast, ops, Array, Dtype};
-use std::sync::Arc;
+use std::rc::Rc;
 
 /// A Python-style "weak" scalar: `v` rounded to f32, then to `like`'s dtype, as MLX does for
 /// `x * 0.5` in Python (mlx-rs scalars would instead promote bf16 to f32).
@@ -68,26 +68,51 @@ pub(crate) fn load_stacked_weight(
     }
 }
 
-/// The host kernel's cache for a layer loaded under `--perf-kernel on` (a 2-D 4- or 8-bit
-/// weight); `None` keeps the layer on MLX's own kernels.
-fn host_cell(w: &WeightStore, weight: &LinearWeight) -> Option<Arc<HostQuantCell>> {
+/// The host kernel a layer's small products may take: the affine 4-/8-bit mat-vec under
+/// `--perf-kernel on`, or the f32 product in OpenBLAS's order under `--host-sgemm on`. Each is
+/// pinned on first use (the weights may still be lazy when a layer loads), and shared by the
+/// layer's clones (`Rc`: MLX arrays are not `Sync`, so models stay on one thread anyway).
+#[derive(Debug)]
+enum HostCell {
+    Quant(HostQuantCell),
+    Dense(HostDenseCell),
+}
+
+impl HostCell {
+    /// An empty cell of the same kind (for a layer fused from layers with this one).
+    fn fresh_like(&self) -> Self {
+        match self {
+            HostCell::Quant(_) => HostCell::Quant(HostQuantCell::default()),
+            HostCell::Dense(_) => HostCell::Dense(HostDenseCell::default()),
+        }
+    }
+}
+
+/// The host kernel cell for a layer, or `None` to keep it on MLX's own kernels: 2-D 4-/8-bit
+/// weights under `--perf-kernel on`; 2-D f32 weights under `--host-sgemm on`.
+fn host_cell(w: &WeightStore, weight: &LinearWeight) -> Option<Rc<HostCell>> {
     match weight {
         LinearWeight::Quantized { weight, spec, .. }
             if w.host_kernel()
                 && super::kernels::BITS.contains(&(spec.bits as usize))
                 && weight.ndim() == 2 =>
         {
-            Some(Arc::default())
+            Some(Rc::new(HostCell::Quant(HostQuantCell::default())))
+        }
+        LinearWeight::Dense(weight)
+            if w.host_sgemm() && weight.dtype() == Dtype::Float32 && weight.ndim() == 2 =>
+        {
+            Some(Rc::new(HostCell::Dense(HostDenseCell::default())))
         }
         _ => None,
     }
 }
 
-/// The pinned host weight of a layer that has a host kernel cell.
-fn pinned<'a>(w: &LinearWeight, host: Option<&'a HostQuantCell>) -> Result<Option<&'a HostQuant>> {
+/// The pinned host weight of a quantized layer that has a host kernel cell.
+fn pinned<'a>(w: &LinearWeight, host: Option<&'a HostCell>) -> Result<Option<&'a HostQuant>> {
     match (host, w) {
         (
-            Some(cell),
+            Some(HostCell::Quant(cell)),
             LinearWeight::Quantized {
                 weight,
                 scales,
@@ -99,11 +124,27 @@ fn pinned<'a>(w: &LinearWeight, host: Option<&'a HostQuantCell>) -> Result<Optio
     }
 }
 
-fn matmul_transposed(x: &Array, w: &LinearWeight, host: Option<&HostQuantCell>) -> Result<Array> {
-    if HostQuant::takes(x) {
-        if let Some(h) = pinned(w, host)? {
-            return h.forward(x);
+/// The host product of `x @ W.T` when this layer's host kernel takes `x`; `None` leaves it
+/// to MLX.
+fn host_matmul(x: &Array, w: &LinearWeight, host: Option<&HostCell>) -> Result<Option<Array>> {
+    match (host, w) {
+        (Some(HostCell::Quant(_)), _) if HostQuant::takes(x) => match pinned(w, host)? {
+            Some(h) => Ok(Some(h.forward(x)?)),
+            None => Ok(None),
+        },
+        (Some(HostCell::Dense(cell)), LinearWeight::Dense(weight)) if HostDense::takes(x) => {
+            match cell.get(weight)? {
+                Some(h) => h.forward(x),
+                None => Ok(None),
+            }
         }
+        _ => Ok(None),
+    }
+}
+
+fn matmul_transposed(x: &Array, w: &LinearWeight, host: Option<&HostCell>) -> Result<Array> {
+    if let Some(y) = host_matmul(x, w, host)? {
+        return Ok(y);
     }
     Ok(match w {
         LinearWeight::Dense(weight) => ops::matmul(x, weight.t())?,
@@ -121,7 +162,7 @@ fn matmul_transposed(x: &Array, w: &LinearWeight, host: Option<&HostQuantCell>) 
 pub struct Linear {
     weight: LinearWeight,
     bias: Option<Array>,
-    host: Option<Arc<HostQuantCell>>,
+    host: Option<Rc<HostCell>>,
 }
 
 impl Linear {
@@ -212,7 +253,17 @@ impl Linear {
             n if n == layers.len() => Some(cat(biases)?),
             _ => return Err(mismatch()),
         };
-        let host = layers.iter().all(|l| l.host.is_some()).then(Arc::default);
+        let host = match layers.first().and_then(|l| l.host.as_deref()) {
+            Some(first)
+                if layers.iter().all(|l| {
+                    l.host.as_deref().map(std::mem::discriminant)
+                        == Some(std::mem::discriminant(first))
+                }) =>
+            {
+                Some(Rc::new(first.fresh_like()))
+            }
+            _ => None,
+        };
         Ok(Self { weight, bias, host })
     }
 
@@ -255,7 +306,7 @@ pub fn host_quants<const N: usize>(layers: [&Linear; N]) -> Result<Option<[HostQ
 #[derive(Debug, Clone)]
 pub struct Embedding {
     weight: LinearWeight,
-    host: Option<Arc<HostQuantCell>>,
+    host: Option<Rc<HostCell>>,
 }
 
 impl Embedding {

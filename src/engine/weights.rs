@@ -113,6 +113,7 @@ pub struct WeightStore {
     tensors: HashMap<String, Array>,
     quant: QuantConfig,
     host_kernel: bool,
+    host_sgemm: bool,
 }
 
 impl WeightStore {
@@ -136,6 +137,7 @@ impl WeightStore {
             tensors,
             quant,
             host_kernel: false,
+            host_sgemm: false,
         })
     }
 
@@ -150,6 +152,17 @@ impl WeightStore {
         self.host_kernel
     }
 
+    /// Makes f32 dense layers loaded from here run single-token products on the host in
+    /// OpenBLAS's summation order (`--host-sgemm on`, see [`crate::engine::kernels::dense`]).
+    pub fn set_host_sgemm(&mut self, on: bool) {
+        self.host_sgemm = on;
+    }
+
+    /// Whether f32 dense layers get the host product.
+    pub fn host_sgemm(&self) -> bool {
+        self.host_sgemm
+    }
+
     /// Builds a store from tensors already in memory (tests, importers).
     pub fn from_tensors(dir: &Path, tensors: HashMap<String, Array>, quant: QuantConfig) -> Self {
         Self {
@@ -157,6 +170,7 @@ impl WeightStore {
             tensors,
             quant,
             host_kernel: false,
+            host_sgemm: false,
         }
     }
 

@@ -199,3 +199,49 @@ pub fn copy_dir(from: &Path, to: &Path) {
         std::fs::copy(e.path(), to.join(e.file_name())).unwrap();
     }
 }
+
+/// One model directory loaded twice under two fork sets, each with its own caches, after both
+/// prefilled the same prompt: the A/B setup of the kernel tests.
+pub struct Twins {
+    pub a: Box<dyn mlxb::engine::models::LanguageModel>,
+    pub b: Box<dyn mlxb::engine::models::LanguageModel>,
+    pub ca: mlxb::engine::models::Caches,
+    pub cb: mlxb::engine::models::Caches,
+    /// The prefill logits of `a` and `b`.
+    pub prefill: (mlx_rs::Array, mlx_rs::Array),
+}
+
+impl Twins {
+    /// Loads `dir` under `a` and `b` and prefills `n` prompt ids (vocabulary 384, `salt`).
+    pub fn prefill(
+        dir: &Path,
+        a: mlxb::engine::flags::Forks,
+        b: mlxb::engine::flags::Forks,
+        n: usize,
+        salt: u32,
+    ) -> Self {
+        let mut ma = mlxb::engine::models::load(dir, a).unwrap().model;
+        let mut mb = mlxb::engine::models::load(dir, b).unwrap().model;
+        let (mut ca, mut cb) = (ma.make_caches(), mb.make_caches());
+        let prompt: Vec<i32> = prompt_ids(n, 384, salt).iter().map(|&v| v as i32).collect();
+        let ids = mlx_rs::Array::from_slice(&prompt, &[1, prompt.len() as i32]);
+        let la = ma.forward(&ids, &mut ca).unwrap();
+        let lb = mb.forward(&ids, &mut cb).unwrap();
+        Self {
+            a: ma,
+            b: mb,
+            ca,
+            cb,
+            prefill: (la, lb),
+        }
+    }
+
+    /// One decode step of both models on `token`; returns their logits.
+    pub fn step(&mut self, token: i32) -> (mlx_rs::Array, mlx_rs::Array) {
+        let x = mlx_rs::Array::from_slice(&[token], &[1, 1]);
+        (
+            self.a.forward(&x, &mut self.ca).unwrap(),
+            self.b.forward(&x, &mut self.cb).unwrap(),
+        )
+    }
+}

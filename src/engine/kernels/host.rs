@@ -10,9 +10,10 @@ use mlx_rs::{Array, Dtype};
 use std::sync::atomic::{AtomicUsize, Ordering};
 use std::sync::OnceLock;
 
-/// A read-only view of an evaluated MLX buffer that [`HostQuant`] keeps alive.
+/// A read-only view of an evaluated MLX buffer that its owner ([`HostQuant`],
+/// [`super::dense::HostDense`]) keeps alive.
 #[derive(Debug, Clone, Copy)]
-struct HostSlice<T> {
+pub(super) struct HostSlice<T> {
     ptr: *const T,
     len: usize,
 }
@@ -24,7 +25,7 @@ unsafe impl<T> Send for HostSlice<T> {}
 unsafe impl<T> Sync for HostSlice<T> {}
 
 impl<T: mlx_rs::ArrayElement> HostSlice<T> {
-    fn of(a: &Array, what: &str) -> Result<Self> {
+    pub(super) fn of(a: &Array, what: &str) -> Result<Self> {
         let s = a.try_as_slice::<T>().map_err(|e| {
             EngineError::Runtime(format!("the quantized kernel cannot read the {what} ({e})"))
         })?;
@@ -34,7 +35,7 @@ impl<T: mlx_rs::ArrayElement> HostSlice<T> {
         })
     }
 
-    fn get(&self) -> &[T] {
+    pub(super) fn get(&self) -> &[T] {
         // SAFETY: see the `Send`/`Sync` note: the buffer outlives `self`'s owner.
         unsafe { std::slice::from_raw_parts(self.ptr, self.len) }
     }

@@ -2,12 +2,17 @@
 //! memory roofline (`--perf-kernel on`, tier L3): the affine 4-bit (and 8-bit) mat-vec for
 //! quantized linear layers in single-token (and small speculative-verify) steps.
 //!
+//! Also, at L1, the f32 single-token product in OpenBLAS's own summation order (`blas_order`,
+//! MLX-facing in `dense`): bit-identical to MLX's BLAS call, checked per weight shape.
+//!
 //! `affine` is the arithmetic (AVX-512, AVX2+FMA, scalar; `vnni` the int8-input AVX-512 VNNI
 //! variant), `dispatch` picks a path at run time
 //! and splits rows over threads, `host` moves arrays between MLX and host memory, `vecops`, `step`
 //! and `team` run a whole llama-style decode step on the host.
 
 pub mod affine;
+pub mod blas_order;
+pub mod dense;
 pub mod dispatch;
 pub mod host;
 pub mod step;
@@ -16,6 +21,7 @@ pub mod vecops;
 pub mod vnni;
 
 pub use affine::{KernelPath, Prepared, QMatrix, BITS, MAX_M};
+pub use dense::{dense_calls, refused_shapes, HostDense, HostDenseCell};
 pub use dispatch::{best_path, matmul, selection, Selection};
 pub use host::{host_calls, HostQuant, HostQuantCell};
 pub use step::{host_steps, HostDecoder, HostLayer, PastKv, StepOut, StepPlan};

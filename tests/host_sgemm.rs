@@ -1,0 +1,180 @@
+//! `--host-sgemm on` (an L1 default): single-token products through f32 dense layers run on the
+//! host in OpenBLAS's summation order. Checked here against MLX's own `x @ W.T` (the product
+//! mlx-lm computes on the same libmlx), bit for bit:
+//! - every order and its edge cases (outputs not a multiple of four or sixteen, depths not a
+//!   multiple of sixteen or below 32, a third panel) on random weights and inputs;
+//! - the real SmolLM2 f32 weights, each shape the model uses;
+//! - a tiny f32 llama decoding with the host path gives the same logits as without it, and
+//!   really takes it;
+//! - a wrong order is caught by the load-time check and the layer stays on MLX.
+//!
+//! End-to-end parity with mlx-lm under the defaults is `model_parity`'s job.
+
+mod common;
+
+use mlx_rs::{ops, random, Array, Dtype};
+use mlxb::engine::flags::Forks;
+use mlxb::engine::kernels::blas_order::{self, Order};
+use mlxb::engine::kernels::{dense_calls, refused_shapes, HostDense};
+use serde_json::json;
+
+/// The host path exists only where the kernels run; this suite must not pass vacuously.
+fn require_kernels() {
+    assert!(
+        blas_order::available(),
+        "this CPU lacks AVX-512/FMA, so --host-sgemm has no kernel here and this suite cannot check it"
+    );
+}
+
+/// Asserts the host product equals MLX's bit for bit for `x` (any `[.., cols]` single token).
+fn assert_same_bits(what: &str, h: &HostDense, w: &Array, x: &Array) {
+    let ours = h.forward(x).unwrap().expect("a contiguous input is taken");
+    let theirs = ops::matmul(x, w.t()).unwrap();
+    assert_eq!(ours.shape(), theirs.shape(), "{what}: shape");
+    let (a, b) = (common::bits(&ours), common::bits(&theirs));
+    let differ = a.iter().zip(&b).filter(|(p, q)| p != q).count();
+    assert_eq!(
+        differ,
+        0,
+        "{what}: {differ} of {} outputs differ from MLX",
+        a.len()
+    );
+}
+
+fn check_shape(rows: i32, cols: i32, seed: u64) {
+    let key = random::key(seed).unwrap();
+    let w = random::normal::<f32>(&[rows, cols][..], 0.0, 0.05, &key).unwrap();
+    let what = format!(
+        "{rows}x{cols} ({:?})",
+        blas_order::order(rows as usize, cols as usize)
+    );
+    let h = HostDense::new(&w)
+        .unwrap()
+        .unwrap_or_else(|| panic!("{what}: the load-time check found MLX summing differently"));
+    for (i, scale) in [1.0f32, 1e-3, 40.0].into_iter().enumerate() {
+        let k = random::key(seed * 31 + i as u64).unwrap();
+        let x = random::normal::<f32>(&[1, 1, cols][..], 0.0, scale, &k).unwrap();
+        assert_same_bits(&what, &h, &w, &x);
+        let flat = x.reshape(&[1, cols]).unwrap();
+        assert_same_bits(&what, &h, &w, &flat);
+    }
+}
+
+#[test]
+fn every_order_matches_mlx_bit_for_bit_on_random_weights() {
+    require_kernels();
+    let shapes = [
+        (576, 576),   // lanes (SmolLM2 q/o)
+        (192, 576),   // lanes (k/v)
+        (576, 1536),  // lanes (down)
+        (1536, 576),  // panels 288+288 (gate/up)
+        (4099, 576),  // panels, rows not a multiple of 16
+        (7, 40),      // lanes, rows not a multiple of 4, depth not of 16
+        (37, 100),    // lanes, three trailing rows
+        (300, 20),    // depth below 32: panels
+        (1201, 64),   // more than 1200 outputs: panels
+        (1000, 1001), // over 10^6 multiply-adds: panels 448+277+276
+        (999, 1001),  // same, rows not a multiple of 16
+    ];
+    for (i, (rows, cols)) in shapes.into_iter().enumerate() {
+        check_shape(rows, cols, 100 + i as u64);
+    }
+    // (Another test here refuses a shape on purpose; none of these may be.)
+    let refused = refused_shapes();
+    for (rows, cols) in shapes {
+        assert!(
+            !refused.contains(&(rows as usize, cols as usize)),
+            "{rows}x{cols} refused"
+        );
+    }
+}
+
+#[test]
+fn real_smollm2_f32_weights_match_mlx_for_every_shape() {
+    require_kernels();
+    let m = mlxb::engine::registry_models::find("smollm2-135m-instruct").unwrap();
+    let dir = m.ensure().unwrap();
+    let t = Array::load_safetensors(dir.join("model.safetensors")).unwrap();
+    for name in [
+        "model.layers.0.self_attn.q_proj.weight",
+        "model.layers.3.self_attn.k_proj.weight",
+        "model.layers.11.self_attn.o_proj.weight",
+        "model.layers.29.mlp.gate_proj.weight",
+        "model.layers.17.mlp.down_proj.weight",
+        "model.embed_tokens.weight",
+    ] {
+        let w = t[name].as_dtype(Dtype::Float32).unwrap();
+        let h = HostDense::new(&w)
+            .unwrap()
+            .unwrap_or_else(|| panic!("{name}: the load-time check found MLX summing differently"));
+        let key = random::key(7).unwrap();
+        let x = random::normal::<f32>(&[1, 1, w.shape()[1]][..], 0.0, 1.0, &key).unwrap();
+        assert_same_bits(name, &h, &w, &x);
+    }
+}
+
+#[test]
+fn tiny_f32_llama_decodes_on_the_host_path_with_the_same_logits() {
+    require_kernels();
+    let dir = tempfile::tempdir().unwrap();
+    common::make_model(dir.path(), &common::tiny_llama(json!({})), "f32", None);
+    let on = Forks::default();
+    assert!(on.host_sgemm, "--host-sgemm is on by default in L1");
+    let off = Forks {
+        host_sgemm: false,
+        ..Forks::default()
+    };
+    let mut t = common::Twins::prefill(dir.path(), off, on, 9, 2);
+    let (la, lb) = t.prefill.clone();
+    assert_eq!(common::bits(&la), common::bits(&lb), "prefill logits");
+    let before = dense_calls();
+    let mut tok = last_argmax(&la);
+    for step in 0..12 {
+        let (pa, pb) = t.step(tok);
+        assert_eq!(common::bits(&pa), common::bits(&pb), "step {step} logits");
+        tok = last_argmax(&pa);
+    }
+    // 4 layers x 7 projections + the tied head, per step.
+    let calls = dense_calls() - before;
+    assert!(
+        calls >= 12 * 29,
+        "the host path ran {calls} times in 12 steps"
+    );
+}
+
+/// The greedy token after the last position of `[1, L, V]` logits.
+fn last_argmax(logits: &Array) -> i32 {
+    let v = *logits.shape().last().unwrap() as usize;
+    let all = logits.as_dtype(Dtype::Float32).unwrap();
+    let last = &all.as_slice::<f32>()[all.size() - v..];
+    let best = last
+        .iter()
+        .enumerate()
+        .fold((0, f32::MIN), |b, (i, &x)| if x > b.1 { (i, x) } else { b });
+    best.0 as i32
+}
+
+#[test]
+fn a_wrong_order_is_caught_and_the_layer_stays_on_mlx() {
+    require_kernels();
+    let key = random::key(5).unwrap();
+    let w = random::normal::<f32>(&[64, 576][..], 0.0, 0.05, &key).unwrap();
+    // OpenBLAS sums this shape in lanes; one sequential chain is another order.
+    assert_eq!(blas_order::order(64, 576), Order::Lanes);
+    let wrong = HostDense::with_order(&w, Order::Panels(vec![576])).unwrap();
+    assert!(
+        wrong.is_none(),
+        "a different summation order passed the check"
+    );
+    assert!(refused_shapes().contains(&(64, 576)));
+    let right = HostDense::new(&w).unwrap();
+    assert!(right.is_some(), "the right order was refused");
+}
+
+#[test]
+fn non_f32_weights_stay_on_mlx() {
+    let w = Array::from_slice(&[0.5f32; 64 * 32], &[64, 32])
+        .as_dtype(Dtype::Bfloat16)
+        .unwrap();
+    assert!(HostDense::new(&w).unwrap().is_none());
+}
