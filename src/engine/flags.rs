@@ -195,10 +195,10 @@ pub static FORKS: &[Fork] = &[
         help: "Host CPU kernels: a llama-family model with every linear layer 4-/8-bit runs each step on the host (SIMD mat-vec on the packed weights, AVX-512/AVX2/scalar, prompts in 8-token blocks, KV read in place from the MLX cache); other quantized models run their 4-/8-bit layers' single-token and <= 8-token verify products there; not under --compiled-decode; with --kv-quant attention runs in f32 with an online softmax over 256-position chunks",
     },
     Fork {
-        name: "host-sgemm",
+        name: "host-matvec",
         domain: Domain::Choices(ON_OFF_EXACT),
         defaults: ["on", "on", "on"],
-        help: "CPU backend: single-token products through f32 dense layers run on the host (both cores, weights read in place) summed in OpenBLAS's own order, bit-identical to MLX's sgemm call; each weight shape is compared with MLX at first use and stays on MLX if it differs; not under --compiled-decode",
+        help: "CPU backend: single-token products through dense f32/bf16/f16 layers run on the host (both cores, weights read in place) summed in the exact order MLX's CPU matmul sums them (OpenBLAS's order for f32, MLX's own for 16-bit), so bit-identical; each weight shape is compared with MLX at first use and stays on MLX if it differs; not under --compiled-decode",
     },
     Fork {
         name: "fused-decode",
@@ -290,8 +290,8 @@ pub struct Forks {
     pub perf_kernel: bool,
     /// One fused q/k/v projection in single-token steps (L3).
     pub fused_decode: bool,
-    /// f32 single-token products on the host in OpenBLAS's summation order (bit-exact).
-    pub host_sgemm: bool,
+    /// Dense single-token products on the host in MLX's own summation order (bit-exact).
+    pub host_matvec: bool,
 }
 
 impl Default for Forks {
@@ -348,7 +348,7 @@ impl Forks {
             fused_gelu: on("fused-gelu"),
             perf_kernel: on("perf-kernel"),
             fused_decode: on("fused-decode"),
-            host_sgemm: on("host-sgemm"),
+            host_matvec: on("host-matvec"),
         }
     }
 
@@ -371,7 +371,7 @@ impl Forks {
                 "fused-gelu" => on(self.fused_gelu),
                 "perf-kernel" => on(self.perf_kernel),
                 "fused-decode" => on(self.fused_decode),
-                "host-sgemm" => on(self.host_sgemm),
+                "host-matvec" => on(self.host_matvec),
                 other => format!("<no field for {other}>"),
             })
             .collect()
@@ -383,11 +383,11 @@ impl Forks {
         self.perf_kernel && !self.compiled_decode
     }
 
-    /// Whether f32 dense layers run single-token products on the host in OpenBLAS's order
-    /// ([`crate::engine::kernels::dense`]): `--host-sgemm on` on the CPU backend, except inside
+    /// Whether dense layers run single-token products on the host in MLX's own order
+    /// ([`crate::engine::kernels::dense`]): `--host-matvec on` on the CPU backend, except inside
     /// compiled steps.
-    pub fn host_f32(&self) -> bool {
-        self.host_sgemm
+    pub fn host_dense(&self) -> bool {
+        self.host_matvec
             && !self.compiled_decode
             && super::runtime::backend() == super::runtime::Backend::Cpu
     }

@@ -69,7 +69,7 @@ pub(crate) fn load_stacked_weight(
 }
 
 /// The host kernel a layer's small products may take: the affine 4-/8-bit mat-vec under
-/// `--perf-kernel on`, or the f32 product in OpenBLAS's order under `--host-sgemm on`. Each is
+/// `--perf-kernel on`, or the dense product in MLX's own order under `--host-matvec on`. Each is
 /// pinned on first use (the weights may still be lazy when a layer loads), and shared by the
 /// layer's clones (`Rc`: MLX arrays are not `Sync`, so models stay on one thread anyway).
 #[derive(Debug)]
@@ -89,7 +89,7 @@ impl HostCell {
 }
 
 /// The host kernel cell for a layer, or `None` to keep it on MLX's own kernels: 2-D 4-/8-bit
-/// weights under `--perf-kernel on`; 2-D f32 weights under `--host-sgemm on`.
+/// weights under `--perf-kernel on`; 2-D f32/bf16/f16 weights under `--host-matvec on`.
 fn host_cell(w: &WeightStore, weight: &LinearWeight) -> Option<Rc<HostCell>> {
     match weight {
         LinearWeight::Quantized { weight, spec, .. }
@@ -100,7 +100,9 @@ fn host_cell(w: &WeightStore, weight: &LinearWeight) -> Option<Rc<HostCell>> {
             Some(Rc::new(HostCell::Quant(HostQuantCell::default())))
         }
         LinearWeight::Dense(weight)
-            if w.host_sgemm() && weight.dtype() == Dtype::Float32 && weight.ndim() == 2 =>
+            if w.host_matvec()
+                && [Dtype::Float32, Dtype::Bfloat16, Dtype::Float16].contains(&weight.dtype())
+                && weight.ndim() == 2 =>
         {
             Some(Rc::new(HostCell::Dense(HostDenseCell::default())))
         }

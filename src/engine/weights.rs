@@ -113,7 +113,7 @@ pub struct WeightStore {
     tensors: HashMap<String, Array>,
     quant: QuantConfig,
     host_kernel: bool,
-    host_sgemm: bool,
+    host_matvec: bool,
 }
 
 impl WeightStore {
@@ -137,7 +137,7 @@ impl WeightStore {
             tensors,
             quant,
             host_kernel: false,
-            host_sgemm: false,
+            host_matvec: false,
         })
     }
 
@@ -152,15 +152,16 @@ impl WeightStore {
         self.host_kernel
     }
 
-    /// Makes f32 dense layers loaded from here run single-token products on the host in
-    /// OpenBLAS's summation order (`--host-sgemm on`, see [`crate::engine::kernels::dense`]).
-    pub fn set_host_sgemm(&mut self, on: bool) {
-        self.host_sgemm = on;
+    /// Makes dense (f32/bf16/f16) layers loaded from here run single-token products on the
+    /// host in MLX's own summation order (`--host-matvec on`, see
+    /// [`crate::engine::kernels::dense`]).
+    pub fn set_host_matvec(&mut self, on: bool) {
+        self.host_matvec = on;
     }
 
-    /// Whether f32 dense layers get the host product.
-    pub fn host_sgemm(&self) -> bool {
-        self.host_sgemm
+    /// Whether dense layers get the host product.
+    pub fn host_matvec(&self) -> bool {
+        self.host_matvec
     }
 
     /// Builds a store from tensors already in memory (tests, importers).
@@ -170,7 +171,7 @@ impl WeightStore {
             tensors,
             quant,
             host_kernel: false,
-            host_sgemm: false,
+            host_matvec: false,
         }
     }
 

@@ -1,120 +1,152 @@
-//! The host path of an f32 dense linear layer for single-token steps (`--host-sgemm on`, L1):
-//! the weight is read in place from MLX's evaluated buffer and multiplied by
-//! [`super::blas_order`] in OpenBLAS's own summation order, so the result has MLX's bits.
+//! The host path of a dense (f32, bf16 or f16) linear layer for single-token steps
+//! (`--host-matvec on`, L1): the weight is read in place from MLX's evaluated buffer and
+//! multiplied by [`super::mlx_order`] in the order MLX's CPU matmul sums it, so the result has
+//! MLX's bits.
 //!
-//! "Has MLX's bits" is checked, not assumed: the first time a weight shape is used, the host
-//! product of two fixed inputs is compared bit for bit with MLX's `x @ W.T` on the real
-//! weight. A shape that differs (another BLAS, CPU or library version) stays on MLX for the
-//! rest of the process; only speed is lost.
+//! "Has MLX's bits" is checked, not assumed: the first time a weight shape and dtype is used,
+//! the host product of two fixed inputs is compared bit for bit with MLX's `x @ W.T` on the
+//! real weight. A shape that differs (another BLAS, CPU or library version) stays on MLX for
+//! the rest of the process; only speed is lost.
 
-use super::blas_order::{self, Order};
 use super::host::HostSlice;
+use super::mlx_order::{self, Order, Weights};
 use crate::engine::error::{EngineError, Result};
 use mlx_rs::{ops, Array, Dtype};
 use std::collections::HashMap;
 use std::sync::atomic::{AtomicUsize, Ordering};
 use std::sync::{Mutex, OnceLock};
 
-/// A 2-D f32 weight pinned in host memory, of a shape whose host product matched MLX's.
+/// A pinned weight buffer in one of the dtypes the kernels read.
+#[derive(Debug, Clone, Copy)]
+enum Pinned {
+    F32(HostSlice<f32>),
+    Bf16(HostSlice<half::bf16>),
+    F16(HostSlice<half::f16>),
+}
+
+/// A 2-D dense weight pinned in host memory, of a shape whose host product matched MLX's.
 #[derive(Debug, Clone)]
 pub struct HostDense {
     array: Array,
-    weight: HostSlice<f32>,
+    pinned: Pinned,
     rows: usize,
     cols: usize,
     order: Order,
 }
 
 impl HostDense {
-    /// Pins `weight` (`[rows, cols]` f32) when the host product of its shape matches MLX's;
-    /// `None` keeps the layer on MLX.
+    /// Pins `weight` (`[rows, cols]` f32, bf16 or f16) when the host product of its shape
+    /// matches MLX's; `None` keeps the layer on MLX.
     pub fn new(weight: &Array) -> Result<Option<Self>> {
-        let shape = weight.shape();
-        let order = match shape {
-            [rows, cols] => blas_order::order(*rows as usize, *cols as usize),
-            _ => return Ok(None),
-        };
-        Self::with_order(weight, order)
+        Self::pin(weight, None)
     }
 
-    /// [`HostDense::new`] summing in `order` instead of the one OpenBLAS uses for this shape
+    /// [`HostDense::new`] summing in `order` instead of the one MLX uses for this shape
     /// (tests: a wrong order must be caught by the check against MLX).
     pub fn with_order(weight: &Array, order: Order) -> Result<Option<Self>> {
-        let shape = weight.shape();
-        if shape.len() != 2 || weight.dtype() != Dtype::Float32 || !blas_order::available() {
+        Self::pin(weight, Some(order))
+    }
+
+    fn pin(weight: &Array, order: Option<Order>) -> Result<Option<Self>> {
+        let [rows, cols] = *weight.shape() else {
+            return Ok(None);
+        };
+        if !mlx_order::available() || rows <= 0 || cols <= 0 {
             return Ok(None);
         }
-        let (rows, cols) = (shape[0] as usize, shape[1] as usize);
         weight.eval()?;
-        let me = Self {
-            weight: HostSlice::of(weight, "f32 weight")?,
+        let pinned = match weight.dtype() {
+            Dtype::Float32 => Pinned::F32(HostSlice::of(weight, "f32 weight")?),
+            Dtype::Bfloat16 => Pinned::Bf16(HostSlice::of(weight, "bf16 weight")?),
+            Dtype::Float16 => Pinned::F16(HostSlice::of(weight, "f16 weight")?),
+            _ => return Ok(None),
+        };
+        let (rows, cols) = (rows as usize, cols as usize);
+        let mut me = Self {
             array: weight.clone(),
+            pinned,
             rows,
             cols,
-            order,
+            order: Order::Sequential,
         };
+        me.order = order.unwrap_or_else(|| me.weights().order(rows, cols));
         Ok(me.matches_mlx()?.then_some(me))
     }
 
-    /// Whether `x` is a single f32 token (`[..., cols]` with one row), the only case the host
-    /// path reproduces.
-    pub fn takes(x: &Array) -> bool {
-        let last = x.shape().last().copied().unwrap_or(0).max(1) as usize;
-        x.dtype() == Dtype::Float32 && x.size() == last
+    fn weights(&self) -> Weights<'_> {
+        match &self.pinned {
+            Pinned::F32(s) => Weights::F32(s.get()),
+            // SAFETY: `half::bf16` and `half::f16` are `repr(transparent)` over `u16`.
+            Pinned::Bf16(s) => Weights::Bf16(unsafe { bits_of(s.get()) }),
+            Pinned::F16(s) => Weights::F16(unsafe { bits_of(s.get()) }),
+        }
     }
 
-    /// `x · Wᵀ` for one token; `None` when `x` is not a contiguous buffer the host can read
-    /// (the caller then asks MLX).
+    /// Whether `x` is a single token (`[..., cols]` with one row), the only case the host path
+    /// reproduces (checked before a weight is pinned, so prompts never pin).
+    pub fn takes(x: &Array) -> bool {
+        let last = x.shape().last().copied().unwrap_or(0).max(1) as usize;
+        x.size() == last
+    }
+
+    /// `x · Wᵀ` for one token of the weight's dtype; `None` when `x` is not such a token in a
+    /// buffer the host can read (the caller then asks MLX).
     pub fn forward(&self, x: &Array) -> Result<Option<Array>> {
-        let Ok(host) = x.try_as_slice::<f32>() else {
+        if x.dtype() != self.array.dtype() || x.size() != self.cols {
+            return Ok(None);
+        }
+        // A 16-bit token widens to f32 exactly (MLX's `simd_gemm` does the same).
+        let wide = match x.dtype() {
+            Dtype::Float32 => x.clone(),
+            _ => x.as_dtype(Dtype::Float32)?,
+        };
+        let Ok(host) = wide.try_as_slice::<f32>() else {
             return Ok(None);
         };
-        let y = self.product(host)?;
+        let y = mlx_order::matvec(
+            self.weights(),
+            self.rows,
+            self.cols,
+            host,
+            &self.order,
+            rayon::current_num_threads(),
+        )
+        .map_err(|e| EngineError::Runtime(format!("host product: {e}")))?;
         CALLS.fetch_add(1, Ordering::Relaxed);
         let mut shape = x.shape().to_vec();
         if let Some(last) = shape.last_mut() {
             *last = self.rows as i32;
         }
-        Ok(Some(Array::from_slice(&y, &shape)))
+        let y = Array::from_slice(&y, &shape);
+        // MLX rounds a 16-bit product's f32 sum to the dtype; its own cast rounds the same way.
+        Ok(Some(match x.dtype() {
+            Dtype::Float32 => y,
+            dtype => y.as_dtype(dtype)?,
+        }))
     }
 
-    fn product(&self, x: &[f32]) -> Result<Vec<f32>> {
-        blas_order::matvec(
-            self.weight.get(),
-            self.rows,
-            self.cols,
-            x,
-            &self.order,
-            rayon::current_num_threads(),
-        )
-        .map_err(|e| EngineError::Runtime(format!("f32 host product: {e}")))
-    }
-
-    /// Compares the host product with MLX's on two fixed inputs, once per weight shape (and
-    /// order).
+    /// Compares the host product with MLX's on two fixed inputs, once per weight shape, dtype
+    /// and order.
     fn matches_mlx(&self) -> Result<bool> {
-        type Verdicts = Mutex<HashMap<(usize, usize, Order), bool>>;
+        type Verdicts = Mutex<HashMap<(usize, usize, Dtype, Order), bool>>;
         static VERDICTS: OnceLock<Verdicts> = OnceLock::new();
         let verdicts = VERDICTS.get_or_init(Default::default);
-        let key = (self.rows, self.cols, self.order.clone());
+        let dtype = self.array.dtype();
+        let key = (self.rows, self.cols, dtype, self.order.clone());
         if let Some(v) = lock(verdicts).get(&key) {
             return Ok(*v);
         }
         let mut same = true;
         for seed in [0x9e37_79b9_u64, 0x2545_f491] {
-            let x = probe(self.cols, seed);
-            let ours = self.product(&x)?;
-            let x_mlx = Array::from_slice(&x, &[1, self.cols as i32]);
-            let theirs = ops::matmul(&x_mlx, self.array.t())?;
-            let theirs = theirs.try_as_slice::<f32>().map_err(|e| {
-                EngineError::Runtime(format!(
-                    "cannot read MLX's product for the host check ({e})"
-                ))
-            })?;
-            same &= ours
-                .iter()
-                .zip(theirs)
-                .all(|(a, b)| a.to_bits() == b.to_bits());
+            let x = Array::from_slice(&probe(self.cols, seed), &[1, self.cols as i32])
+                .as_dtype(dtype)?;
+            let Some(ours) = self.forward(&x)? else {
+                return Err(EngineError::Runtime(
+                    "the host product refused its own check input".into(),
+                ));
+            };
+            let theirs = ops::matmul(&x, self.array.t())?;
+            same &= bits(&ours)? == bits(&theirs)?;
         }
         if !same {
             lock(refused()).push((self.rows, self.cols));
@@ -122,6 +154,23 @@ impl HostDense {
         lock(verdicts).insert(key, same);
         Ok(same)
     }
+}
+
+/// The bits of a 16-bit float slice.
+///
+/// # Safety
+/// `T` must be a `repr(transparent)` wrapper of `u16`.
+unsafe fn bits_of<T>(s: &[T]) -> &[u16] {
+    std::slice::from_raw_parts(s.as_ptr().cast(), s.len())
+}
+
+/// An array's values widened to f32 (exact for every float dtype here), as bit patterns.
+fn bits(a: &Array) -> Result<Vec<u32>> {
+    let wide = a.as_dtype(Dtype::Float32)?;
+    let s = wide.try_as_slice::<f32>().map_err(|e| {
+        EngineError::Runtime(format!("cannot read a product for the host check ({e})"))
+    })?;
+    Ok(s.iter().map(|v| v.to_bits()).collect())
 }
 
 fn lock<T>(m: &Mutex<T>) -> std::sync::MutexGuard<'_, T> {
@@ -134,7 +183,7 @@ fn refused() -> &'static Mutex<Vec<(usize, usize)>> {
 }
 
 /// `(rows, cols)` weight shapes whose host product differed from MLX's in this process (they
-/// run on MLX); empty where the BLAS sums as [`blas_order`] expects.
+/// run on MLX); empty where MLX sums as [`mlx_order`] expects.
 pub fn refused_shapes() -> Vec<(usize, usize)> {
     lock(refused()).clone()
 }
@@ -156,8 +205,8 @@ fn probe(n: usize, seed: u64) -> Vec<f32> {
 
 static CALLS: AtomicUsize = AtomicUsize::new(0);
 
-/// How many single-token f32 products the host path computed in this process (lets tests and
-/// benchmarks check that `--host-sgemm on` really took it).
+/// How many single-token products the host path computed in this process (lets tests and
+/// benchmarks check that `--host-matvec on` really took it).
 pub fn dense_calls() -> usize {
     CALLS.load(Ordering::Relaxed)
 }

@@ -2,8 +2,8 @@
 //! memory roofline (`--perf-kernel on`, tier L3): the affine 4-bit (and 8-bit) mat-vec for
 //! quantized linear layers in single-token (and small speculative-verify) steps.
 //!
-//! Also, at L1, the f32 single-token product in OpenBLAS's own summation order (`blas_order`,
-//! MLX-facing in `dense`): bit-identical to MLX's BLAS call, checked per weight shape.
+//! Also, at L1, the dense (f32/bf16/f16) single-token product in the summation order of MLX's
+//! own CPU matmul (`mlx_order`, MLX-facing in `dense`): bit-identical, checked per weight shape.
 //!
 //! `affine` is the arithmetic (AVX-512, AVX2+FMA, scalar; `vnni` the int8-input AVX-512 VNNI
 //! variant), `dispatch` picks a path at run time
@@ -11,10 +11,11 @@
 //! and `team` run a whole llama-style decode step on the host.
 
 pub mod affine;
-pub mod blas_order;
 pub mod dense;
 pub mod dispatch;
 pub mod host;
+pub mod mlx_order;
+pub mod pair;
 pub mod step;
 pub mod team;
 pub mod vecops;

@@ -369,7 +369,7 @@ pub fn load(dir: &Path, forks: Forks) -> Result<LoadedModel> {
     let quant = QuantConfig::from_config(&spec.config_path, &config)?;
     let mut weights = WeightStore::load(dir, quant)?;
     weights.set_host_kernel(forks.host_q4());
-    weights.set_host_sgemm(forks.host_f32());
+    weights.set_host_matvec(forks.host_dense());
     let model = builder(&spec, &mut weights)?;
     weights.finish()?;
     let plan =

@@ -1,11 +1,11 @@
-//! `--host-sgemm on` (an L1 default): single-token products through f32 dense layers run on the
-//! host in OpenBLAS's summation order. Checked here against MLX's own `x @ W.T` (the product
-//! mlx-lm computes on the same libmlx), bit for bit:
+//! `--host-matvec on` (an L1 default): single-token products through dense f32/bf16/f16 layers
+//! run on the host in the summation order of MLX's CPU matmul. Checked here against MLX's own
+//! `x @ W.T` (the product mlx-lm computes on the same libmlx), bit for bit:
 //! - every order and its edge cases (outputs not a multiple of four or sixteen, depths not a
-//!   multiple of sixteen or below 32, a third panel) on random weights and inputs;
-//! - the real SmolLM2 f32 weights, each shape the model uses;
-//! - a tiny f32 llama decoding with the host path gives the same logits as without it, and
-//!   really takes it;
+//!   multiple of sixteen or below 32, a third panel) on random weights and inputs, in each dtype;
+//! - the real SmolLM2 f32 weights, each shape the model uses, and their bf16 casts;
+//! - tiny f32 and bf16 llamas decoding with the host path give the same logits as without it,
+//!   and really take it;
 //! - a wrong order is caught by the load-time check and the layer stays on MLX.
 //!
 //! End-to-end parity with mlx-lm under the defaults is `model_parity`'s job.
@@ -14,15 +14,15 @@ mod common;
 
 use mlx_rs::{ops, random, Array, Dtype};
 use mlxb::engine::flags::Forks;
-use mlxb::engine::kernels::blas_order::{self, Order};
+use mlxb::engine::kernels::mlx_order::{self, Order};
 use mlxb::engine::kernels::{dense_calls, refused_shapes, HostDense};
 use serde_json::json;
 
 /// The host path exists only where the kernels run; this suite must not pass vacuously.
 fn require_kernels() {
     assert!(
-        blas_order::available(),
-        "this CPU lacks AVX-512/FMA, so --host-sgemm has no kernel here and this suite cannot check it"
+        mlx_order::available(),
+        "this CPU lacks AVX-512/FMA, so --host-matvec has no kernel here and this suite cannot check it"
     );
 }
 
@@ -41,19 +41,22 @@ fn assert_same_bits(what: &str, h: &HostDense, w: &Array, x: &Array) {
     );
 }
 
-fn check_shape(rows: i32, cols: i32, seed: u64) {
+fn check_shape(rows: i32, cols: i32, dtype: Dtype, seed: u64) {
     let key = random::key(seed).unwrap();
-    let w = random::normal::<f32>(&[rows, cols][..], 0.0, 0.05, &key).unwrap();
-    let what = format!(
-        "{rows}x{cols} ({:?})",
-        blas_order::order(rows as usize, cols as usize)
-    );
+    let w = random::normal::<f32>(&[rows, cols][..], 0.0, 0.05, &key)
+        .unwrap()
+        .as_dtype(dtype)
+        .unwrap();
+    let what = format!("{dtype:?} {rows}x{cols}");
     let h = HostDense::new(&w)
         .unwrap()
         .unwrap_or_else(|| panic!("{what}: the load-time check found MLX summing differently"));
     for (i, scale) in [1.0f32, 1e-3, 40.0].into_iter().enumerate() {
         let k = random::key(seed * 31 + i as u64).unwrap();
-        let x = random::normal::<f32>(&[1, 1, cols][..], 0.0, scale, &k).unwrap();
+        let x = random::normal::<f32>(&[1, 1, cols][..], 0.0, scale, &k)
+            .unwrap()
+            .as_dtype(dtype)
+            .unwrap();
         assert_same_bits(&what, &h, &w, &x);
         let flat = x.reshape(&[1, cols]).unwrap();
         assert_same_bits(&what, &h, &w, &flat);
@@ -61,7 +64,7 @@ fn check_shape(rows: i32, cols: i32, seed: u64) {
 }
 
 #[test]
-fn every_order_matches_mlx_bit_for_bit_on_random_weights() {
+fn every_order_and_dtype_matches_mlx_bit_for_bit_on_random_weights() {
     require_kernels();
     let shapes = [
         (576, 576),   // lanes (SmolLM2 q/o)
@@ -76,8 +79,10 @@ fn every_order_matches_mlx_bit_for_bit_on_random_weights() {
         (1000, 1001), // over 10^6 multiply-adds: panels 448+277+276
         (999, 1001),  // same, rows not a multiple of 16
     ];
-    for (i, (rows, cols)) in shapes.into_iter().enumerate() {
-        check_shape(rows, cols, 100 + i as u64);
+    for dtype in [Dtype::Float32, Dtype::Bfloat16, Dtype::Float16] {
+        for (i, (rows, cols)) in shapes.into_iter().enumerate() {
+            check_shape(rows, cols, dtype, 100 + i as u64);
+        }
     }
     // (Another test here refuses a shape on purpose; none of these may be.)
     let refused = refused_shapes();
@@ -90,7 +95,7 @@ fn every_order_matches_mlx_bit_for_bit_on_random_weights() {
 }
 
 #[test]
-fn real_smollm2_f32_weights_match_mlx_for_every_shape() {
+fn real_smollm2_weights_match_mlx_for_every_shape_in_f32_and_bf16() {
     require_kernels();
     let m = mlxb::engine::registry_models::find("smollm2-135m-instruct").unwrap();
     let dir = m.ensure().unwrap();
@@ -103,43 +108,58 @@ fn real_smollm2_f32_weights_match_mlx_for_every_shape() {
         "model.layers.17.mlp.down_proj.weight",
         "model.embed_tokens.weight",
     ] {
-        let w = t[name].as_dtype(Dtype::Float32).unwrap();
-        let h = HostDense::new(&w)
-            .unwrap()
-            .unwrap_or_else(|| panic!("{name}: the load-time check found MLX summing differently"));
-        let key = random::key(7).unwrap();
-        let x = random::normal::<f32>(&[1, 1, w.shape()[1]][..], 0.0, 1.0, &key).unwrap();
-        assert_same_bits(name, &h, &w, &x);
+        for dtype in [Dtype::Float32, Dtype::Bfloat16] {
+            let w = t[name].as_dtype(dtype).unwrap();
+            let h = HostDense::new(&w).unwrap().unwrap_or_else(|| {
+                panic!("{name} {dtype:?}: the load-time check found MLX summing differently")
+            });
+            let key = random::key(7).unwrap();
+            let x = random::normal::<f32>(&[1, 1, w.shape()[1]][..], 0.0, 1.0, &key)
+                .unwrap()
+                .as_dtype(dtype)
+                .unwrap();
+            assert_same_bits(name, &h, &w, &x);
+        }
     }
 }
 
 #[test]
-fn tiny_f32_llama_decodes_on_the_host_path_with_the_same_logits() {
+fn tiny_f32_and_bf16_llamas_decode_on_the_host_path_with_the_same_logits() {
     require_kernels();
-    let dir = tempfile::tempdir().unwrap();
-    common::make_model(dir.path(), &common::tiny_llama(json!({})), "f32", None);
-    let on = Forks::default();
-    assert!(on.host_sgemm, "--host-sgemm is on by default in L1");
-    let off = Forks {
-        host_sgemm: false,
-        ..Forks::default()
-    };
-    let mut t = common::Twins::prefill(dir.path(), off, on, 9, 2);
-    let (la, lb) = t.prefill.clone();
-    assert_eq!(common::bits(&la), common::bits(&lb), "prefill logits");
-    let before = dense_calls();
-    let mut tok = last_argmax(&la);
-    for step in 0..12 {
-        let (pa, pb) = t.step(tok);
-        assert_eq!(common::bits(&pa), common::bits(&pb), "step {step} logits");
-        tok = last_argmax(&pa);
+    for dtype in ["f32", "bf16"] {
+        let dir = tempfile::tempdir().unwrap();
+        common::make_model(dir.path(), &common::tiny_llama(json!({})), dtype, None);
+        let on = Forks::default();
+        assert!(on.host_matvec, "--host-matvec is on by default in L1");
+        let off = Forks {
+            host_matvec: false,
+            ..Forks::default()
+        };
+        let mut t = common::Twins::prefill(dir.path(), off, on, 9, 2);
+        let (la, lb) = t.prefill.clone();
+        assert_eq!(
+            common::bits(&la),
+            common::bits(&lb),
+            "{dtype} prefill logits"
+        );
+        let before = dense_calls();
+        let mut tok = last_argmax(&la);
+        for step in 0..12 {
+            let (pa, pb) = t.step(tok);
+            assert_eq!(
+                common::bits(&pa),
+                common::bits(&pb),
+                "{dtype} step {step} logits"
+            );
+            tok = last_argmax(&pa);
+        }
+        // 4 layers x 7 projections + the tied head, per step.
+        let calls = dense_calls() - before;
+        assert!(
+            calls >= 12 * 29,
+            "{dtype}: the host path ran {calls} times in 12 steps"
+        );
     }
-    // 4 layers x 7 projections + the tied head, per step.
-    let calls = dense_calls() - before;
-    assert!(
-        calls >= 12 * 29,
-        "the host path ran {calls} times in 12 steps"
-    );
 }
 
 /// The greedy token after the last position of `[1, L, V]` logits.
@@ -160,7 +180,7 @@ fn a_wrong_order_is_caught_and_the_layer_stays_on_mlx() {
     let key = random::key(5).unwrap();
     let w = random::normal::<f32>(&[64, 576][..], 0.0, 0.05, &key).unwrap();
     // OpenBLAS sums this shape in lanes; one sequential chain is another order.
-    assert_eq!(blas_order::order(64, 576), Order::Lanes);
+    assert_eq!(mlx_order::f32_order(64, 576), Order::Lanes);
     let wrong = HostDense::with_order(&w, Order::Panels(vec![576])).unwrap();
     assert!(
         wrong.is_none(),
@@ -172,9 +192,18 @@ fn a_wrong_order_is_caught_and_the_layer_stays_on_mlx() {
 }
 
 #[test]
-fn non_f32_weights_stay_on_mlx() {
+fn other_dtypes_and_mismatched_tokens_stay_on_mlx() {
+    require_kernels();
+    let w = Array::from_slice(&[3i32; 64 * 32], &[64, 32]);
+    assert!(
+        HostDense::new(&w).unwrap().is_none(),
+        "an int32 weight was pinned"
+    );
     let w = Array::from_slice(&[0.5f32; 64 * 32], &[64, 32])
         .as_dtype(Dtype::Bfloat16)
         .unwrap();
-    assert!(HostDense::new(&w).unwrap().is_none());
+    let h = HostDense::new(&w).unwrap().unwrap();
+    // An f32 token through a bf16 weight is an f32 product in MLX (another order): refused.
+    let x = Array::from_slice(&[0.25f32; 32], &[1, 32]);
+    assert!(h.forward(&x).unwrap().is_none());
 }

@@ -1,0 +1,569 @@
+//! Single-token products `y = x · Wᵀ` summed in exactly the order MLX's CPU backend sums them,
+//! so that L1 decode gets MLX's bits without MLX's matmul.
+//!
+//! Why: for one token MLX's CPU matmul is far from the memory roofline. f32 goes to
+//! `cblas_sgemm`, where OpenBLAS either re-packs the whole weight matrix on every call (its
+//! GEMM driver, ~37 % of an f32 decode step in `sgemm_incopy`) or runs its small-matrix kernel
+//! on one thread; bf16/f16 go to MLX's own `simd_gemm`, which copies 16×16 blocks element by
+//! element (SmolLM2 bf16 decodes at 5 % of its roofline). Reading the weights in place on both
+//! cores is faster, and summing in the same order keeps every bit.
+//!
+//! The orders (MLX 0.32.4's CPU backend, OpenBLAS 0.3.21 with its `SKYLAKEX` kernels):
+//! - **f32, Lanes**: MLX calls row-major `sgemm(NoTrans, Trans)`, which OpenBLAS runs as
+//!   column-major `TN` with `M` = outputs, `N` = tokens, `K` = inputs, on its small-matrix
+//!   kernel when `M·N·K ≤ 10⁶`, `M·N ≤ 1200` and `K ≥ 32`: sixteen lanes, lane `l` a fused
+//!   multiply-add chain over `k ≡ l (mod 16)` (a short last chunk masked to zeros), then the
+//!   lanes added pairwise: outputs in the whole groups of four at the front in the kernel's
+//!   4×4-transpose order `((l0+l1)+(l2+l3))` per 128-bit quarter, quarters `(q0+q1)+(q2+q3)`;
+//!   the rest in `_mm512_reduce_add_ps`'s halving order (`l + 8`, `+ 4`, `+ 2`, `+ 1`).
+//! - **f32, Panels** (OpenBLAS's GEMM driver, every other f32 product): `K` cut into panels of
+//!   at most [`PANEL`] (a remainder below twice that is halved, rounding up), each panel a
+//!   fused multiply-add chain from zero in `k` order, the panels added to the output in order.
+//! - **bf16/f16, Sequential** (MLX's `simd_gemm` with f32 accumulation): one f32 sum per
+//!   output in `k` order; each product of two 16-bit floats is exact in f32, so a fused
+//!   multiply-add gives the same bits as MLX's multiply-then-add. MLX rounds the sum to the
+//!   weight's dtype, which the caller does with MLX's own cast.
+//!
+//! Nothing here assumes the running library really sums that way: [`super::dense`] compares
+//! each weight shape with MLX's own product before using it, so another BLAS, CPU or version
+//! costs speed, never bits.
+
+use super::pair;
+use std::ops::Range;
+
+/// OpenBLAS's single-precision panel depth on SkylakeX (`SGEMM_DEFAULT_Q`).
+pub const PANEL: usize = 448;
+/// Largest `M·N·K` OpenBLAS hands its small-matrix kernel.
+const SMALL_MAX_MNK: f64 = 1e6;
+/// Largest `M·N` (outputs × tokens) the small-matrix `TN` kernel takes.
+const SMALL_MAX_OUTPUTS: usize = 1200;
+/// Smallest depth the small-matrix `TN` kernel takes.
+const SMALL_MIN_DEPTH: usize = 32;
+/// Lanes of the small-matrix kernel's accumulators (one AVX-512 register).
+const LANES: usize = 16;
+/// Weights below which one thread does the whole product (a fork/join costs more).
+const PARALLEL_MIN_WEIGHTS: usize = 1 << 16;
+
+/// How MLX's CPU backend sums a single-token product.
+#[derive(Debug, Clone, PartialEq, Eq, Hash)]
+pub enum Order {
+    /// f32, OpenBLAS's small-matrix kernel: sixteen strided lanes, then a lane reduction.
+    Lanes,
+    /// f32, OpenBLAS's GEMM driver: sequential panels of these depths.
+    Panels(Vec<usize>),
+    /// bf16/f16, MLX's `simd_gemm`: one sequential f32 sum per output.
+    Sequential,
+}
+
+/// The order OpenBLAS uses for one f32 token through a `rows × cols` weight.
+pub fn f32_order(rows: usize, cols: usize) -> Order {
+    let mnk = rows as f64 * cols as f64;
+    if mnk <= SMALL_MAX_MNK && rows <= SMALL_MAX_OUTPUTS && cols >= SMALL_MIN_DEPTH {
+        Order::Lanes
+    } else {
+        Order::Panels(panels(cols))
+    }
+}
+
+/// A weight matrix (`rows × cols`, row-major) in one of the dtypes the kernels read.
+#[derive(Debug, Clone, Copy)]
+pub enum Weights<'a> {
+    /// f32 (summed in [`Order::Lanes`] or [`Order::Panels`]).
+    F32(&'a [f32]),
+    /// bfloat16 bits (summed in [`Order::Sequential`]).
+    Bf16(&'a [u16]),
+    /// IEEE half bits (summed in [`Order::Sequential`]).
+    F16(&'a [u16]),
+}
+
+impl Weights<'_> {
+    fn len(&self) -> usize {
+        match self {
+            Weights::F32(w) => w.len(),
+            Weights::Bf16(w) | Weights::F16(w) => w.len(),
+        }
+    }
+
+    /// The order MLX sums this dtype's `rows × cols` single-token product in.
+    pub fn order(&self, rows: usize, cols: usize) -> Order {
+        match self {
+            Weights::F32(_) => f32_order(rows, cols),
+            Weights::Bf16(_) | Weights::F16(_) => Order::Sequential,
+        }
+    }
+}
+
+/// The GEMM driver's cut of `depth` into panels.
+pub fn panels(depth: usize) -> Vec<usize> {
+    let mut out = Vec::new();
+    let mut left = depth;
+    while left > 0 {
+        let p = if left >= 2 * PANEL {
+            PANEL
+        } else if left > PANEL {
+            left.div_ceil(2)
+        } else {
+            left
+        };
+        out.push(p);
+        left -= p;
+    }
+    out
+}
+
+/// Whether this CPU runs the kernels (written for AVX-512 with FMA, the CPUs whose OpenBLAS
+/// kernels they mirror).
+pub fn available() -> bool {
+    #[cfg(target_arch = "x86_64")]
+    {
+        std::arch::is_x86_feature_detected!("avx512f")
+            && std::arch::is_x86_feature_detected!("avx512bw")
+            && std::arch::is_x86_feature_detected!("f16c")
+            && std::arch::is_x86_feature_detected!("fma")
+    }
+    #[cfg(not(target_arch = "x86_64"))]
+    {
+        false
+    }
+}
+
+/// `y = x · Wᵀ` for one token in f32: `w` is `rows × cols` row-major, `x` has `cols` values
+/// (the 16-bit token widened exactly). With `threads` ≥ 2 the rows are split in two, the
+/// second half on the [`pair`] helper; the split never changes a bit (each output is summed
+/// alone). Errors when the CPU lacks the kernels,
+/// the order does not fit the dtype, or the lengths disagree.
+pub fn matvec(
+    w: Weights<'_>,
+    rows: usize,
+    cols: usize,
+    x: &[f32],
+    order: &Order,
+    threads: usize,
+) -> Result<Vec<f32>, String> {
+    if !available() {
+        return Err("this CPU has no AVX-512 and FMA for the host product".into());
+    }
+    if cols == 0 || w.len() != rows * cols || x.len() != cols {
+        return Err(format!(
+            "shape mismatch: {rows}x{cols} weight of {} values, input of {}",
+            w.len(),
+            x.len()
+        ));
+    }
+    let fits = matches!(
+        (w, order),
+        (Weights::F32(_), Order::Lanes | Order::Panels(_))
+            | (Weights::Bf16(_) | Weights::F16(_), Order::Sequential)
+    );
+    if !fits {
+        return Err(format!("{order:?} is not an order for {w:?}-typed weights"));
+    }
+    let mut y = vec![0.0f32; rows];
+    // Two halves of whole 16-row groups (the kernels' vector paths), the second on the
+    // helper thread; small products stay on this one.
+    let split = if threads < 2 || rows * cols < PARALLEL_MIN_WEIGHTS {
+        rows
+    } else {
+        (rows.div_ceil(2).div_ceil(LANES) * LANES).min(rows)
+    };
+    let (low, high) = y.split_at_mut(split);
+    if high.is_empty() {
+        rows_into(w, rows, cols, x, order, 0..split, low);
+    } else {
+        let high = std::sync::Mutex::new(high);
+        pair::both(
+            || rows_into(w, rows, cols, x, order, 0..split, low),
+            &|| {
+                let mut out = high.lock().unwrap_or_else(|p| p.into_inner());
+                rows_into(w, rows, cols, x, order, split..rows, &mut out);
+            },
+        );
+    }
+    Ok(y)
+}
+
+/// Outputs `range` of the product into `out` (checked by [`matvec`]).
+fn rows_into(
+    w: Weights<'_>,
+    rows: usize,
+    cols: usize,
+    x: &[f32],
+    order: &Order,
+    range: Range<usize>,
+    out: &mut [f32],
+) {
+    #[cfg(target_arch = "x86_64")]
+    // SAFETY: `matvec` checked `available()` and every length.
+    unsafe {
+        match (w, order) {
+            (Weights::F32(w), Order::Lanes) => x86::lanes(w, rows, cols, x, range, out),
+            (Weights::F32(w), Order::Panels(p)) => {
+                x86::panels(&x86::RowsF32(w), cols, x, p, range, out)
+            }
+            (Weights::Bf16(w), _) => x86::panels(&x86::RowsBf16(w), cols, x, &[cols], range, out),
+            (Weights::F16(w), _) => x86::panels(&x86::RowsF16(w), cols, x, &[cols], range, out),
+            _ => unreachable!("matvec checked the order against the dtype"),
+        }
+    }
+    #[cfg(not(target_arch = "x86_64"))]
+    {
+        let _ = (w, rows, cols, x, order, range, out);
+        unreachable!("matvec refuses CPUs without the kernels");
+    }
+}
+
+/// Sums sixteen lane totals the way the small-matrix kernel's 4×4-transpose reduction does.
+fn reduce_quads(a: &[f32; LANES]) -> f32 {
+    let q = |i: usize| (a[4 * i] + a[4 * i + 1]) + (a[4 * i + 2] + a[4 * i + 3]);
+    (q(0) + q(1)) + (q(2) + q(3))
+}
+
+/// Sums sixteen lane totals in `_mm512_reduce_add_ps`'s halving order.
+fn reduce_halving(a: &[f32; LANES]) -> f32 {
+    let mut v = *a;
+    let mut width = LANES;
+    while width > 1 {
+        width /= 2;
+        for i in 0..width {
+            v[i] += v[i + width];
+        }
+    }
+    v[0]
+}
+
+#[cfg(target_arch = "x86_64")]
+mod x86 {
+    use super::{reduce_halving, reduce_quads, LANES};
+    use std::arch::x86_64::*;
+    use std::ops::Range;
+
+    /// Rows the lane kernel sums together (independent chains that hide the FMA latency).
+    const GROUP: usize = 8;
+
+    /// The small-matrix kernel's order for outputs `range` (`rows` in all decide which outputs
+    /// are in whole groups of four).
+    #[target_feature(enable = "avx512f")]
+    pub(super) unsafe fn lanes(
+        w: &[f32],
+        rows: usize,
+        cols: usize,
+        x: &[f32],
+        range: Range<usize>,
+        out: &mut [f32],
+    ) {
+        let quads_end = rows & !3;
+        let full = cols / LANES * LANES;
+        let tail = (cols - full) as u32;
+        let mask: __mmask16 = ((1u32 << tail) - 1) as __mmask16;
+        let xp = x.as_ptr();
+        let mut r = range.start;
+        while r < range.end {
+            let n = GROUP.min(range.end - r);
+            let mut acc = [_mm512_setzero_ps(); GROUP];
+            let base = w.as_ptr().add(r * cols);
+            let mut c = 0;
+            let ahead = r + 2 * GROUP <= range.end;
+            while c < full {
+                if ahead {
+                    // The next group's rows at the same offset (see `Rows::prefetch`).
+                    for g in GROUP..2 * GROUP {
+                        _mm_prefetch::<_MM_HINT_T0>(base.add(g * cols + c).cast());
+                    }
+                }
+                let xv = _mm512_loadu_ps(xp.add(c));
+                for (g, a) in acc.iter_mut().enumerate().take(n) {
+                    *a = _mm512_fmadd_ps(_mm512_loadu_ps(base.add(g * cols + c)), xv, *a);
+                }
+                c += LANES;
+            }
+            if tail > 0 {
+                let xv = _mm512_maskz_loadu_ps(mask, xp.add(c));
+                for (g, a) in acc.iter_mut().enumerate().take(n) {
+                    let wv = _mm512_maskz_loadu_ps(mask, base.add(g * cols + c));
+                    *a = _mm512_fmadd_ps(wv, xv, *a);
+                }
+            }
+            for (g, a) in acc.iter().enumerate().take(n) {
+                let mut lanes = [0.0f32; LANES];
+                _mm512_storeu_ps(lanes.as_mut_ptr(), *a);
+                let row = r + g;
+                out[row - range.start] = if row < quads_end {
+                    reduce_quads(&lanes)
+                } else {
+                    reduce_halving(&lanes)
+                };
+            }
+            r += n;
+        }
+    }
+
+    /// Row-major weights the chain kernel reads sixteen values (or one) at a time, widened to
+    /// f32 exactly.
+    pub(super) trait Rows {
+        /// Values `k..k + 16` of row `r` (`cols` per row) as sixteen f32 lanes.
+        unsafe fn load16(&self, r: usize, cols: usize, k: usize) -> __m512;
+        /// Value `k` of row `r` as f32.
+        unsafe fn get(&self, r: usize, cols: usize, k: usize) -> f32;
+        /// Asks for the cache line holding value `k` of row `r` (the kernels read sixteen
+        /// rows side by side, more streams than the hardware prefetcher follows).
+        unsafe fn prefetch(&self, r: usize, cols: usize, k: usize);
+    }
+
+    /// f32 rows.
+    pub(super) struct RowsF32<'a>(pub &'a [f32]);
+    /// bfloat16 rows (bits).
+    pub(super) struct RowsBf16<'a>(pub &'a [u16]);
+    /// IEEE half rows (bits).
+    pub(super) struct RowsF16<'a>(pub &'a [u16]);
+
+    impl Rows for RowsF32<'_> {
+        #[inline(always)]
+        unsafe fn prefetch(&self, r: usize, cols: usize, k: usize) {
+            _mm_prefetch::<_MM_HINT_T0>(self.0.as_ptr().add(r * cols + k).cast());
+        }
+        #[inline(always)]
+        unsafe fn load16(&self, r: usize, cols: usize, k: usize) -> __m512 {
+            _mm512_loadu_ps(self.0.as_ptr().add(r * cols + k))
+        }
+        #[inline(always)]
+        unsafe fn get(&self, r: usize, cols: usize, k: usize) -> f32 {
+            *self.0.get_unchecked(r * cols + k)
+        }
+    }
+
+    impl Rows for RowsBf16<'_> {
+        #[inline(always)]
+        unsafe fn prefetch(&self, r: usize, cols: usize, k: usize) {
+            _mm_prefetch::<_MM_HINT_T0>(self.0.as_ptr().add(r * cols + k).cast());
+        }
+        #[inline(always)]
+        unsafe fn load16(&self, r: usize, cols: usize, k: usize) -> __m512 {
+            let h = _mm256_loadu_si256(self.0.as_ptr().add(r * cols + k).cast());
+            _mm512_castsi512_ps(_mm512_slli_epi32::<16>(_mm512_cvtepu16_epi32(h)))
+        }
+        #[inline(always)]
+        unsafe fn get(&self, r: usize, cols: usize, k: usize) -> f32 {
+            f32::from_bits(u32::from(*self.0.get_unchecked(r * cols + k)) << 16)
+        }
+    }
+
+    impl Rows for RowsF16<'_> {
+        #[inline(always)]
+        unsafe fn prefetch(&self, r: usize, cols: usize, k: usize) {
+            _mm_prefetch::<_MM_HINT_T0>(self.0.as_ptr().add(r * cols + k).cast());
+        }
+        #[inline(always)]
+        unsafe fn load16(&self, r: usize, cols: usize, k: usize) -> __m512 {
+            _mm512_cvtph_ps(_mm256_loadu_si256(self.0.as_ptr().add(r * cols + k).cast()))
+        }
+        #[inline(always)]
+        unsafe fn get(&self, r: usize, cols: usize, k: usize) -> f32 {
+            half::f16::from_bits(*self.0.get_unchecked(r * cols + k)).to_f32()
+        }
+    }
+
+    /// Per panel one FMA chain per output in `k` order, the panels added in order (OpenBLAS's
+    /// GEMM driver for f32; one panel of the whole depth is MLX's `simd_gemm` for 16-bit
+    /// weights). Sixteen outputs run side by side: a 16×16 block of weights transposed in
+    /// registers gives, for each `k`, the sixteen outputs' weights as one vector. Outputs past
+    /// the last whole group of sixteen, and depths past the last whole block, are done one
+    /// value at a time in the same order.
+    #[target_feature(enable = "avx512f,avx512bw,f16c,fma")]
+    pub(super) unsafe fn panels<R: Rows>(
+        w: &R,
+        cols: usize,
+        x: &[f32],
+        panels: &[usize],
+        range: Range<usize>,
+        out: &mut [f32],
+    ) {
+        let mut r = range.start;
+        while r + LANES <= range.end {
+            let mut total = _mm512_setzero_ps();
+            let mut k0 = 0;
+            for &depth in panels {
+                let mut acc = _mm512_setzero_ps();
+                let mut k = k0;
+                while k + LANES <= k0 + depth {
+                    if r + 2 * LANES <= range.end {
+                        for g in 0..LANES {
+                            w.prefetch(r + LANES + g, cols, k);
+                        }
+                    }
+                    let rows: [__m512; LANES] = std::array::from_fn(|g| w.load16(r + g, cols, k));
+                    for (j, c) in transpose16(rows).iter().enumerate() {
+                        acc = _mm512_fmadd_ps(*c, _mm512_set1_ps(*x.get_unchecked(k + j)), acc);
+                    }
+                    k += LANES;
+                }
+                while k < k0 + depth {
+                    let col: [f32; LANES] = std::array::from_fn(|g| w.get(r + g, cols, k));
+                    let c = _mm512_loadu_ps(col.as_ptr());
+                    acc = _mm512_fmadd_ps(c, _mm512_set1_ps(*x.get_unchecked(k)), acc);
+                    k += 1;
+                }
+                total = _mm512_add_ps(total, acc);
+                k0 += depth;
+            }
+            _mm512_storeu_ps(out.as_mut_ptr().add(r - range.start), total);
+            r += LANES;
+        }
+        while r < range.end {
+            let mut total = 0.0f32;
+            let mut k0 = 0;
+            for &depth in panels {
+                let mut acc = 0.0f32;
+                for k in k0..k0 + depth {
+                    acc = w.get(r, cols, k).mul_add(*x.get_unchecked(k), acc);
+                }
+                total += acc;
+                k0 += depth;
+            }
+            out[r - range.start] = total;
+            r += 1;
+        }
+    }
+
+    /// Sixteen rows of sixteen values, returned as sixteen columns: element `g` of column `j`
+    /// is row `g`'s value `j`.
+    #[inline]
+    #[target_feature(enable = "avx512f,avx512bw,f16c,fma")]
+    unsafe fn transpose16(r: [__m512; LANES]) -> [__m512; LANES] {
+        // 32-bit interleave of row pairs, then 64-bit interleave of pair pairs: `u[4q + e]`
+        // holds, per 128-bit lane L, value 4L + e of rows 4q..4q + 4.
+        let mut u = [_mm512_setzero_ps(); LANES];
+        for q in 0..4 {
+            let (a, b, c, d) = (r[4 * q], r[4 * q + 1], r[4 * q + 2], r[4 * q + 3]);
+            let t0 = _mm512_castps_pd(_mm512_unpacklo_ps(a, b));
+            let t1 = _mm512_castps_pd(_mm512_unpackhi_ps(a, b));
+            let t2 = _mm512_castps_pd(_mm512_unpacklo_ps(c, d));
+            let t3 = _mm512_castps_pd(_mm512_unpackhi_ps(c, d));
+            u[4 * q] = _mm512_castpd_ps(_mm512_unpacklo_pd(t0, t2));
+            u[4 * q + 1] = _mm512_castpd_ps(_mm512_unpackhi_pd(t0, t2));
+            u[4 * q + 2] = _mm512_castpd_ps(_mm512_unpacklo_pd(t1, t3));
+            u[4 * q + 3] = _mm512_castpd_ps(_mm512_unpackhi_pd(t1, t3));
+        }
+        // Gather lane L of the four row quads into column 4L + e.
+        let mut c = [_mm512_setzero_ps(); LANES];
+        for e in 0..4 {
+            let even_lo = _mm512_shuffle_f32x4::<0x88>(u[e], u[4 + e]);
+            let odd_lo = _mm512_shuffle_f32x4::<0xDD>(u[e], u[4 + e]);
+            let even_hi = _mm512_shuffle_f32x4::<0x88>(u[8 + e], u[12 + e]);
+            let odd_hi = _mm512_shuffle_f32x4::<0xDD>(u[8 + e], u[12 + e]);
+            c[e] = _mm512_shuffle_f32x4::<0x88>(even_lo, even_hi);
+            c[8 + e] = _mm512_shuffle_f32x4::<0xDD>(even_lo, even_hi);
+            c[4 + e] = _mm512_shuffle_f32x4::<0x88>(odd_lo, odd_hi);
+            c[12 + e] = _mm512_shuffle_f32x4::<0xDD>(odd_lo, odd_hi);
+        }
+        c
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    #[test]
+    fn panels_follow_the_gemm_driver() {
+        assert_eq!(panels(576), vec![288, 288]);
+        assert_eq!(panels(1536), vec![448, 448, 320, 320]);
+        assert_eq!(panels(1000), vec![448, 276, 276]);
+        assert_eq!(panels(448), vec![448]);
+        assert_eq!(panels(10), vec![10]);
+        assert_eq!(panels(3000).iter().sum::<usize>(), 3000);
+    }
+
+    #[test]
+    fn small_f32_products_take_the_lane_order() {
+        assert_eq!(f32_order(576, 576), Order::Lanes);
+        assert_eq!(f32_order(192, 576), Order::Lanes);
+        assert_eq!(f32_order(1536, 576), Order::Panels(vec![288, 288]));
+        assert_eq!(f32_order(576, 16), Order::Panels(vec![16]));
+        assert_eq!(f32_order(1200, 833), Order::Lanes);
+        assert_eq!(f32_order(1200, 834), Order::Panels(vec![417, 417]));
+    }
+
+    #[test]
+    fn the_two_lane_reductions_differ_where_openblas_does() {
+        // Lane 0 holds 1, lanes 4 and 12 hold half an ulp of 1 each. Halving pairs lane 4
+        // with lane 12 first (one whole ulp, which survives); the quad order adds each half
+        // ulp to 1 on its own (ties to even: lost both times).
+        let half_ulp = f32::EPSILON / 2.0;
+        let mut a = [0.0f32; LANES];
+        a[0] = 1.0;
+        a[4] = half_ulp;
+        a[12] = half_ulp;
+        assert_eq!(reduce_halving(&a), 1.0 + f32::EPSILON);
+        assert_eq!(reduce_quads(&a), 1.0);
+        // Lanes 1 and 3 meet inside their quad first in the quad order.
+        let mut b = [0.0f32; LANES];
+        b[8] = 1.0;
+        b[1] = half_ulp;
+        b[3] = half_ulp;
+        assert_eq!(reduce_quads(&b), 1.0 + f32::EPSILON);
+    }
+
+    fn case(rows: usize, cols: usize) -> (Vec<f32>, Vec<f32>) {
+        // Multiples of 1/64 in [-50/64, 50/64]: exact in f32, bf16 and f16 alike.
+        let w = (0..rows * cols)
+            .map(|i| ((i * 37 % 101) as f32 - 50.0) / 64.0)
+            .collect();
+        let x = (0..cols)
+            .map(|i| ((i * 13 % 17) as f32 - 8.0) / 8.0)
+            .collect();
+        (w, x)
+    }
+
+    /// A plain float64 product, for a loose sanity bound on the f32 orders (the bit-exact
+    /// check against MLX lives with the MLX-facing code in `dense` and `tests/host_matvec.rs`).
+    #[test]
+    fn f32_orders_are_close_to_a_float64_product() {
+        assert!(
+            available(),
+            "the host product needs AVX-512 and FMA, which this CPU lacks"
+        );
+        for (rows, cols) in [(7, 40), (37, 100), (64, 576), (1500, 960)] {
+            let (w, x) = case(rows, cols);
+            for ord in [Order::Lanes, Order::Panels(panels(cols))] {
+                for threads in [1, 2, 3] {
+                    let y = matvec(Weights::F32(&w), rows, cols, &x, &ord, threads).unwrap();
+                    for (r, v) in y.iter().enumerate() {
+                        let want: f64 = (0..cols)
+                            .map(|c| w[r * cols + c] as f64 * x[c] as f64)
+                            .sum();
+                        assert!((*v as f64 - want).abs() <= 1e-4 * (1.0 + want.abs()));
+                    }
+                }
+            }
+        }
+    }
+
+    /// 16-bit weights: every output equals a scalar left-to-right f32 sum, bit for bit.
+    #[test]
+    fn sixteen_bit_weights_sum_left_to_right() {
+        assert!(
+            available(),
+            "the host product needs AVX-512 and FMA, which this CPU lacks"
+        );
+        for (rows, cols) in [(7, 40), (37, 100), (64, 576), (301, 1001)] {
+            let (w, x) = case(rows, cols);
+            let bf: Vec<u16> = w.iter().map(|v| (v.to_bits() >> 16) as u16).collect();
+            let hf: Vec<u16> = w
+                .iter()
+                .map(|v| half::f16::from_f32(*v).to_bits())
+                .collect();
+            for (name, weights) in [("bf16", Weights::Bf16(&bf)), ("f16", Weights::F16(&hf))] {
+                let y = matvec(weights, rows, cols, &x, &Order::Sequential, 2).unwrap();
+                for (r, v) in y.iter().enumerate() {
+                    let mut want = 0.0f32;
+                    for c in 0..cols {
+                        want += w[r * cols + c] * x[c];
+                    }
+                    assert_eq!(v.to_bits(), want.to_bits(), "{name} row {r}");
+                }
+            }
+        }
+        let f = [0.0f32; 4];
+        assert!(matvec(Weights::F32(&f), 2, 2, &f[..2], &Order::Sequential, 1).is_err());
+    }
+}
