@@ -346,6 +346,44 @@ fn broken_models_are_refused_and_left_untouched() {
             "is not a tokenizer the tokenizers library can load",
         ],
     );
+    // Found by fuzzing: the tokenizers crate panicked on both (an `expect` in its decoder and
+    // `Precompiled` normalizer deserialization).
+    let m = s.model("tokenizer_key_not_utf8", |d| {
+        let path = d.join("tokenizer.json");
+        let b = std::fs::read(&path).unwrap();
+        let key = b"\"add_prefix_space\"";
+        let at = b.windows(9).position(|w| w == b"\"decoder\"").unwrap();
+        let at = at + b[at..].windows(key.len()).position(|w| w == key).unwrap();
+        let mut broken = b[..at].to_vec();
+        broken.extend_from_slice(b"\"a\xfe\xfedd_prefix_space\"");
+        broken.extend_from_slice(&b[at + key.len()..]);
+        std::fs::write(&path, broken).unwrap();
+    });
+    s.refuse_generate(
+        m.parent().unwrap(),
+        &m,
+        &[],
+        &[
+            "tokenizer.json",
+            "is not valid JSON",
+            "invalid unicode code point",
+        ],
+    );
+    let m = s.model("tokenizer_bad_precompiled", |d| {
+        edit_json(&d.join("tokenizer.json"), |t| {
+            t["normalizer"] = json!({"type": "Precompiled", "precompiled_charsmap": 5})
+        })
+    });
+    s.refuse_generate(
+        m.parent().unwrap(),
+        &m,
+        &[],
+        &[
+            "tokenizer.json",
+            "is not a tokenizer the tokenizers library can load",
+            "Precompiled",
+        ],
+    );
     let m = s.model("bad_tokenizer_config", |d| {
         std::fs::write(d.join("tokenizer_config.json"), "{bad").unwrap()
     });
@@ -433,7 +471,7 @@ fn broken_models_are_refused_and_left_untouched() {
         b"",
         &["is not supported", "`model_type` is missing"],
     );
-    assert_eq!(s.count, 26);
+    assert_eq!(s.count, 28);
 }
 
 #[test]

@@ -3,6 +3,7 @@
 pub mod attend;
 pub mod cache;
 pub mod chat_template;
+pub mod contain;
 pub mod detokenizer;
 pub mod divergence;
 pub mod error;

@@ -76,9 +76,11 @@ impl Tokenizer {
         };
         // Both parses of the file are the longest step of start-up once weights load fast,
         // so they run side by side; a JSON error is reported first (it names the real fault).
+        // The tokenizers crate panics on some malformed files instead of returning an error;
+        // `contain` turns that into one (reported after a JSON error, if any).
         let (tok_json, inner) = std::thread::scope(|s| {
             let json = s.spawn(|| serde_json::from_slice::<Json>(&bytes));
-            let inner = tokenizers::Tokenizer::from_bytes(&bytes);
+            let inner = super::contain::contain(|| tokenizers::Tokenizer::from_bytes(&bytes));
             (json.join(), inner)
         });
         let tok_json: Json = tok_json
@@ -89,15 +91,18 @@ impl Tokenizer {
                     format!("is not valid JSON ({e}); re-download the model's tokenizer files"),
                 )
             })?;
-        let mut inner = inner.map_err(|e| {
-            EngineError::file(
-                &tok_path,
-                format!(
+        let mut inner = inner
+            .map_err(|panic| format!("its parser failed: {panic}"))
+            .and_then(|r| r.map_err(|e| e.to_string()))
+            .map_err(|e| {
+                EngineError::file(
+                    &tok_path,
+                    format!(
                     "is not a tokenizer the tokenizers library can load ({e}); re-download it or \
                      re-save it with a current transformers"
                 ),
-            )
-        })?;
+                )
+            })?;
         // transformers encodes with truncation and padding switched off whatever the file says.
         inner.with_truncation(None).map_err(|e| {
             EngineError::file(&tok_path, format!("has unusable truncation settings ({e})"))
