@@ -192,6 +192,12 @@ impl Suite {
     }
 
     /// `mlxb generate --model MODEL --prompt hi --max-tokens 2 EXTRA...` must be refused.
+    /// `generate` on the broken model `m` (a copy in its case directory) must refuse it.
+    fn refuse_model(&mut self, m: &Path, needles: &[&str]) {
+        let dir = m.parent().unwrap().to_path_buf();
+        self.refuse_generate(&dir, m, &[], needles);
+    }
+
     fn refuse_generate(&mut self, dir: &Path, model: &Path, extra: &[&str], needles: &[&str]) {
         let mut args = vec![
             "generate",
@@ -319,28 +325,16 @@ fn broken_models_are_refused_and_left_untouched() {
     let m = s.model("no_config", |d| {
         std::fs::remove_file(d.join("config.json")).unwrap()
     });
-    s.refuse_generate(
-        m.parent().unwrap(),
-        &m,
-        &[],
-        &["config.json", "cannot read config.json"],
-    );
+    s.refuse_model(&m, &["config.json", "cannot read config.json"]);
     let m = s.model("no_tokenizer", |d| {
         std::fs::remove_file(d.join("tokenizer.json")).unwrap()
     });
-    s.refuse_generate(
-        m.parent().unwrap(),
-        &m,
-        &[],
-        &["tokenizer.json", "is missing"],
-    );
+    s.refuse_model(&m, &["tokenizer.json", "is missing"]);
     let m = s.model("empty_tokenizer", |d| {
         std::fs::write(d.join("tokenizer.json"), "{}").unwrap()
     });
-    s.refuse_generate(
-        m.parent().unwrap(),
+    s.refuse_model(
         &m,
-        &[],
         &[
             "tokenizer.json",
             "is not a tokenizer the tokenizers library can load",
@@ -359,10 +353,8 @@ fn broken_models_are_refused_and_left_untouched() {
         broken.extend_from_slice(&b[at + key.len()..]);
         std::fs::write(&path, broken).unwrap();
     });
-    s.refuse_generate(
-        m.parent().unwrap(),
+    s.refuse_model(
         &m,
-        &[],
         &[
             "tokenizer.json",
             "is not valid JSON",
@@ -374,10 +366,8 @@ fn broken_models_are_refused_and_left_untouched() {
             t["normalizer"] = json!({"type": "Precompiled", "precompiled_charsmap": 5})
         })
     });
-    s.refuse_generate(
-        m.parent().unwrap(),
+    s.refuse_model(
         &m,
-        &[],
         &[
             "tokenizer.json",
             "is not a tokenizer the tokenizers library can load",
@@ -387,21 +377,14 @@ fn broken_models_are_refused_and_left_untouched() {
     let m = s.model("bad_tokenizer_config", |d| {
         std::fs::write(d.join("tokenizer_config.json"), "{bad").unwrap()
     });
-    s.refuse_generate(
-        m.parent().unwrap(),
-        &m,
-        &[],
-        &["tokenizer_config.json", "is not valid JSON"],
-    );
+    s.refuse_model(&m, &["tokenizer_config.json", "is not valid JSON"]);
     let m = s.model("broken_template", |d| {
         edit_json(&d.join("tokenizer_config.json"), |c| {
             c["chat_template"] = json!("{% for m in messages %}{{ m.content ")
         })
     });
-    s.refuse_generate(
-        m.parent().unwrap(),
+    s.refuse_model(
         &m,
-        &[],
         &[
             "tokenizer_config.json",
             "chat template that does not compile",
@@ -414,19 +397,12 @@ fn broken_models_are_refused_and_left_untouched() {
         b[..8].copy_from_slice(&(1u64 << 40).to_le_bytes());
         std::fs::write(st(d), b).unwrap();
     });
-    s.refuse_generate(
-        m.parent().unwrap(),
+    s.refuse_model(
         &m,
-        &[],
         &["model.safetensors", "header length points past the end"],
     );
     let m = s.model("three_bytes", |d| std::fs::write(st(d), b"abc").unwrap());
-    s.refuse_generate(
-        m.parent().unwrap(),
-        &m,
-        &[],
-        &["model.safetensors", "shorter than its 8-byte header"],
-    );
+    s.refuse_model(&m, &["model.safetensors", "shorter than its 8-byte header"]);
     let m = s.model("no_offsets", |d| {
         edit_safetensors_header(&st(d), |h| {
             h["model.norm.weight"]
@@ -435,10 +411,8 @@ fn broken_models_are_refused_and_left_untouched() {
                 .remove("data_offsets");
         })
     });
-    s.refuse_generate(
-        m.parent().unwrap(),
+    s.refuse_model(
         &m,
-        &[],
         &[
             "model.safetensors",
             "`model.norm.weight` has no data_offsets",
@@ -447,21 +421,11 @@ fn broken_models_are_refused_and_left_untouched() {
     let m = s.model("unknown_dtype", |d| {
         edit_safetensors_header(&st(d), |h| h["model.norm.weight"]["dtype"] = json!("Q7"))
     });
-    s.refuse_generate(
-        m.parent().unwrap(),
-        &m,
-        &[],
-        &["model.safetensors", "unsupported dtype Q7"],
-    );
+    s.refuse_model(&m, &["model.safetensors", "unsupported dtype Q7"]);
     let m = s.model("shape_vs_offsets", |d| {
         edit_safetensors_header(&st(d), |h| h["model.norm.weight"]["shape"] = json!([3, 3]))
     });
-    s.refuse_generate(
-        m.parent().unwrap(),
-        &m,
-        &[],
-        &["model.safetensors", "invalid data offsets"],
-    );
+    s.refuse_model(&m, &["model.safetensors", "invalid data offsets"]);
     let m = s.model("models_cmd", |d| {
         std::fs::write(d.join("config.json"), "[]").unwrap()
     });
