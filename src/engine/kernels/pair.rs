@@ -34,6 +34,8 @@ struct Helper {
     done: AtomicUsize,
     /// Whether the helper is (about to be) parked.
     parked: AtomicBool,
+    /// Whether the last job panicked (the poster re-raises it).
+    failed: AtomicBool,
 }
 
 fn helper() -> Option<&'static Helper> {
@@ -52,6 +54,7 @@ fn helper() -> Option<&'static Helper> {
                     posted: AtomicUsize::new(0),
                     done: AtomicUsize::new(0),
                     parked: AtomicBool::new(false),
+                    failed: AtomicBool::new(false),
                 }));
                 let _ = tx.send(me);
                 serve(me);
@@ -83,7 +86,9 @@ fn serve(me: &'static Helper) {
         // SAFETY: see `Slot`; the poster keeps the closure alive until `done` reaches `seen`.
         if let Some(job) = unsafe { *me.job.0.get() } {
             let job = unsafe { &*job };
-            job();
+            // A panicking job must still be marked done, or its poster would wait for ever.
+            let ok = std::panic::catch_unwind(std::panic::AssertUnwindSafe(job)).is_ok();
+            me.failed.store(!ok, Ordering::Relaxed);
         }
         me.done.store(seen, Ordering::Release);
     }
@@ -122,8 +127,12 @@ pub fn both(first: impl FnOnce(), second: &(dyn Fn() + Sync)) {
             }
         }
     }
-    let _wait = Wait(h, ticket);
+    let wait = Wait(h, ticket);
     first();
+    drop(wait);
+    if h.failed.load(Ordering::Relaxed) {
+        panic!("the helper thread's half of a host product panicked");
+    }
 }
 
 #[cfg(test)]
@@ -150,5 +159,16 @@ mod tests {
                 std::thread::sleep(IDLE_BEFORE_PARK * 2);
             }
         }
+    }
+
+    #[test]
+    fn a_panicking_half_is_re_raised_and_the_helper_keeps_serving() {
+        let r = std::panic::catch_unwind(|| both(|| {}, &|| panic!("second half")));
+        assert!(r.is_err());
+        let b = AtomicUsize::new(0);
+        both(|| {}, &|| {
+            b.fetch_add(1, Ordering::Relaxed);
+        });
+        assert_eq!(b.load(Ordering::Relaxed), 1);
     }
 }
