@@ -20,15 +20,16 @@ ALL=(safetensors_header model_config gguf_header gguf_quant tokenizer_files dspa
 TARGETS=("$@")
 [ ${#TARGETS[@]} -gt 0 ] || TARGETS=("${ALL[@]}")
 PY=.venv/bin/python
-export RUSTC_BOOTSTRAP=1
 # The fuzz binaries are not given mlxb's rpath (build.rs only links mlxb's own targets).
 LD_LIBRARY_PATH="$($PY -c 'import mlx, os; print(os.path.join(list(mlx.__path__)[0], "lib"))')${LD_LIBRARY_PATH:+:$LD_LIBRARY_PATH}"
 export LD_LIBRARY_PATH
 
 # FUZZ_NO_BUILD=1 reuses the binaries already built (e.g. several runs in parallel).
 if [ -z "${FUZZ_NO_BUILD:-}" ]; then
+  # mlxb itself without RUSTC_BOOTSTRAP: cargo fingerprints it, and setting it here would
+  # rebuild target/release from scratch (and again for the next plain `cargo build`).
   cargo build --release --bin mlxb
-  nice -n 10 cargo fuzz build --fuzz-dir fuzz -O
+  RUSTC_BOOTSTRAP=1 nice -n 10 cargo fuzz build --fuzz-dir fuzz -O
 fi
 
 # ---- seed corpora -------------------------------------------------------------------------
