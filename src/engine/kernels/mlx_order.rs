@@ -93,7 +93,10 @@ impl Weights<'_> {
     }
 }
 
-/// The GEMM driver's cut of `depth` into panels.
+/// The GEMM driver's cut of `depth` into panels, as its threaded form makes it (the one a
+/// single-token product deep enough to be cut at all runs on: M·N·K is then past OpenBLAS's
+/// threading threshold). The single-threaded form rounds a halved remainder up to a multiple
+/// of 16 instead, which differs for some depths; the load-time check catches that case.
 pub fn panels(depth: usize) -> Vec<usize> {
     let mut out = Vec::new();
     let mut left = depth;
@@ -130,8 +133,8 @@ pub fn available() -> bool {
 /// `y = x · Wᵀ` for one token in f32: `w` is `rows × cols` row-major, `x` has `cols` values
 /// (the 16-bit token widened exactly). With `threads` ≥ 2 the rows are split in two, the
 /// second half on the [`pair`] helper; the split never changes a bit (each output is summed
-/// alone). Errors when the CPU lacks the kernels,
-/// the order does not fit the dtype, or the lengths disagree.
+/// alone). Errors when the CPU lacks the kernels, the order does not fit the dtype, or the
+/// lengths disagree.
 pub fn matvec(
     w: Weights<'_>,
     rows: usize,
