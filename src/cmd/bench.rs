@@ -130,12 +130,12 @@ pub fn plan_tests(args: &BenchArgs) -> anyhow::Result<Vec<TestSpec>> {
 }
 
 /// `--matrix` compares against L1 by itself; flags that would change either side are refused.
-fn check_matrix_args(args: &BenchArgs) -> Result<(), EngineError> {
+fn check_matrix_args(args: &BenchArgs, drafter: bool) -> Result<(), EngineError> {
     let clash = if args.forks.tier.is_some() || !args.forks.explicit.is_empty() {
         Some("fork and tier flags")
     } else if args.baseline.is_some() {
         Some("--baseline")
-    } else if args.spec.options().is_some() {
+    } else if drafter {
         Some("drafter flags")
     } else {
         None
@@ -173,9 +173,9 @@ fn observer(tui: bool, total: usize) -> Box<dyn Observer> {
 /// Entry point of `mlxb bench`.
 pub fn run(args: BenchArgs) -> anyhow::Result<()> {
     let tests = plan_tests(&args)?;
-    args.spec.check()?;
+    let spec = args.spec.options()?;
     if args.matrix {
-        check_matrix_args(&args)?;
+        check_matrix_args(&args, spec.is_some())?;
     }
     let dir = resolve_model(args.model.as_deref())?;
     let (mut session, _) = open_session(&dir, &args.forks)?;
@@ -197,7 +197,7 @@ pub fn run(args: BenchArgs) -> anyhow::Result<()> {
             tests,
             repetitions: args.repetitions,
             baseline: args.baseline.is_some(),
-            spec: args.spec.options(),
+            spec,
             prefill_step_size: args.prefill_step_size,
         };
         let mut view = observer(args.tui, plan.total_reps());

@@ -174,7 +174,7 @@ pub struct SpecArgs {
 impl SpecArgs {
     /// Refuses drafter flags that contradict each other (`--drafter D --draft-kind ngram`
     /// would otherwise drop one of them silently), naming both flags.
-    pub fn check(&self) -> Result<(), crate::engine::error::EngineError> {
+    fn check(&self) -> Result<(), crate::engine::error::EngineError> {
         let name = |k: DraftKind| {
             clap::ValueEnum::to_possible_value(&k).map_or_else(String::new, |v| v.get_name().into())
         };
@@ -190,7 +190,7 @@ impl SpecArgs {
             )),
             _ => None,
         };
-        let kind = self.options().map(|o| o.kind);
+        let kind = self.unchecked_options().map(|o| o.kind);
         let clash = clash.or_else(|| {
             (self.draft_layers.is_some() && kind != Some(DraftKind::SelfLayers)).then(|| {
                 format!(
@@ -207,8 +207,14 @@ impl SpecArgs {
         }
     }
 
-    /// The drafter options, or `None` when no drafter was asked for.
-    pub fn options(&self) -> Option<SpecOptions> {
+    /// The drafter options, or `None` when no drafter was asked for; contradictory drafter
+    /// flags are an input error (every command that takes them goes through here).
+    pub fn options(&self) -> Result<Option<SpecOptions>, crate::engine::error::EngineError> {
+        self.check()?;
+        Ok(self.unchecked_options())
+    }
+
+    fn unchecked_options(&self) -> Option<SpecOptions> {
         let kind = self.draft_kind.or(if self.drafter.is_some() {
             Some(DraftKind::Dspark)
         } else if self.draft_model.is_some() {

@@ -85,11 +85,10 @@ pub fn footer(stats: &GenerationStats) -> String {
 
 /// Entry point of `mlxb generate`.
 pub fn run(args: GenerateArgs) -> anyhow::Result<()> {
-    args.spec.check()?;
+    let spec_opts = args.spec.options()?;
     let dir = resolve_model(args.model.model.as_deref())?;
     let (mut session, forks) = open_session(&dir, &args.forks)?;
     let prompt_ids = prompt_ids(&args, &session)?;
-    let spec_opts = args.spec.options();
     if args.spec_trace.is_some() && spec_opts.is_none() {
         return Err(EngineError::Input(
             "--spec-trace records speculative rounds; give a drafter (--drafter, --draft-model, --draft-kind, --draft-layers)".into(),

@@ -58,8 +58,7 @@ pub(crate) fn prompt_bar(prompts: usize, what: &str) -> ProgressBar {
 /// The drafter options: a drafter is required; `--temp > 0` verifies by rejection sampling
 /// unless `--spec-verify` says otherwise.
 fn spec_options(args: &MeasureArgs) -> anyhow::Result<SpecOptions> {
-    args.spec.check()?;
-    let mut opts = args.spec.options().ok_or_else(|| {
+    let mut opts = args.spec.options()?.ok_or_else(|| {
         EngineError::Input(
             "measure compares a drafter with vanilla decoding; give one (--drafter, --draft-kind ngram|self|model, --draft-model, --draft-layers)".into(),
         )

@@ -68,8 +68,7 @@ pub fn run(args: ServeArgs) -> anyhow::Result<()> {
     }
     // Refuse a remote --host before a first run spends time fetching the model.
     crate::server::bind::check_host(&args.host, args.allow_remote)?;
-    args.spec.check()?;
-    let spec = args.spec.options();
+    let spec = args.spec.options()?;
     if let Some(opts) = &spec {
         opts.validate()?;
     }
