@@ -9,6 +9,7 @@
 //! the rest of the process; only speed is lost.
 
 use super::host::HostSlice;
+use super::lock;
 use super::mlx_order::{self, Order, Weights};
 use crate::engine::error::{EngineError, Result};
 use mlx_rs::{ops, Array, Dtype};
@@ -128,12 +129,9 @@ impl HostDense {
     /// Compares the host product with MLX's on two fixed inputs, once per weight shape, dtype
     /// and order.
     fn matches_mlx(&self) -> Result<bool> {
-        type Verdicts = Mutex<HashMap<(usize, usize, Dtype, Order), bool>>;
-        static VERDICTS: OnceLock<Verdicts> = OnceLock::new();
-        let verdicts = VERDICTS.get_or_init(Default::default);
         let dtype = self.array.dtype();
         let key = (self.rows, self.cols, dtype, self.order.clone());
-        if let Some(v) = lock(verdicts).get(&key) {
+        if let Some(v) = lock(verdicts()).get(&key) {
             return Ok(*v);
         }
         let mut same = true;
@@ -148,10 +146,7 @@ impl HostDense {
             let theirs = ops::matmul(&x, self.array.t())?;
             same &= bits(&ours)? == bits(&theirs)?;
         }
-        if !same {
-            lock(refused()).push((self.rows, self.cols));
-        }
-        lock(verdicts).insert(key, same);
+        lock(verdicts()).insert(key, same);
         Ok(same)
     }
 }
@@ -173,19 +168,25 @@ fn bits(a: &Array) -> Result<Vec<u32>> {
     Ok(s.iter().map(|v| v.to_bits()).collect())
 }
 
-fn lock<T>(m: &Mutex<T>) -> std::sync::MutexGuard<'_, T> {
-    m.lock().unwrap_or_else(|poisoned| poisoned.into_inner())
-}
+/// The check's verdict per `(rows, cols, dtype, order)`, for this process.
+type Verdicts = Mutex<HashMap<(usize, usize, Dtype, Order), bool>>;
 
-fn refused() -> &'static Mutex<Vec<(usize, usize)>> {
-    static REFUSED: OnceLock<Mutex<Vec<(usize, usize)>>> = OnceLock::new();
-    REFUSED.get_or_init(Default::default)
+fn verdicts() -> &'static Verdicts {
+    static VERDICTS: OnceLock<Verdicts> = OnceLock::new();
+    VERDICTS.get_or_init(Default::default)
 }
 
 /// `(rows, cols)` weight shapes whose host product differed from MLX's in this process (they
 /// run on MLX); empty where MLX sums as [`mlx_order`] expects.
 pub fn refused_shapes() -> Vec<(usize, usize)> {
-    lock(refused()).clone()
+    let mut shapes: Vec<_> = lock(verdicts())
+        .iter()
+        .filter(|(_, same)| !**same)
+        .map(|((rows, cols, ..), _)| (*rows, *cols))
+        .collect();
+    shapes.sort_unstable();
+    shapes.dedup();
+    shapes
 }
 
 /// A fixed input with a wide spread of magnitudes and signs (so rounding differences show).

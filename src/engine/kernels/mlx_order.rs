@@ -177,7 +177,7 @@ pub fn matvec(
         pair::both(
             || rows_into(w, rows, cols, x, order, 0..split, low),
             &|| {
-                let mut out = high.lock().unwrap_or_else(|p| p.into_inner());
+                let mut out = super::lock(&high);
                 rows_into(w, rows, cols, x, order, split..rows, &mut out);
             },
         );

@@ -28,3 +28,10 @@ pub use host::{host_calls, HostQuant, HostQuantCell};
 pub use step::{host_steps, HostDecoder, HostLayer, PastKv, StepOut, StepPlan};
 pub use vecops::{HeadShape, HostRope};
 pub use vnni::Int8Input;
+
+/// A mutex guard even if a holder panicked: the kernels' mutexes guard values every holder
+/// leaves consistent (one insert, one slice handed over), so a panic elsewhere must not make
+/// the next product fail.
+pub(crate) fn lock<T>(m: &std::sync::Mutex<T>) -> std::sync::MutexGuard<'_, T> {
+    m.lock().unwrap_or_else(|poisoned| poisoned.into_inner())
+}

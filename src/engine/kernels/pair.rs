@@ -104,7 +104,7 @@ pub fn both(first: impl FnOnce(), second: &(dyn Fn() + Sync)) {
         return;
     };
     // One poster at a time (the engine has one MLX thread; tests may run several).
-    let _guard = POSTER.lock().unwrap_or_else(|p| p.into_inner());
+    let _guard = super::lock(&POSTER);
     // SAFETY: lifetime erased; this function does not return before the helper finished it.
     let job: Job = unsafe { std::mem::transmute::<&(dyn Fn() + Sync), Job>(second) };
     unsafe { *h.job.0.get() = Some(job) };
