@@ -4,7 +4,7 @@ use super::common::{ModelArgs, PromptArgs, SamplingArgs, SpecArgs};
 use super::flags::{open_session, ForkArgs};
 use crate::engine::error::EngineError;
 use crate::engine::generate::{Flow, GenerationStats};
-use crate::engine::session::{resolve_model, Session};
+use crate::engine::session::{resolve_model, trace_startup, Session};
 use crate::engine::text::{generate_text_traced, DraftPlan, TextEvent};
 use crate::spec::dspark::drafter::PruneMode;
 use crate::spec::metrics::SpecMetrics;
@@ -89,6 +89,7 @@ pub fn run(args: GenerateArgs) -> anyhow::Result<()> {
     let dir = resolve_model(args.model.model.as_deref())?;
     let (mut session, forks) = open_session(&dir, &args.forks)?;
     let prompt_ids = prompt_ids(&args, &session)?;
+    trace_startup("prompt tokenized");
     if args.spec_trace.is_some() && spec_opts.is_none() {
         return Err(EngineError::Input(
             "--spec-trace records speculative rounds; give a drafter (--drafter, --draft-model, --draft-kind, --draft-layers)".into(),
@@ -128,6 +129,9 @@ pub fn run(args: GenerateArgs) -> anyhow::Result<()> {
             TextEvent::Tail(text) => text,
         };
         if stream && !seg.is_empty() {
+            if matches!(event, TextEvent::Token { step, .. } if step.index == 0) {
+                trace_startup("first token out");
+            }
             let _ = write!(stdout, "{seg}");
             let _ = stdout.flush();
         }

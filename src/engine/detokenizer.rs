@@ -13,9 +13,9 @@ pub(crate) enum DetokKind {
     /// `NaiveStreamingDetokenizer`: re-decode the pending ids with the full tokenizer.
     Naive { clean_spaces: bool },
     /// `SPMStreamingDetokenizer`: token bytes with `▁` as space, byte-fallback tokens as bytes.
-    Spm { trim_space: bool, map: Vec<Vec<u8>> },
+    Spm { trim_space: bool },
     /// `BPEStreamingDetokenizer`: GPT-2 byte-level token strings.
-    Bpe { map: Vec<Option<String>> },
+    Bpe,
 }
 
 impl DetokKind {
@@ -32,25 +32,13 @@ impl DetokKind {
         }
         let spm = serde_json::json!({"type": "Sequence", "decoders": with_strip});
         let spm_no_space = serde_json::json!({"type": "Sequence", "decoders": spm_steps});
-        let n = tok.vocab_len() as u32;
+        // mlx-lm builds a token map over the whole vocabulary up front; each token is looked up
+        // when it is generated instead (the same strings, without ~50k allocations at start-up).
         match decoder {
-            Some(d) if *d == spm || *d == spm_no_space => {
-                let map = (0..n)
-                    .map(|id| match tok.id_to_token(id) {
-                        Some(t) => spm_token_bytes(&t),
-                        None => Vec::new(),
-                    })
-                    .collect();
-                DetokKind::Spm {
-                    trim_space: *d == spm,
-                    map,
-                }
-            }
-            Some(d) if d.get("type").and_then(Json::as_str) == Some("ByteLevel") => {
-                DetokKind::Bpe {
-                    map: (0..n).map(|id| tok.id_to_token(id)).collect(),
-                }
-            }
+            Some(d) if *d == spm || *d == spm_no_space => DetokKind::Spm {
+                trim_space: *d == spm,
+            },
+            Some(d) if d.get("type").and_then(Json::as_str) == Some("ByteLevel") => DetokKind::Bpe,
             _ => {
                 // mlx-lm probes whether decode drops the space before punctuation.
                 let clean_spaces = tok
@@ -68,7 +56,7 @@ impl DetokKind {
         match self {
             DetokKind::Naive { .. } => "NaiveStreamingDetokenizer",
             DetokKind::Spm { .. } => "SPMStreamingDetokenizer",
-            DetokKind::Bpe { .. } => "BPEStreamingDetokenizer",
+            DetokKind::Bpe => "BPEStreamingDetokenizer",
         }
     }
 }
@@ -163,7 +151,7 @@ impl<'a> StreamingDetokenizer<'a> {
             DetokKind::Spm { .. } => DetokState::Spm {
                 unflushed: Vec::new(),
             },
-            DetokKind::Bpe { .. } => DetokState::Bpe {
+            DetokKind::Bpe => DetokState::Bpe {
                 unflushed: String::new(),
             },
         };
@@ -183,20 +171,19 @@ impl<'a> StreamingDetokenizer<'a> {
         match &mut self.state {
             DetokState::Naive { current_tokens, .. } => current_tokens.push(id),
             DetokState::Spm { unflushed } => {
-                if let DetokKind::Spm { map, .. } = self.tok.detok() {
-                    if let Some(bytes) = map.get(id as usize) {
-                        unflushed.extend_from_slice(bytes);
-                    }
+                if let Some(t) = self.tok.id_to_token(id) {
+                    unflushed.extend_from_slice(&spm_token_bytes(&t));
                 }
                 self.spm_flush(false);
             }
             DetokState::Bpe { unflushed } => {
-                let v: &str = match self.tok.detok() {
-                    DetokKind::Bpe { map } => match map.get(id as usize) {
-                        Some(t) => t.as_deref().unwrap_or(""),
-                        None => "!",
-                    },
-                    _ => "",
+                // mlx-lm's map has `None` (decoded as "") for unassigned ids and raises for ids
+                // past the vocabulary; "!" stands in for the latter.
+                let token = self.tok.id_to_token(id);
+                let v = match &token {
+                    Some(t) => t.as_str(),
+                    None if (id as usize) < self.tok.vocab_len() => "",
+                    None => "!",
                 };
                 unflushed.push_str(v);
                 let text = bpe_decode_bytes(unflushed);

@@ -201,6 +201,12 @@ pub static FORKS: &[Fork] = &[
         help: "CPU backend: single-token products through dense f32/bf16/f16 layers run on the host (both cores, weights read in place) summed in the exact order MLX's CPU matmul sums them (OpenBLAS's order for f32, MLX's own for 16-bit), so bit-identical; each weight shape is compared with MLX at first use and stays on MLX if it differs; not under --compiled-decode",
     },
     Fork {
+        name: "host-activations",
+        domain: Domain::Choices(ON_OFF_EXACT),
+        defaults: ["on", "on", "on"],
+        help: "CPU backend: the SwiGLU of f32 llama-family MLPs runs on the host (AVX-512) computing MLX's own CPU sigmoid (its polynomial exp) operation for operation, so bit-identical (MLX's kernel is one scalar lane on x86: ~1/4 of a prompt's time); compared with MLX once per process and left to MLX if it differs; not under --compiled-decode",
+    },
+    Fork {
         name: "fused-decode",
         domain: Domain::Choices(&[
             keep("off", Tier::L1, Output::Identical),
@@ -292,6 +298,8 @@ pub struct Forks {
     pub fused_decode: bool,
     /// Dense single-token products on the host in MLX's own summation order (bit-exact).
     pub host_matvec: bool,
+    /// f32 SwiGLU on the host, operation for operation as MLX's CPU kernel (bit-exact).
+    pub host_activations: bool,
 }
 
 impl Default for Forks {
@@ -349,6 +357,7 @@ impl Forks {
             perf_kernel: on("perf-kernel"),
             fused_decode: on("fused-decode"),
             host_matvec: on("host-matvec"),
+            host_activations: on("host-activations"),
         }
     }
 
@@ -372,6 +381,7 @@ impl Forks {
                 "perf-kernel" => on(self.perf_kernel),
                 "fused-decode" => on(self.fused_decode),
                 "host-matvec" => on(self.host_matvec),
+                "host-activations" => on(self.host_activations),
                 other => format!("<no field for {other}>"),
             })
             .collect()
@@ -388,6 +398,14 @@ impl Forks {
     /// compiled steps.
     pub fn host_dense(&self) -> bool {
         self.host_matvec
+            && !self.compiled_decode
+            && super::runtime::backend() == super::runtime::Backend::Cpu
+    }
+
+    /// Whether f32 SwiGLU runs on the host ([`crate::engine::kernels::activation`]):
+    /// `--host-activations on` on the CPU backend, except inside compiled steps.
+    pub fn host_act(&self) -> bool {
+        self.host_activations
             && !self.compiled_decode
             && super::runtime::backend() == super::runtime::Backend::Cpu
     }

@@ -285,6 +285,13 @@ impl<'a> Generator<'a> {
         Ok((sampled, logprobs.squeeze_axes(&[0])?))
     }
 
+    /// Builds the step that feeds `y` and starts evaluating it without waiting.
+    fn queue_step(&mut self, y: &Array) -> Result<(Array, Array)> {
+        let (ny, nl) = self.step(y)?;
+        async_eval([&ny, &nl])?;
+        Ok((ny, nl))
+    }
+
     /// Runs the prompt then generates, calling `on_token` for each token until it returns
     /// [`Flow::Stop`] or `max_tokens` tokens were produced. Returns the timings and, with a
     /// drafter attached, its acceptance metrics.
@@ -316,7 +323,9 @@ impl<'a> Generator<'a> {
             memory::clear_cache()?;
         }
         let last = Array::from_slice(rest, &[rest.len() as i32]);
-        let (mut y, mut logprobs) = self.step(&last)?;
+        // The first token on MLX alone: its graph stays lazy and the host kernels' first-use
+        // checks wait for the second token (same bits either way).
+        let (mut y, mut logprobs) = super::kernels::mlx_only(|| self.step(&last))?;
         async_eval([&y, &logprobs])?;
 
         let mut stats = GenerationStats {
@@ -329,24 +338,22 @@ impl<'a> Generator<'a> {
             let first = y.try_item_cast::<u32>()?;
             return self.run_speculative(prompt, first, logprobs, cfg, stats, &mut on_token);
         }
-        let mut first_token_at = start;
+        eval([&y])?;
+        super::session::trace_startup("first token computed");
+        let first_token_at = Instant::now();
+        stats.prompt_time = first_token_at - start;
         let mut n = 0usize;
-        loop {
-            let next = if n != cfg.max_tokens {
-                let (ny, nl) = self.step(&y)?;
-                async_eval([&ny, &nl])?;
-                Some((ny, nl))
+        while n < cfg.max_tokens {
+            // Step n+1 is queued before token n is handed out, so the consumer's work overlaps
+            // the model's. Not for the first token (it goes out the moment it exists: with the
+            // host mat-vec a queued step runs at once, delaying it by a whole step) nor for the
+            // last one (a step whose token would never be emitted).
+            let wanted = n + 1 < cfg.max_tokens;
+            let mut next = if n > 0 && wanted {
+                Some(self.queue_step(&y)?)
             } else {
                 None
             };
-            if n == 0 {
-                eval([&y])?;
-                first_token_at = Instant::now();
-                stats.prompt_time = first_token_at - start;
-            }
-            if n == cfg.max_tokens {
-                break;
-            }
             let token: u32 = y.try_item_cast::<u32>()?;
             stats.generation_tokens += 1;
             let flow = on_token(&Step {
@@ -354,15 +361,16 @@ impl<'a> Generator<'a> {
                 token,
                 logprobs: logprobs.clone(),
             })?;
-            if flow == Flow::Stop {
+            if flow == Flow::Stop || !wanted {
                 break;
             }
             if n.is_multiple_of(256) {
                 memory::clear_cache()?;
             }
-            let Some((ny, nl)) = next else { break };
-            y = ny;
-            logprobs = nl;
+            (y, logprobs) = match next.take() {
+                Some(queued) => queued,
+                None => self.queue_step(&y)?,
+            };
             n += 1;
         }
         stats.generation_time = first_token_at.elapsed();

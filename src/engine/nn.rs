@@ -134,7 +134,9 @@ fn host_matmul(x: &Array, w: &LinearWeight, host: Option<&HostCell>) -> Result<O
             Some(h) => Ok(Some(h.forward(x)?)),
             None => Ok(None),
         },
-        (Some(HostCell::Dense(cell)), LinearWeight::Dense(weight)) if HostDense::takes(x) => {
+        (Some(HostCell::Dense(cell)), LinearWeight::Dense(weight))
+            if HostDense::takes(x) && super::kernels::host_allowed() =>
+        {
             match cell.get(weight)? {
                 Some(h) => h.forward(x),
                 None => Ok(None),

@@ -7,6 +7,7 @@
 
 use std::collections::{BTreeMap, BTreeSet};
 use std::path::Path;
+use std::sync::OnceLock;
 
 use serde_json::{Map, Value as Json};
 use tokenizers::models::ModelWrapper;
@@ -42,6 +43,17 @@ pub struct Tokenizer {
     has_thinking: bool,
     clean_up_spaces: bool,
     detok: DetokKind,
+    /// `len(tokenizer)`, computed on first use (the tokenizers crate builds the whole
+    /// vocabulary map to count it).
+    vocab_len: OnceLock<usize>,
+}
+
+/// What mlxb reads from tokenizer.json itself (the tokenizers crate reads the rest); parsing
+/// just this still checks the whole file's JSON syntax, without building the vocabulary.
+#[derive(serde::Deserialize)]
+struct TokenizerFile {
+    #[serde(default)]
+    decoder: Option<Json>,
 }
 
 impl std::fmt::Debug for Tokenizer {
@@ -79,11 +91,11 @@ impl Tokenizer {
         // The tokenizers crate panics on some malformed files instead of returning an error;
         // `contain` turns that into one (reported after a JSON error, if any).
         let (tok_json, inner) = std::thread::scope(|s| {
-            let json = s.spawn(|| serde_json::from_slice::<Json>(&bytes));
+            let json = s.spawn(|| serde_json::from_slice::<TokenizerFile>(&bytes));
             let inner = super::contain::contain(|| tokenizers::Tokenizer::from_bytes(&bytes));
             (json.join(), inner)
         });
-        let tok_json: Json = tok_json
+        let tok_file: TokenizerFile = tok_json
             .map_err(|_| EngineError::Runtime("the tokenizer.json parser thread panicked".into()))?
             .map_err(|e| {
                 EngineError::file(
@@ -277,8 +289,9 @@ impl Tokenizer {
             detok: DetokKind::Naive {
                 clean_spaces: false,
             },
+            vocab_len: OnceLock::new(),
         };
-        tokenizer.detok = DetokKind::pick(&tokenizer, tok_json.get("decoder"));
+        tokenizer.detok = DetokKind::pick(&tokenizer, tok_file.decoder.as_ref());
         Ok(tokenizer)
     }
 
@@ -349,7 +362,9 @@ impl Tokenizer {
 
     /// Vocabulary size including added tokens (`len(tokenizer)` in transformers).
     pub fn vocab_len(&self) -> usize {
-        self.inner.get_vocab_size(true)
+        *self
+            .vocab_len
+            .get_or_init(|| self.inner.get_vocab_size(true))
     }
 
     /// The token string for an id, for diagnostics and tests.

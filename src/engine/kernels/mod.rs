@@ -10,6 +10,7 @@
 //! and splits rows over threads, `host` moves arrays between MLX and host memory, `vecops`, `step`
 //! and `team` run a whole llama-style decode step on the host.
 
+pub mod activation;
 pub mod affine;
 pub mod dense;
 pub mod dispatch;
@@ -34,4 +35,29 @@ pub use vnni::Int8Input;
 /// the next product fail.
 pub(crate) fn lock<T>(m: &std::sync::Mutex<T>) -> std::sync::MutexGuard<'_, T> {
     m.lock().unwrap_or_else(|poisoned| poisoned.into_inner())
+}
+
+thread_local! {
+    /// Set while [`mlx_only`] runs: the L1 host kernels leave their work to MLX.
+    static MLX_ONLY: std::cell::Cell<bool> = const { std::cell::Cell::new(false) };
+}
+
+/// Runs `f` with the L1 host kernels (dense products, activations) off on this thread, so
+/// that its graph stays lazy on MLX. Same bits either way; used for the first token of a
+/// generation, which then goes out without waiting for the host kernels' first-use checks
+/// (they run at the next step instead).
+pub fn mlx_only<R>(f: impl FnOnce() -> R) -> R {
+    struct Restore(bool);
+    impl Drop for Restore {
+        fn drop(&mut self) {
+            MLX_ONLY.set(self.0);
+        }
+    }
+    let _restore = Restore(MLX_ONLY.replace(true));
+    f()
+}
+
+/// Whether the L1 host kernels may run on this thread now (see [`mlx_only`]).
+pub fn host_allowed() -> bool {
+    !MLX_ONLY.get()
 }

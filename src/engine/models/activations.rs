@@ -4,10 +4,15 @@
 //! call; [`CompiledOp`] is the one wrapper they share.
 
 use crate::engine::error::Result;
+use crate::engine::flags::Forks;
+use crate::engine::kernels::{self, activation};
 use mlx_rs::error::Exception;
 use mlx_rs::transforms::compile::compile;
+use mlx_rs::transforms::eval;
 use mlx_rs::{ops, Array, Dtype};
 use std::rc::Rc;
+use std::sync::atomic::{AtomicUsize, Ordering};
+use std::sync::OnceLock;
 
 /// A graph over arrays, as mlx-lm writes the body of a compiled function.
 pub type Graph = dyn Fn(&[Array]) -> std::result::Result<Vec<Array>, Exception>;
@@ -128,19 +133,105 @@ pub fn softcap_graph(x: &Array, cap: f64) -> std::result::Result<Array, Exceptio
     ops::tanh(x.divide(&c)?)?.multiply(&c)
 }
 
-/// The SwiGLU activation object mlx-lm's llama-family MLPs use.
-pub struct SwiGlu(CompiledOp);
+/// The SwiGLU activation object mlx-lm's llama-family MLPs use. Under `--host-activations on`
+/// f32 inputs take the host kernel ([`crate::engine::kernels::activation`]) once it has matched
+/// MLX's own kernel in this process.
+pub struct SwiGlu {
+    op: CompiledOp,
+    host: bool,
+}
 
 impl SwiGlu {
-    /// Compiles the activation (or keeps it eager when `compiled` is false; same bits on CPU).
-    pub fn new(compiled: bool) -> Self {
-        Self(swiglu(compiled))
+    /// The activation as `forks` ask: compiled like mlx-lm or eager (same bits on CPU), on the
+    /// host for f32 where [`Forks::host_act`] allows.
+    pub fn new(forks: &Forks) -> Self {
+        Self {
+            op: swiglu(forks.compiled_activations),
+            host: forks.host_act(),
+        }
     }
 
     /// Applies `silu(gate) * x`.
     pub fn apply(&mut self, gate: &Array, x: &Array) -> Result<Array> {
-        self.0.call1(&[gate.clone(), x.clone()])
+        if self.host && kernels::host_allowed() {
+            if let Some(y) = self.host_apply(gate, x)? {
+                return Ok(y);
+            }
+        }
+        self.op.call1(&[gate.clone(), x.clone()])
     }
+
+    /// The host kernel's result, or `None` for inputs it does not take (not f32, different
+    /// shapes, not contiguous) or when it differed from MLX's kernel in this process.
+    fn host_apply(&mut self, gate: &Array, x: &Array) -> Result<Option<Array>> {
+        if gate.dtype() != Dtype::Float32
+            || x.dtype() != Dtype::Float32
+            || gate.shape() != x.shape()
+            || !self.host_matches_mlx()?
+        {
+            return Ok(None);
+        }
+        eval([gate, x])?;
+        let (Ok(g), Ok(u)) = (gate.try_as_slice::<f32>(), x.try_as_slice::<f32>()) else {
+            return Ok(None);
+        };
+        let mut out = vec![0.0; g.len()];
+        activation::swiglu(g, u, &mut out);
+        HOST_SWIGLU_CALLS.fetch_add(1, Ordering::Relaxed);
+        Ok(Some(Array::from_slice(&out, gate.shape())))
+    }
+
+    /// Whether the host kernel gives MLX's bits on a fixed probe (values over every magnitude
+    /// an activation meets, both signs, the saturation points); decided once per process.
+    fn host_matches_mlx(&mut self) -> Result<bool> {
+        static VERDICT: OnceLock<bool> = OnceLock::new();
+        if let Some(v) = VERDICT.get() {
+            return Ok(*v);
+        }
+        let (gate, up) = swiglu_probe();
+        let mut ours = vec![0.0; gate.len()];
+        activation::swiglu(&gate, &up, &mut ours);
+        let n = gate.len() as i32;
+        let theirs = self
+            .op
+            .call1(&[Array::from_slice(&gate, &[n]), Array::from_slice(&up, &[n])])?;
+        let theirs = theirs.try_as_slice::<f32>().map_err(|e| {
+            crate::engine::error::EngineError::Runtime(format!(
+                "cannot read MLX's swiglu for the host check ({e})"
+            ))
+        })?;
+        let same = ours
+            .iter()
+            .zip(theirs)
+            .all(|(a, b)| a.to_bits() == b.to_bits());
+        Ok(*VERDICT.get_or_init(|| same))
+    }
+}
+
+/// The host check's input: every exponent an activation meets (2^-30 .. 2^8) with both signs,
+/// and the exp's saturation points.
+fn swiglu_probe() -> (Vec<f32>, Vec<f32>) {
+    let mut s = 0x853c_49e6_748f_ea9b_u64;
+    let mut next = || {
+        s ^= s << 13;
+        s ^= s >> 7;
+        s ^= s << 17;
+        let mant = 1.0 + (s >> 41) as f32 / (1u64 << 23) as f32;
+        let sign = if s & 1 == 0 { 1.0 } else { -1.0 };
+        sign * mant * 2f32.powi(((s >> 8) % 39) as i32 - 30)
+    };
+    let mut gate: Vec<f32> = (0..4096).map(|_| next()).collect();
+    gate.extend([0.0, -0.0, 88.0, -88.0, 61.0, -61.0, 0.5, -0.5]);
+    let up = (0..gate.len()).map(|_| next()).collect();
+    (gate, up)
+}
+
+static HOST_SWIGLU_CALLS: AtomicUsize = AtomicUsize::new(0);
+
+/// How many SwiGLUs the host kernel computed in this process (lets tests check that
+/// `--host-activations on` really took it).
+pub fn host_swiglu_calls() -> usize {
+    HOST_SWIGLU_CALLS.load(Ordering::Relaxed)
 }
 
 /// `nn.gelu_approx` as a reusable object.

@@ -128,7 +128,7 @@ pub fn build(spec: &ModelSpec, w: &mut WeightStore) -> Result<Box<dyn LanguageMo
         } else {
             Some(Linear::load(w, "lm_head", d, a.vocab_size, false)?)
         },
-        swiglu: SwiGlu::new(spec.forks.compiled_activations),
+        swiglu: SwiGlu::new(&spec.forks),
         sliding_window: a.sliding_window,
         vocab_size: a.vocab_size,
         host_step: HostStep::default(),

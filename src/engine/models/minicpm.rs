@@ -123,7 +123,7 @@ pub fn build(spec: &ModelSpec, w: &mut WeightStore) -> Result<Box<dyn LanguageMo
         layers,
         norm: RmsNorm::load(w, "model.norm", d, eps)?,
         head,
-        swiglu: SwiGlu::new(spec.forks.compiled_activations),
+        swiglu: SwiGlu::new(&spec.forks),
         scale_emb: a.scale_emb,
         residual_scale: a.scale_depth / (a.num_hidden_layers as f64).powf(0.5),
         vocab_size: a.vocab_size,

@@ -107,7 +107,7 @@ pub(super) fn build_decoder(
         } else {
             Some(Linear::load(w, "lm_head", d, c.vocab, false)?)
         },
-        swiglu: SwiGlu::new(spec.forks.compiled_activations),
+        swiglu: SwiGlu::new(&spec.forks),
         vocab_size: c.vocab,
     }))
 }

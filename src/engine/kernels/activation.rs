@@ -1,0 +1,223 @@
+//! SwiGLU (`silu(gate) * up`) for f32 on the host, computing exactly what MLX's CPU backend
+//! computes (`--host-activations on`, L1).
+//!
+//! MLX's CPU kernels on x86 are one lane wide (`simd/base_simd.h` has no x86 vectors), so its
+//! `sigmoid` runs a scalar polynomial `exp` with a libm `fmaf` call per coefficient: ~20 ns a
+//! value, a quarter of a SmolLM2 prompt's time. The same operations in 16 lanes give the same
+//! bits, because each one is a correctly rounded IEEE operation (multiply, add, divide, fused
+//! multiply-add, float→int truncation) or exact (`floor`, bit shifts, selects); the order and
+//! the constants follow `mlx/backend/cpu/simd/math.h` (`exp`) and `unary_ops.h` (`Sigmoid`) of
+//! the MLX build mlxb links. The MLX-facing side ([`crate::engine::models::activations`])
+//! still compares the result with MLX's own kernel once per process before using it.
+
+/// `1 / ln 2` as MLX writes it (`x * 1.442695f`; the same f32 as `std`'s `LOG2_E`, but the
+/// literal is MLX's).
+#[allow(clippy::approx_constant)]
+const LOG2_E: f32 = 1.442695;
+
+/// The polynomial for `2^f` on `f ∈ [-0.5, 0.5]`, highest power first (MLX's `exp`).
+const EXP2_POLY: [f32; 7] = [
+    1.535_336_2e-4,
+    1.339_887_4e-3,
+    9.618_437e-3,
+    5.550_332_5e-2,
+    2.402_264_8e-1,
+    6.931_472e-1,
+    1.0,
+];
+
+/// MLX CPU's `exp` (`simd::exp<float, 1>`), one value.
+pub fn exp_mlx(x: f32) -> f32 {
+    let t = x * LOG2_E;
+    // `floor(x + 0.5)` with `0.5` a double literal: the sum is formed exactly in f64.
+    let ipart = (f64::from(t) + 0.5).floor() as f32;
+    let fpart = t - ipart;
+    let mut p = EXP2_POLY[0];
+    for c in &EXP2_POLY[1..] {
+        p = p.mul_add(fpart, *c);
+    }
+    // `(int(ipart) + 127) << 23`, wrapping as the C++ does on x86 for the inputs that the
+    // selects below replace anyway (infinite or NaN `ipart`).
+    let epart = (ipart as i32).wrapping_add(127).wrapping_shl(23);
+    let mut result = f32::from_bits(epart as u32) * p;
+    if x.is_nan() {
+        result = x;
+    }
+    if x > 88.0 {
+        result = f32::INFINITY;
+    }
+    if x < -88.0 {
+        result = 0.0;
+    }
+    result
+}
+
+/// MLX CPU's `sigmoid`: `y = 1 / (1 + exp(|x|))`, then `y` for negative `x`, `1 - y` otherwise.
+pub fn sigmoid_mlx(x: f32) -> f32 {
+    let y = 1.0 / (1.0 + exp_mlx(x.abs()));
+    if x < 0.0 {
+        y
+    } else {
+        1.0 - y
+    }
+}
+
+/// `out[i] = (gate[i] * sigmoid(gate[i])) * up[i]`, mlx-lm's `swiglu` (`nn.silu(gate) * x`)
+/// as MLX's CPU backend evaluates it. All three slices must have the same length.
+pub fn swiglu(gate: &[f32], up: &[f32], out: &mut [f32]) {
+    assert!(
+        gate.len() == up.len() && up.len() == out.len(),
+        "swiglu: gate, up and out differ in length"
+    );
+    #[cfg(target_arch = "x86_64")]
+    if avx512_available() {
+        // SAFETY: the CPU has AVX-512F (checked); the lengths are equal (asserted).
+        unsafe { x86::swiglu(gate, up, out) };
+        return;
+    }
+    swiglu_scalar(gate, up, out);
+}
+
+/// The one-value-at-a-time form of [`swiglu`] (CPUs without AVX-512, and the tail of a row).
+pub fn swiglu_scalar(gate: &[f32], up: &[f32], out: &mut [f32]) {
+    for ((o, &g), &u) in out.iter_mut().zip(gate).zip(up) {
+        *o = (g * sigmoid_mlx(g)) * u;
+    }
+}
+
+/// Whether [`swiglu`] runs 16 lanes at a time here.
+pub fn avx512_available() -> bool {
+    #[cfg(target_arch = "x86_64")]
+    {
+        std::arch::is_x86_feature_detected!("avx512f")
+    }
+    #[cfg(not(target_arch = "x86_64"))]
+    {
+        false
+    }
+}
+
+#[cfg(target_arch = "x86_64")]
+mod x86 {
+    use super::{swiglu_scalar, EXP2_POLY, LOG2_E};
+    use std::arch::x86_64::*;
+
+    /// 16 lanes of `exp_mlx` for `x ≥ 0` or NaN (the sigmoid's `|x|`).
+    #[target_feature(enable = "avx512f")]
+    unsafe fn exp16(x: __m512) -> __m512 {
+        let t = _mm512_mul_ps(x, _mm512_set1_ps(LOG2_E));
+        // floor(t + 0.5) in exact arithmetic: floor(t), plus one when t's fraction (exact:
+        // t - floor(t) loses nothing for the finite t here) is at least one half.
+        let fl = _mm512_roundscale_ps::<{ _MM_FROUND_TO_NEG_INF | _MM_FROUND_NO_EXC }>(t);
+        let frac = _mm512_sub_ps(t, fl);
+        let up = _mm512_cmp_ps_mask::<_CMP_GE_OQ>(frac, _mm512_set1_ps(0.5));
+        let ipart = _mm512_mask_add_ps(fl, up, fl, _mm512_set1_ps(1.0));
+        let fpart = _mm512_sub_ps(t, ipart);
+        let mut p = _mm512_set1_ps(EXP2_POLY[0]);
+        for c in &EXP2_POLY[1..] {
+            p = _mm512_fmadd_ps(p, fpart, _mm512_set1_ps(*c));
+        }
+        let epart = _mm512_slli_epi32::<23>(_mm512_add_epi32(
+            _mm512_cvttps_epi32(ipart),
+            _mm512_set1_epi32(127),
+        ));
+        let mut r = _mm512_mul_ps(_mm512_castsi512_ps(epart), p);
+        let nan = _mm512_cmp_ps_mask::<_CMP_UNORD_Q>(x, x);
+        r = _mm512_mask_mov_ps(r, nan, x);
+        let big = _mm512_cmp_ps_mask::<_CMP_GT_OQ>(x, _mm512_set1_ps(88.0));
+        r = _mm512_mask_mov_ps(r, big, _mm512_set1_ps(f32::INFINITY));
+        let small = _mm512_cmp_ps_mask::<_CMP_LT_OQ>(x, _mm512_set1_ps(-88.0));
+        _mm512_mask_mov_ps(r, small, _mm512_setzero_ps())
+    }
+
+    /// 16 lanes of `(g * sigmoid(g)) * u`.
+    #[target_feature(enable = "avx512f")]
+    unsafe fn swiglu16(g: __m512, u: __m512) -> __m512 {
+        let one = _mm512_set1_ps(1.0);
+        let abs = _mm512_abs_ps(g);
+        let y = _mm512_div_ps(one, _mm512_add_ps(one, exp16(abs)));
+        let negative = _mm512_cmp_ps_mask::<_CMP_LT_OQ>(g, _mm512_setzero_ps());
+        let sig = _mm512_mask_mov_ps(_mm512_sub_ps(one, y), negative, y);
+        _mm512_mul_ps(_mm512_mul_ps(g, sig), u)
+    }
+
+    /// [`super::swiglu`] 16 values at a time; the last `len % 16` one at a time.
+    ///
+    /// # Safety
+    /// The CPU must have AVX-512F; `gate`, `up` and `out` must have the same length.
+    #[target_feature(enable = "avx512f")]
+    pub unsafe fn swiglu(gate: &[f32], up: &[f32], out: &mut [f32]) {
+        let full = gate.len() / 16 * 16;
+        for i in (0..full).step_by(16) {
+            let g = _mm512_loadu_ps(gate.as_ptr().add(i));
+            let u = _mm512_loadu_ps(up.as_ptr().add(i));
+            _mm512_storeu_ps(out.as_mut_ptr().add(i), swiglu16(g, u));
+        }
+        swiglu_scalar(&gate[full..], &up[full..], &mut out[full..]);
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    /// Bit patterns spread over every exponent, both signs, and the special values.
+    fn sweep() -> Vec<f32> {
+        let mut v: Vec<f32> = (0..1u32 << 20)
+            .map(|i| f32::from_bits(i.wrapping_mul(4099).wrapping_add(i >> 7)))
+            .collect();
+        v.extend([
+            0.0,
+            -0.0,
+            88.0,
+            -88.0,
+            88.000_01,
+            f32::INFINITY,
+            f32::NEG_INFINITY,
+        ]);
+        v.extend([
+            f32::MIN_POSITIVE,
+            1e-40,
+            -1e-40,
+            f32::MAX,
+            f32::MIN,
+            0.5,
+            -0.5,
+        ]);
+        v
+    }
+
+    #[test]
+    fn vector_form_equals_the_scalar_form_bit_for_bit() {
+        if !avx512_available() {
+            return;
+        }
+        let gate = sweep();
+        let up: Vec<f32> = gate.iter().rev().map(|x| x * 0.75 + 0.1).collect();
+        let mut scalar = vec![0.0; gate.len()];
+        let mut vector = vec![0.0; gate.len()];
+        swiglu_scalar(&gate, &up, &mut scalar);
+        swiglu(&gate, &up, &mut vector);
+        for (i, (s, v)) in scalar.iter().zip(&vector).enumerate() {
+            assert!(
+                s.to_bits() == v.to_bits() || (s.is_nan() && v.is_nan()),
+                "gate {} up {}: scalar {s:e} vector {v:e}",
+                gate[i],
+                up[i]
+            );
+        }
+    }
+
+    #[test]
+    fn exp_is_close_to_the_true_exp_and_saturates_like_mlx() {
+        for i in 0..2000 {
+            let x = i as f32 * 0.044 - 44.0;
+            let rel = (f64::from(exp_mlx(x)) / f64::from(x).exp() - 1.0).abs();
+            assert!(rel < 1e-5, "exp({x}) off by {rel}");
+        }
+        assert_eq!(exp_mlx(88.5), f32::INFINITY);
+        assert_eq!(exp_mlx(-88.5), 0.0);
+        assert!(exp_mlx(f32::NAN).is_nan());
+        assert_eq!(sigmoid_mlx(0.0), 0.5);
+    }
+}

@@ -1,0 +1,155 @@
+//! `--host-activations on` (an L1 default): f32 SwiGLU on the host, operation for operation as
+//! MLX's CPU kernel. Checked against MLX itself (the kernel mlx-lm runs on the same libmlx):
+//! - the sigmoid alone and the whole `silu(gate) * up`, compiled (as mlx-lm's `@mx.compile`)
+//!   and eager, over a strided sweep of every f32 bit pattern (`MLXB_SWEEP_STRIDE=1` sweeps
+//!   all 2^32 by hand, ~10 minutes);
+//! - tiny f32 llamas give the same logits with and without it and really take it; a bf16
+//!   model stays on MLX.
+//!
+//! End-to-end parity with mlx-lm under the defaults is `model_parity`'s job.
+
+mod common;
+
+use mlx_rs::{ops, Array, Dtype};
+use mlxb::engine::flags::Forks;
+use mlxb::engine::kernels::activation;
+use mlxb::engine::models::activations::{host_swiglu_calls, swiglu};
+use serde_json::json;
+
+/// The sweep's stride over the 2^32 bit patterns (prime, so every exponent and low-bit
+/// pattern is visited); `MLXB_SWEEP_STRIDE` overrides it.
+fn stride() -> u64 {
+    std::env::var("MLXB_SWEEP_STRIDE")
+        .ok()
+        .and_then(|s| s.parse().ok())
+        .unwrap_or(251)
+}
+
+/// Same bits, or both NaN (a NaN's payload is not a value).
+fn same(a: f32, b: f32) -> bool {
+    a.to_bits() == b.to_bits() || (a.is_nan() && b.is_nan())
+}
+
+/// Compares `host` with MLX's `mlx` over the sweep, chunk by chunk; returns values compared.
+fn sweep(what: &str, mut mlx: impl FnMut(&Array) -> Array, host: impl Fn(&[f32], &mut [f32])) {
+    let stride = stride();
+    let chunk = 1u64 << 22;
+    let mut start = 0u64;
+    let mut compared = 0usize;
+    while start < 1u64 << 32 {
+        let xs: Vec<f32> = (0..chunk)
+            .map(|i| start + i * stride)
+            .take_while(|&b| b < 1u64 << 32)
+            .map(|b| f32::from_bits(b as u32))
+            .collect();
+        if xs.is_empty() {
+            break;
+        }
+        let theirs = mlx(&Array::from_slice(&xs, &[xs.len() as i32]));
+        let theirs = theirs.as_slice::<f32>();
+        let mut ours = vec![0.0; xs.len()];
+        host(&xs, &mut ours);
+        for (i, x) in xs.iter().enumerate() {
+            assert!(
+                same(ours[i], theirs[i]),
+                "{what}({x:e} = {:#010x}): host {:e}, MLX {:e}",
+                x.to_bits(),
+                ours[i],
+                theirs[i]
+            );
+        }
+        compared += xs.len();
+        start += chunk * stride;
+    }
+    assert!(
+        compared as u64 >= (1u64 << 32) / stride,
+        "{what}: sweep too short"
+    );
+}
+
+#[test]
+fn sigmoid_equals_mlx_over_the_bit_pattern_sweep() {
+    sweep(
+        "sigmoid",
+        |x| ops::sigmoid(x).unwrap(),
+        |xs, out| {
+            for (o, &x) in out.iter_mut().zip(xs) {
+                *o = activation::sigmoid_mlx(x);
+            }
+        },
+    );
+}
+
+#[test]
+fn swiglu_equals_mlx_compiled_and_eager_over_the_sweep() {
+    assert!(
+        activation::avx512_available(),
+        "this CPU lacks AVX-512, so the vector form this suite checks does not run here"
+    );
+    for compiled in [true, false] {
+        let mut op = swiglu(compiled);
+        // `up` of 1 isolates silu; a second pass uses varied `up` values (the final product).
+        for up_of in [|_: f32| 1.0f32, |x: f32| 0.5 - x.abs().sqrt().min(3.0)] {
+            sweep(
+                &format!("swiglu (compiled {compiled})"),
+                |g| {
+                    let up = g
+                        .as_slice::<f32>()
+                        .iter()
+                        .map(|&x| up_of(x))
+                        .collect::<Vec<_>>();
+                    let up = Array::from_slice(&up, g.shape());
+                    op.call1(&[g.clone(), up]).unwrap()
+                },
+                |g, out| {
+                    let up: Vec<f32> = g.iter().map(|&x| up_of(x)).collect();
+                    activation::swiglu(g, &up, out);
+                },
+            );
+        }
+    }
+}
+
+#[test]
+fn tiny_f32_llama_takes_the_host_swiglu_with_the_same_logits() {
+    let dir = tempfile::tempdir().unwrap();
+    common::make_model(dir.path(), &common::tiny_llama(json!({})), "f32", None);
+    let on = Forks::default();
+    assert!(
+        on.host_activations,
+        "--host-activations is on by default in L1"
+    );
+    let off = Forks {
+        host_activations: false,
+        ..Forks::default()
+    };
+    let before = host_swiglu_calls();
+    let mut t = common::Twins::prefill(dir.path(), off, on, 23, 5);
+    let (la, lb) = t.prefill.clone();
+    assert_eq!(common::bits(&la), common::bits(&lb), "prefill logits");
+    let mut tok = 7;
+    for step in 0..8 {
+        let (pa, pb) = t.step(tok);
+        assert_eq!(common::bits(&pa), common::bits(&pb), "step {step} logits");
+        tok = (tok * 31 + step + 11) % 384;
+    }
+    // 4 layers, in the prompt and in each of the 8 steps.
+    let calls = host_swiglu_calls() - before;
+    assert!(calls >= 4 * 9, "the host SwiGLU ran {calls} times");
+}
+
+#[test]
+fn a_bf16_model_stays_on_mlx() {
+    let dir = tempfile::tempdir().unwrap();
+    common::make_model(dir.path(), &common::tiny_llama(json!({})), "bf16", None);
+    let mut m = mlxb::engine::models::load(dir.path(), Forks::default())
+        .unwrap()
+        .model;
+    let mut caches = m.make_caches();
+    let before = host_swiglu_calls();
+    let ids = Array::from_slice(&[1i32, 2, 3], &[1, 3]);
+    let logits = m.forward(&ids, &mut caches).unwrap();
+    assert_eq!(logits.dtype(), Dtype::Bfloat16);
+    logits.eval().unwrap();
+    assert_eq!(host_swiglu_calls(), before, "a bf16 SwiGLU ran on the host");
+}
