@@ -322,6 +322,7 @@ impl<'a> Generator<'a> {
             rest = &rest[n..];
             memory::clear_cache()?;
         }
+        super::session::trace_startup("prompt prefilled");
         let last = Array::from_slice(rest, &[rest.len() as i32]);
         // The first token on MLX alone: its graph stays lazy and the host kernels' first-use
         // checks wait for the second token (same bits either way).
