@@ -201,10 +201,10 @@ pub static FORKS: &[Fork] = &[
         help: "CPU backend: single-token products through dense f32/bf16/f16 layers run on the host (both cores, weights read in place) summed in the exact order MLX's CPU matmul sums them (OpenBLAS's order for f32, MLX's own for 16-bit), so bit-identical; each weight shape is compared with MLX at first use and stays on MLX if it differs; not under --compiled-decode",
     },
     Fork {
-        name: "host-activations",
+        name: "host-elementwise",
         domain: Domain::Choices(ON_OFF_EXACT),
         defaults: ["on", "on", "on"],
-        help: "CPU backend: the SwiGLU of f32 llama-family MLPs runs on the host (AVX-512) computing MLX's own CPU sigmoid (its polynomial exp) operation for operation, so bit-identical (MLX's kernel is one scalar lane on x86: ~1/4 of a prompt's time); compared with MLX once per process and left to MLX if it differs; not under --compiled-decode",
+        help: "CPU backend: f32 element-wise work runs on the host computing exactly what MLX's CPU kernels compute, so bit-identical: the SwiGLU of llama-family MLPs (MLX's scalar sigmoid, its polynomial exp, in AVX-512 lanes: ~1/4 of a prompt's time on MLX), and RMSNorms and residual adds whose input is already on the host (a decode step then waits for MLX once per layer, not three times); each compared with MLX once per process and left to MLX if it differs; not under --compiled-decode",
     },
     Fork {
         name: "fused-decode",
@@ -298,8 +298,9 @@ pub struct Forks {
     pub fused_decode: bool,
     /// Dense single-token products on the host in MLX's own summation order (bit-exact).
     pub host_matvec: bool,
-    /// f32 SwiGLU on the host, operation for operation as MLX's CPU kernel (bit-exact).
-    pub host_activations: bool,
+    /// f32 SwiGLU, RMSNorm and residual adds on the host, operation for operation as MLX's CPU
+    /// kernels (bit-exact).
+    pub host_elementwise: bool,
 }
 
 impl Default for Forks {
@@ -357,7 +358,7 @@ impl Forks {
             perf_kernel: on("perf-kernel"),
             fused_decode: on("fused-decode"),
             host_matvec: on("host-matvec"),
-            host_activations: on("host-activations"),
+            host_elementwise: on("host-elementwise"),
         }
     }
 
@@ -381,7 +382,7 @@ impl Forks {
                 "perf-kernel" => on(self.perf_kernel),
                 "fused-decode" => on(self.fused_decode),
                 "host-matvec" => on(self.host_matvec),
-                "host-activations" => on(self.host_activations),
+                "host-elementwise" => on(self.host_elementwise),
                 other => format!("<no field for {other}>"),
             })
             .collect()
@@ -402,10 +403,10 @@ impl Forks {
             && super::runtime::backend() == super::runtime::Backend::Cpu
     }
 
-    /// Whether f32 SwiGLU runs on the host ([`crate::engine::kernels::activation`]):
-    /// `--host-activations on` on the CPU backend, except inside compiled steps.
-    pub fn host_act(&self) -> bool {
-        self.host_activations
+    /// Whether f32 element-wise work runs on the host ([`crate::engine::kernels::elementwise`]):
+    /// `--host-elementwise on` on the CPU backend, except inside compiled steps.
+    pub fn host_elem(&self) -> bool {
+        self.host_elementwise
             && !self.compiled_decode
             && super::runtime::backend() == super::runtime::Backend::Cpu
     }

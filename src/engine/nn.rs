@@ -2,6 +2,7 @@
 //! forms, RMSNorm), issuing exactly the MLX ops `mlx.nn` issues so results stay bit-identical.
 
 use super::error::Result;
+use super::kernels::{elementwise, ready_f32};
 use super::kernels::{HostDense, HostDenseCell, HostQuant, HostQuantCell};
 use super::weights::{QuantSpec, WeightStore};
 use mlx_rs::{fast, ops, Array, Dtype};
@@ -368,11 +369,21 @@ impl Embedding {
     }
 }
 
+static HOST_NORM_CALLS: std::sync::atomic::AtomicUsize = std::sync::atomic::AtomicUsize::new(0);
+
+/// How many RMSNorms the host path computed in this process (lets tests check that
+/// `--host-elementwise on` really took it).
+pub fn host_norm_calls() -> usize {
+    HOST_NORM_CALLS.load(std::sync::atomic::Ordering::Relaxed)
+}
+
 /// `nn.RMSNorm`: `fast.rms_norm(x, weight, eps)`.
 #[derive(Debug, Clone)]
 pub struct RmsNorm {
     weight: Array,
     eps: f32,
+    /// `--host-elementwise`: f32 inputs already on the host are normalized there.
+    host: bool,
 }
 
 impl RmsNorm {
@@ -381,6 +392,7 @@ impl RmsNorm {
         Ok(Self {
             weight: w.take(&format!("{path}.weight"), &[dim])?,
             eps: eps as f32,
+            host: w.host_elementwise(),
         })
     }
 
@@ -405,7 +417,57 @@ impl RmsNorm {
 
     /// Applies the norm with the stored weight.
     pub fn forward(&self, x: &Array) -> Result<Array> {
+        if self.host {
+            if let Some(y) = self.host_forward(x)? {
+                return Ok(y);
+            }
+        }
         Ok(fast::rms_norm(x, Some(&self.weight), self.eps)?)
+    }
+
+    /// The host norm of an f32 `x` already on the host, once the host form matched MLX's in
+    /// this process for this width and epsilon; `None` leaves it to MLX.
+    fn host_forward(&self, x: &Array) -> Result<Option<Array>> {
+        if !super::kernels::host_allowed() {
+            return Ok(None);
+        }
+        let (Some(xs), Some(ws)) = (ready_f32(x), ready_f32(&self.weight)) else {
+            return Ok(None);
+        };
+        if x.shape().last().copied() != Some(ws.len() as i32) || !self.host_matches_mlx(ws)? {
+            return Ok(None);
+        }
+        let mut out = vec![0.0; xs.len()];
+        elementwise::rms_norm(xs, ws, self.eps, &mut out);
+        HOST_NORM_CALLS.fetch_add(1, std::sync::atomic::Ordering::Relaxed);
+        Ok(Some(Array::from_slice(&out, x.shape())))
+    }
+
+    /// Whether the host norm gives MLX's bits on a fixed probe with this weight; decided once
+    /// per process for each width and epsilon.
+    fn host_matches_mlx(&self, w: &[f32]) -> Result<bool> {
+        type Verdicts = std::sync::Mutex<std::collections::HashMap<(usize, u32), bool>>;
+        static VERDICTS: std::sync::OnceLock<Verdicts> = std::sync::OnceLock::new();
+        let key = (w.len(), self.eps.to_bits());
+        let verdicts = VERDICTS.get_or_init(Default::default);
+        if let Some(v) = super::kernels::lock(verdicts).get(&key) {
+            return Ok(*v);
+        }
+        let rows = 8;
+        let probe = elementwise::probe_values(rows * w.len(), 0x5851_f42d_4c95_7f2d);
+        let mut ours = vec![0.0; probe.len()];
+        elementwise::rms_norm(&probe, w, self.eps, &mut ours);
+        let x = Array::from_slice(&probe, &[rows as i32, w.len() as i32]);
+        let theirs = fast::rms_norm(&x, Some(&self.weight), self.eps)?;
+        let theirs = theirs.try_as_slice::<f32>().map_err(|e| {
+            super::error::EngineError::Runtime(format!("cannot read MLX's RMSNorm ({e})"))
+        })?;
+        let same = ours
+            .iter()
+            .zip(theirs)
+            .all(|(a, b)| a.to_bits() == b.to_bits());
+        super::kernels::lock(verdicts).insert(key, same);
+        Ok(same)
     }
 
     /// Gemma's variant: the weight is stored as w and applied as `1.0 + w` (computed per call

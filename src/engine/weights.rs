@@ -114,6 +114,7 @@ pub struct WeightStore {
     quant: QuantConfig,
     host_kernel: bool,
     host_matvec: bool,
+    host_elementwise: bool,
 }
 
 impl WeightStore {
@@ -138,6 +139,7 @@ impl WeightStore {
             quant,
             host_kernel: false,
             host_matvec: false,
+            host_elementwise: false,
         })
     }
 
@@ -164,6 +166,17 @@ impl WeightStore {
         self.host_matvec
     }
 
+    /// Makes RMSNorms and residual adds loaded from here run on the host for f32 data that is
+    /// already on the host (`--host-elementwise on`, see [`crate::engine::kernels::elementwise`]).
+    pub fn set_host_elementwise(&mut self, on: bool) {
+        self.host_elementwise = on;
+    }
+
+    /// Whether RMSNorms and residual adds get the host path.
+    pub fn host_elementwise(&self) -> bool {
+        self.host_elementwise
+    }
+
     /// Builds a store from tensors already in memory (tests, importers).
     pub fn from_tensors(dir: &Path, tensors: HashMap<String, Array>, quant: QuantConfig) -> Self {
         Self {
@@ -172,6 +185,7 @@ impl WeightStore {
             quant,
             host_kernel: false,
             host_matvec: false,
+            host_elementwise: false,
         }
     }
 

@@ -41,6 +41,22 @@ impl<T: mlx_rs::ArrayElement> HostSlice<T> {
     }
 }
 
+/// The values of `a` when it is an f32 array whose data already exists in row-major order
+/// (evaluated, e.g. a host product's result); `None` otherwise. Never evaluates: host paths that
+/// use it save MLX a synchronisation rather than adding one.
+pub fn ready_f32(a: &Array) -> Option<&[f32]> {
+    if a.dtype() != Dtype::Float32 {
+        return None;
+    }
+    let mut available = false;
+    // SAFETY: reads a flag of a live array handle.
+    let status = unsafe { mlx_sys::_mlx_array_is_available(&mut available, a.as_ptr()) };
+    if status != 0 || !available {
+        return None;
+    }
+    a.try_as_slice::<f32>().ok()
+}
+
 /// A 2-D affine-quantized weight (`[rows, cols * bits / 32]` uint32, f32 `[rows, cols/group]`
 /// scales and biases) pinned in host memory for the kernel. Cloning shares the pinned buffers.
 #[derive(Debug, Clone)]

@@ -10,10 +10,10 @@
 //! and splits rows over threads, `host` moves arrays between MLX and host memory, `vecops`, `step`
 //! and `team` run a whole llama-style decode step on the host.
 
-pub mod activation;
 pub mod affine;
 pub mod dense;
 pub mod dispatch;
+pub mod elementwise;
 pub mod host;
 pub mod mlx_order;
 pub mod pair;
@@ -25,7 +25,7 @@ pub mod vnni;
 pub use affine::{KernelPath, Prepared, QMatrix, BITS, MAX_M};
 pub use dense::{dense_calls, refused_shapes, HostDense, HostDenseCell};
 pub use dispatch::{best_path, matmul, selection, Selection};
-pub use host::{host_calls, HostQuant, HostQuantCell};
+pub use host::{host_calls, ready_f32, HostQuant, HostQuantCell};
 pub use step::{host_steps, HostDecoder, HostLayer, PastKv, StepOut, StepPlan};
 pub use vecops::{HeadShape, HostRope};
 pub use vnni::Int8Input;

@@ -5,7 +5,7 @@
 
 use crate::engine::error::Result;
 use crate::engine::flags::Forks;
-use crate::engine::kernels::{self, activation};
+use crate::engine::kernels::{self, elementwise};
 use mlx_rs::error::Exception;
 use mlx_rs::transforms::compile::compile;
 use mlx_rs::transforms::eval;
@@ -133,8 +133,8 @@ pub fn softcap_graph(x: &Array, cap: f64) -> std::result::Result<Array, Exceptio
     ops::tanh(x.divide(&c)?)?.multiply(&c)
 }
 
-/// The SwiGLU activation object mlx-lm's llama-family MLPs use. Under `--host-activations on`
-/// f32 inputs take the host kernel ([`crate::engine::kernels::activation`]) once it has matched
+/// The SwiGLU activation object mlx-lm's llama-family MLPs use. Under `--host-elementwise on`
+/// f32 inputs take the host kernel ([`crate::engine::kernels::elementwise`]) once it has matched
 /// MLX's own kernel in this process.
 pub struct SwiGlu {
     op: CompiledOp,
@@ -147,7 +147,7 @@ impl SwiGlu {
     pub fn new(forks: &Forks) -> Self {
         Self {
             op: swiglu(forks.compiled_activations),
-            host: forks.host_act(),
+            host: forks.host_elem(),
         }
     }
 
@@ -176,7 +176,7 @@ impl SwiGlu {
             return Ok(None);
         };
         let mut out = vec![0.0; g.len()];
-        activation::swiglu(g, u, &mut out);
+        elementwise::swiglu(g, u, &mut out);
         HOST_SWIGLU_CALLS.fetch_add(1, Ordering::Relaxed);
         Ok(Some(Array::from_slice(&out, gate.shape())))
     }
@@ -190,7 +190,7 @@ impl SwiGlu {
         }
         let (gate, up) = swiglu_probe();
         let mut ours = vec![0.0; gate.len()];
-        activation::swiglu(&gate, &up, &mut ours);
+        elementwise::swiglu(&gate, &up, &mut ours);
         let n = gate.len() as i32;
         let theirs = self
             .op
@@ -208,28 +208,19 @@ impl SwiGlu {
     }
 }
 
-/// The host check's input: every exponent an activation meets (2^-30 .. 2^8) with both signs,
+/// The host check's input: values over every magnitude (see [`elementwise::probe_values`])
 /// and the exp's saturation points.
 fn swiglu_probe() -> (Vec<f32>, Vec<f32>) {
-    let mut s = 0x853c_49e6_748f_ea9b_u64;
-    let mut next = || {
-        s ^= s << 13;
-        s ^= s >> 7;
-        s ^= s << 17;
-        let mant = 1.0 + (s >> 41) as f32 / (1u64 << 23) as f32;
-        let sign = if s & 1 == 0 { 1.0 } else { -1.0 };
-        sign * mant * 2f32.powi(((s >> 8) % 39) as i32 - 30)
-    };
-    let mut gate: Vec<f32> = (0..4096).map(|_| next()).collect();
+    let mut gate = elementwise::probe_values(4096, 0x853c_49e6_748f_ea9b);
     gate.extend([0.0, -0.0, 88.0, -88.0, 61.0, -61.0, 0.5, -0.5]);
-    let up = (0..gate.len()).map(|_| next()).collect();
+    let up = elementwise::probe_values(gate.len(), 0x2545_f491_4f6c_dd1d);
     (gate, up)
 }
 
 static HOST_SWIGLU_CALLS: AtomicUsize = AtomicUsize::new(0);
 
 /// How many SwiGLUs the host kernel computed in this process (lets tests check that
-/// `--host-activations on` really took it).
+/// `--host-elementwise on` really took it).
 pub fn host_swiglu_calls() -> usize {
     HOST_SWIGLU_CALLS.load(Ordering::Relaxed)
 }

@@ -3,6 +3,7 @@
 
 use super::attention::{inv_sqrt_scale, AttentionShape};
 use crate::engine::error::Result;
+use crate::engine::kernels;
 use crate::engine::nn::{Embedding, Linear, RmsNorm};
 use crate::engine::weights::WeightStore;
 use mlx_rs::Array;
@@ -12,6 +13,8 @@ use mlx_rs::Array;
 pub struct PreNormLayer {
     input_layernorm: RmsNorm,
     post_attention_layernorm: RmsNorm,
+    /// `--host-elementwise`: residual adds of f32 data already on the host stay there.
+    host: bool,
 }
 
 impl PreNormLayer {
@@ -25,6 +28,7 @@ impl PreNormLayer {
                 dim,
                 eps,
             )?,
+            host: w.host_elementwise(),
         })
     }
 
@@ -47,8 +51,21 @@ impl PreNormLayer {
         mixer: impl FnOnce(&Array) -> Result<Array>,
         ffn: impl FnOnce(&Array) -> Result<Array>,
     ) -> Result<Array> {
-        let h = x.add(mixer(&self.input_layernorm.forward(x)?)?)?;
-        Ok(h.add(ffn(&self.post_attention_layernorm.forward(&h)?)?)?)
+        let h = self.residual(x, &mixer(&self.input_layernorm.forward(x)?)?)?;
+        self.residual(&h, &ffn(&self.post_attention_layernorm.forward(&h)?)?)
+    }
+
+    /// `x + y`; on the host when both are same-shape f32 data already there (the host decode
+    /// step's case), so the next norm and products need not wait for MLX.
+    fn residual(&self, x: &Array, y: &Array) -> Result<Array> {
+        if self.host && kernels::host_allowed() && x.shape() == y.shape() {
+            if let (Some(a), Some(b)) = (kernels::ready_f32(x), kernels::ready_f32(y)) {
+                let mut out = vec![0.0; a.len()];
+                kernels::elementwise::add(a, b, &mut out);
+                return Ok(Array::from_slice(&out, x.shape()));
+            }
+        }
+        Ok(x.add(y)?)
     }
 }
 

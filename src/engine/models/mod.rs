@@ -370,6 +370,7 @@ pub fn load(dir: &Path, forks: Forks) -> Result<LoadedModel> {
     let mut weights = WeightStore::load(dir, quant)?;
     weights.set_host_kernel(forks.host_q4());
     weights.set_host_matvec(forks.host_dense());
+    weights.set_host_elementwise(forks.host_elem());
     let model = builder(&spec, &mut weights)?;
     weights.finish()?;
     let plan =

@@ -1,10 +1,12 @@
-//! `--host-activations on` (an L1 default): f32 SwiGLU on the host, operation for operation as
-//! MLX's CPU kernel. Checked against MLX itself (the kernel mlx-lm runs on the same libmlx):
+//! `--host-elementwise on` (an L1 default): f32 SwiGLU, RMSNorm and residual adds on the host,
+//! operation for operation as MLX's CPU kernels. Checked against MLX itself (the kernels
+//! mlx-lm runs on the same libmlx):
 //! - the sigmoid alone and the whole `silu(gate) * up`, compiled (as mlx-lm's `@mx.compile`)
 //!   and eager, over a strided sweep of every f32 bit pattern (`MLXB_SWEEP_STRIDE=1` sweeps
-//!   all 2^32 by hand, ~10 minutes);
-//! - tiny f32 llamas give the same logits with and without it and really take it; a bf16
-//!   model stays on MLX.
+//!   all 2^32 by hand, ~12 minutes);
+//! - RMSNorm against `fast::rms_norm` over widths, magnitudes and epsilons;
+//! - tiny f32 llamas give the same logits with and without it and really take it (SwiGLU in
+//!   prompts and steps, norms in steps); a bf16 model stays on MLX.
 //!
 //! End-to-end parity with mlx-lm under the defaults is `model_parity`'s job.
 
@@ -12,8 +14,9 @@ mod common;
 
 use mlx_rs::{ops, Array, Dtype};
 use mlxb::engine::flags::Forks;
-use mlxb::engine::kernels::activation;
+use mlxb::engine::kernels::elementwise;
 use mlxb::engine::models::activations::{host_swiglu_calls, swiglu};
+use mlxb::engine::nn::host_norm_calls;
 use serde_json::json;
 
 /// The sweep's stride over the 2^32 bit patterns (prime, so every exponent and low-bit
@@ -74,7 +77,7 @@ fn sigmoid_equals_mlx_over_the_bit_pattern_sweep() {
         |x| ops::sigmoid(x).unwrap(),
         |xs, out| {
             for (o, &x) in out.iter_mut().zip(xs) {
-                *o = activation::sigmoid_mlx(x);
+                *o = elementwise::sigmoid_mlx(x);
             }
         },
     );
@@ -83,7 +86,7 @@ fn sigmoid_equals_mlx_over_the_bit_pattern_sweep() {
 #[test]
 fn swiglu_equals_mlx_compiled_and_eager_over_the_sweep() {
     assert!(
-        activation::avx512_available(),
+        elementwise::avx512_available(),
         "this CPU lacks AVX-512, so the vector form this suite checks does not run here"
     );
     for compiled in [true, false] {
@@ -103,7 +106,7 @@ fn swiglu_equals_mlx_compiled_and_eager_over_the_sweep() {
                 },
                 |g, out| {
                     let up: Vec<f32> = g.iter().map(|&x| up_of(x)).collect();
-                    activation::swiglu(g, &up, out);
+                    elementwise::swiglu(g, &up, out);
                 },
             );
         }
@@ -111,19 +114,56 @@ fn swiglu_equals_mlx_compiled_and_eager_over_the_sweep() {
 }
 
 #[test]
-fn tiny_f32_llama_takes_the_host_swiglu_with_the_same_logits() {
+fn rms_norm_equals_mlx_over_widths_magnitudes_and_epsilons() {
+    for (i, (rows, dim)) in [(1, 576), (8, 64), (3, 2048), (5, 100), (2, 1)]
+        .into_iter()
+        .enumerate()
+    {
+        for (j, scale) in [1.0f32, 1e-4, 300.0].into_iter().enumerate() {
+            for eps in [1e-5f32, 1e-6, 0.1] {
+                let seed = (10 * i + j) as u64;
+                let x: Vec<f32> = elementwise::probe_values(rows * dim, seed + 1)
+                    .iter()
+                    .map(|v| v * scale)
+                    .collect();
+                let w: Vec<f32> = elementwise::probe_values(dim, seed + 99)
+                    .iter()
+                    .map(|v| 1.0 + v.clamp(-0.9, 0.9))
+                    .collect();
+                let theirs = mlx_rs::fast::rms_norm(
+                    Array::from_slice(&x, &[rows as i32, dim as i32]),
+                    Some(&Array::from_slice(&w, &[dim as i32])),
+                    eps,
+                )
+                .unwrap();
+                let mut ours = vec![0.0; x.len()];
+                elementwise::rms_norm(&x, &w, eps, &mut ours);
+                let differ = ours
+                    .iter()
+                    .zip(theirs.as_slice::<f32>())
+                    .filter(|(a, b)| !same(**a, **b))
+                    .count();
+                assert_eq!(differ, 0, "{rows}x{dim}, scale {scale}, eps {eps}");
+            }
+        }
+    }
+}
+
+#[test]
+fn tiny_f32_llama_takes_the_host_paths_with_the_same_logits() {
     let dir = tempfile::tempdir().unwrap();
     common::make_model(dir.path(), &common::tiny_llama(json!({})), "f32", None);
     let on = Forks::default();
     assert!(
-        on.host_activations,
-        "--host-activations is on by default in L1"
+        on.host_elementwise,
+        "--host-elementwise is on by default in L1"
     );
     let off = Forks {
-        host_activations: false,
+        host_elementwise: false,
         ..Forks::default()
     };
     let before = host_swiglu_calls();
+    let norms_before = host_norm_calls();
     let mut t = common::Twins::prefill(dir.path(), off, on, 23, 5);
     let (la, lb) = t.prefill.clone();
     assert_eq!(common::bits(&la), common::bits(&lb), "prefill logits");
@@ -136,6 +176,13 @@ fn tiny_f32_llama_takes_the_host_swiglu_with_the_same_logits() {
     // 4 layers, in the prompt and in each of the 8 steps.
     let calls = host_swiglu_calls() - before;
     assert!(calls >= 4 * 9, "the host SwiGLU ran {calls} times");
+    // In each step, with the products on the host: both norms of every layer but the first
+    // layer's input norm (the embedding is MLX's), and the final norm.
+    let norms = host_norm_calls() - norms_before;
+    assert!(
+        norms >= 8 * 8,
+        "the host RMSNorm ran {norms} times in 8 steps"
+    );
 }
 
 #[test]

@@ -1,5 +1,6 @@
-//! SwiGLU (`silu(gate) * up`) for f32 on the host, computing exactly what MLX's CPU backend
-//! computes (`--host-activations on`, L1).
+//! f32 element-wise work of a decoder layer on the host, computing exactly what MLX's CPU
+//! backend computes (`--host-elementwise on`, L1): the SwiGLU (`silu(gate) * up`), RMSNorm and
+//! the residual add.
 //!
 //! MLX's CPU kernels on x86 are one lane wide (`simd/base_simd.h` has no x86 vectors), so its
 //! `sigmoid` runs a scalar polynomial `exp` with a libm `fmaf` call per coefficient: ~20 ns a
@@ -7,8 +8,13 @@
 //! bits, because each one is a correctly rounded IEEE operation (multiply, add, divide, fused
 //! multiply-add, float→int truncation) or exact (`floor`, bit shifts, selects); the order and
 //! the constants follow `mlx/backend/cpu/simd/math.h` (`exp`) and `unary_ops.h` (`Sigmoid`) of
-//! the MLX build mlxb links. The MLX-facing side ([`crate::engine::models::activations`])
-//! still compares the result with MLX's own kernel once per process before using it.
+//! the MLX build mlxb links. RMSNorm is MLX's CPU fallback graph (`fast::rms_norm` has no CPU
+//! kernel): squares summed one after another in f32 (its contiguous reduction, one lane), times
+//! the f32 `1 / n`, plus `eps`, `1 / sqrt(·)`, then `(x · r) · w`. In a decode step these keep
+//! the layer's data on the host between the host products, so MLX is waited on once per layer
+//! (for attention) instead of three times. The MLX-facing side
+//! ([`crate::engine::models::activations`], [`crate::engine::nn`]) still compares each with
+//! MLX's own kernel once per process before using it.
 
 /// `1 / ln 2` as MLX writes it (`x * 1.442695f`; the same f32 as `std`'s `LOG2_E`, but the
 /// literal is MLX's).
@@ -83,6 +89,51 @@ pub fn swiglu_scalar(gate: &[f32], up: &[f32], out: &mut [f32]) {
     for ((o, &g), &u) in out.iter_mut().zip(gate).zip(up) {
         *o = (g * sigmoid_mlx(g)) * u;
     }
+}
+
+/// MLX CPU's `fast::rms_norm` of each `w.len()`-wide row of `x` into `out` (same lengths as
+/// `x`): see the module docs for the order.
+pub fn rms_norm(x: &[f32], w: &[f32], eps: f32, out: &mut [f32]) {
+    let dim = w.len();
+    assert!(
+        dim > 0 && x.len().is_multiple_of(dim) && out.len() == x.len(),
+        "rms_norm: rows do not match the weight"
+    );
+    // MLX's `mean` multiplies by `1 / n` made in f64 and cast to the array's f32.
+    let inv_n = (1.0 / dim as f64) as f32;
+    for (row, o) in x.chunks_exact(dim).zip(out.chunks_exact_mut(dim)) {
+        let mut sum = 0.0f32;
+        for v in row {
+            sum += v * v;
+        }
+        let r = 1.0 / (sum * inv_n + eps).sqrt();
+        for ((o, v), wv) in o.iter_mut().zip(row).zip(w) {
+            *o = (v * r) * wv;
+        }
+    }
+}
+
+/// `out = a + b`, element by element (MLX's add of two same-shape f32 arrays).
+pub fn add(a: &[f32], b: &[f32], out: &mut [f32]) {
+    for ((o, x), y) in out.iter_mut().zip(a).zip(b) {
+        *o = x + y;
+    }
+}
+
+/// `n` deterministic values over every magnitude a layer's activations meet (2^-30 .. 2^8),
+/// both signs: the input of the host paths' one-time checks against MLX.
+pub fn probe_values(n: usize, seed: u64) -> Vec<f32> {
+    let mut s = seed | 1;
+    (0..n)
+        .map(|_| {
+            s ^= s << 13;
+            s ^= s >> 7;
+            s ^= s << 17;
+            let mant = 1.0 + (s >> 41) as f32 / (1u64 << 23) as f32;
+            let sign = if s & 1 == 0 { 1.0 } else { -1.0 };
+            sign * mant * 2f32.powi(((s >> 8) % 39) as i32 - 30)
+        })
+        .collect()
 }
 
 /// Whether [`swiglu`] runs 16 lanes at a time here.
