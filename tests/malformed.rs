@@ -226,6 +226,27 @@ fn broken_models_are_refused_and_left_untouched() {
             ],
         ),
         (
+            // Found by fuzzing (fifth session): qwen3_5_moe's sanitize looped over every
+            // layer formatting tensor names before any tensor was required (minutes).
+            "huge_layer_count",
+            Box::new(|c| {
+                c["model_type"] = json!("qwen3_5_moe");
+                c["num_hidden_layers"] = json!(12777778);
+            }),
+            vec![
+                "config.json",
+                "`num_hidden_layers` is 12777778; mlxb accepts at most 10000",
+            ],
+        ),
+        (
+            "nested_huge_expert_count",
+            Box::new(|c| {
+                c["model_type"] = json!("qwen3_5_moe");
+                c["text_config"] = json!({"num_experts": 2147483647});
+            }),
+            vec!["config.json", "`text_config.num_experts` is 2147483647"],
+        ),
+        (
             "negative_hidden",
             Box::new(|c| c["hidden_size"] = json!(-64)),
             vec![
@@ -435,7 +456,7 @@ fn broken_models_are_refused_and_left_untouched() {
         b"",
         &["is not supported", "`model_type` is missing"],
     );
-    assert_eq!(s.count, 28);
+    assert_eq!(s.count, 30);
 }
 
 #[test]

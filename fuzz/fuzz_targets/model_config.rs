@@ -33,6 +33,10 @@ fuzz_target!(|data: &[u8]| {
         config,
         forks,
     };
+    // As `models::load`: the sizes are checked before a builder sees them.
+    if spec.check_sizes().is_err() {
+        return;
+    }
     let mut store = WeightStore::from_tensors(&dir, HashMap::new(), quant);
     let _ = build(&spec, &mut store);
 });

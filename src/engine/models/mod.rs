@@ -226,6 +226,17 @@ const NON_NEGATIVE_COUNTS: &[&str] = &[
     "max_position_embeddings",
 ];
 
+/// config.json counts that drive a loop or an allocation before any tensor is looked at, with
+/// the largest value accepted: far past any real model (the deepest have ~130 layers, the widest
+/// MoE a few hundred experts), and small enough that a corrupt value fails fast instead of
+/// looping or allocating for minutes.
+const MAX_COUNTS: &[(&str, f64)] = &[
+    ("num_hidden_layers", 10_000.0),
+    ("num_experts", 100_000.0),
+    ("num_experts_per_tok", 100_000.0),
+    ("num_kv_shared_layers", 10_000.0),
+];
+
 /// config.json plus what a builder needs to interpret it.
 pub struct ModelSpec {
     /// Path of config.json (for error messages).
@@ -263,8 +274,8 @@ impl ModelSpec {
         Ok(())
     }
 
-    /// Refuses a non-positive size (or a negative count) in config.json, or in its
-    /// `text_config`, for every family before any shape is computed from it.
+    /// Refuses a non-positive size (or a negative count), or a count past [`MAX_COUNTS`], in
+    /// config.json or its `text_config`, for every family before any shape is computed from it.
     pub fn check_sizes(&self) -> Result<()> {
         let nested = self.config.get("text_config").filter(|t| t.is_object());
         for (prefix, config) in [("", Some(&self.config)), ("text_config.", nested)] {
@@ -281,6 +292,15 @@ impl ModelSpec {
                             &format!("is {v}; it must be {what}"),
                         ));
                     }
+                }
+            }
+            for (field, max) in MAX_COUNTS {
+                let value = config.get(*field).and_then(serde_json::Value::as_f64);
+                if let Some(v) = value.filter(|v| v > max) {
+                    return Err(self.field_error(
+                        &format!("{prefix}{field}"),
+                        &format!("is {v}; mlxb accepts at most {max} (is the file corrupt?)"),
+                    ));
                 }
             }
         }
