@@ -43,6 +43,8 @@ const SMALL_MIN_DEPTH: usize = 32;
 const LANES: usize = 16;
 /// Weights below which one thread does the whole product (a fork/join costs more).
 const PARALLEL_MIN_WEIGHTS: usize = 1 << 16;
+/// Chunks a product's rows are cut into for the two threads to claim one at a time.
+const CHUNKS: usize = 8;
 
 /// How MLX's CPU backend sums a single-token product.
 #[derive(Debug, Clone, PartialEq, Eq, Hash)]
@@ -131,9 +133,9 @@ pub fn available() -> bool {
 }
 
 /// `y = x · Wᵀ` for one token in f32: `w` is `rows × cols` row-major, `x` has `cols` values
-/// (the 16-bit token widened exactly). With `threads` ≥ 2 the rows are split in two, the
-/// second half on the [`pair`] helper; the split never changes a bit (each output is summed
-/// alone). Errors when the CPU lacks the kernels, the order does not fit the dtype, or the
+/// (the 16-bit token widened exactly). With `threads` ≥ 2 the rows are cut into chunks that
+/// this thread and the [`pair`] helper claim one at a time; the cut never changes a bit (each
+/// output is summed alone). Errors when the CPU lacks the kernels, the order does not fit the dtype, or the
 /// lengths disagree.
 pub fn matvec(
     w: Weights<'_>,
@@ -162,26 +164,23 @@ pub fn matvec(
         return Err(format!("{order:?} is not an order for {w:?}-typed weights"));
     }
     let mut y = vec![0.0f32; rows];
-    // Two halves of whole 16-row groups (the kernels' vector paths), the second on the
-    // helper thread; small products stay on this one.
-    let split = if threads < 2 || rows * cols < PARALLEL_MIN_WEIGHTS {
+    // Chunks of whole 16-row groups (the kernels' vector paths) shared with the helper thread
+    // ([`pair::share`]); small products stay on this one.
+    let chunk_rows = if threads < 2 || rows * cols < PARALLEL_MIN_WEIGHTS {
         rows
     } else {
-        (rows.div_ceil(2).div_ceil(LANES) * LANES).min(rows)
+        (rows.div_ceil(CHUNKS).div_ceil(LANES) * LANES).max(LANES)
     };
-    let (low, high) = y.split_at_mut(split);
-    if high.is_empty() {
-        rows_into(w, rows, cols, x, order, 0..split, low);
-    } else {
-        let high = std::sync::Mutex::new(high);
-        pair::both(
-            || rows_into(w, rows, cols, x, order, 0..split, low),
-            &|| {
-                let mut out = super::lock(&high);
-                rows_into(w, rows, cols, x, order, split..rows, &mut out);
-            },
-        );
-    }
+    let parts: Vec<std::sync::Mutex<&mut [f32]>> = y
+        .chunks_mut(chunk_rows.max(1))
+        .map(std::sync::Mutex::new)
+        .collect();
+    pair::share(parts.len(), &|i| {
+        let mut out = super::lock(&parts[i]);
+        let start = i * chunk_rows;
+        let end = start + out.len();
+        rows_into(w, rows, cols, x, order, start..end, &mut out);
+    });
     Ok(y)
 }
 

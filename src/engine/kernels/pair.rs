@@ -1,13 +1,19 @@
-//! A persistent helper thread that takes the second half of a host product, for host calls
-//! that MLX's graph interleaves (`--host-matvec`: ~200 products per token, each a few dozen
-//! to a few hundred microseconds, separated by MLX's own ops).
+//! A persistent helper thread that shares a host product with the thread that posts it, for
+//! host calls that MLX's graph interleaves (`--host-matvec`: ~200 products per token, each a
+//! few dozen to a few hundred microseconds, separated by MLX's own ops).
 //!
 //! Why not rayon: a rayon fork/join wakes a sleeping pool thread through the kernel each
 //! time, which costs about as much as a small product itself. The helper spins for a short
 //! while after each job (yielding its core to anyone else who wants it), so the next product
 //! finds it awake; after [`IDLE_BEFORE_PARK`] without work it parks until the next job.
+//!
+//! Why chunks claimed one at a time rather than two fixed halves: when the helper's core is
+//! busy (other processes, a hypervisor taking the vCPU), a fixed half waits for it, and a
+//! token takes twice as long as on one thread. Here both threads take the next unclaimed
+//! chunk until none are left, and a job the helper has not picked up by then is withdrawn,
+//! so the poster never waits for more than the one chunk the helper is in.
 
-use std::sync::atomic::{AtomicBool, AtomicUsize, Ordering};
+use std::sync::atomic::{AtomicBool, AtomicU8, AtomicUsize, Ordering};
 use std::sync::{Mutex, OnceLock};
 use std::thread::Thread;
 use std::time::{Duration, Instant};
@@ -17,21 +23,28 @@ const IDLE_BEFORE_PARK: Duration = Duration::from_micros(80);
 /// Busy-wait iterations before a waiting thread starts yielding its core.
 const SPINS_BEFORE_YIELD: u32 = 256;
 
-/// A job: a borrowed closure, its lifetime erased (the poster waits for it to finish).
+/// A job: a borrowed closure, its lifetime erased (the poster withdraws it or waits for it).
 type Job = *const (dyn Fn() + Sync);
 
+/// The current job's state (one job at a time).
+const POSTED: u8 = 0;
+const TAKEN: u8 = 1;
+const DONE: u8 = 2;
+const WITHDRAWN: u8 = 3;
+
 struct Slot(std::cell::UnsafeCell<Option<Job>>);
-// SAFETY: the slot is written only by the poster before it publishes `posted` (Release) and
-// read only by the helper after it observes it (Acquire); the poster holds `POSTER` meanwhile.
+// SAFETY: the slot is written only by the poster (holding `POSTER`) while no job is `TAKEN`,
+// before it stores `POSTED` (Release); the helper reads it only after moving the state from
+// `POSTED` to `TAKEN` (Acquire).
 unsafe impl Sync for Slot {}
 
 struct Helper {
     thread: Thread,
     job: Slot,
-    /// Jobs posted so far.
+    /// Jobs posted so far (the helper's wake-up signal).
     posted: AtomicUsize,
-    /// Jobs finished so far.
-    done: AtomicUsize,
+    /// The current job's state: `POSTED`, `TAKEN`, `DONE` or `WITHDRAWN`.
+    state: AtomicU8,
     /// Whether the helper is (about to be) parked.
     parked: AtomicBool,
     /// Whether the last job panicked (the poster re-raises it).
@@ -52,7 +65,7 @@ fn helper() -> Option<&'static Helper> {
                     thread: std::thread::current(),
                     job: Slot(std::cell::UnsafeCell::new(None)),
                     posted: AtomicUsize::new(0),
-                    done: AtomicUsize::new(0),
+                    state: AtomicU8::new(DONE),
                     parked: AtomicBool::new(false),
                     failed: AtomicBool::new(false),
                 }));
@@ -82,42 +95,68 @@ fn serve(me: &'static Helper) {
                 me.parked.store(false, Ordering::SeqCst);
             }
         }
-        seen += 1;
-        // SAFETY: see `Slot`; the poster keeps the closure alive until `done` reaches `seen`.
+        seen = me.posted.load(Ordering::Acquire);
+        // A job withdrawn (or already run) in the meantime is not ours any more.
+        if me
+            .state
+            .compare_exchange(POSTED, TAKEN, Ordering::AcqRel, Ordering::Acquire)
+            .is_err()
+        {
+            continue;
+        }
+        // SAFETY: see `Slot`; the poster keeps the closure alive until the state is `DONE`.
         if let Some(job) = unsafe { *me.job.0.get() } {
             let job = unsafe { &*job };
             // A panicking job must still be marked done, or its poster would wait for ever.
             let ok = std::panic::catch_unwind(std::panic::AssertUnwindSafe(job)).is_ok();
             me.failed.store(!ok, Ordering::Relaxed);
         }
-        me.done.store(seen, Ordering::Release);
+        me.state.store(DONE, Ordering::Release);
     }
 }
 
-/// Runs `first` on this thread and `second` on the helper, returning when both are done;
-/// both on this thread where no helper can run (one core).
-pub fn both(first: impl FnOnce(), second: &(dyn Fn() + Sync)) {
+/// Runs `work(i)` for every `i` in `0..chunks`, shared between this thread and the helper
+/// (each takes the next unclaimed chunk), returning when all are done; all on this thread where
+/// no helper can run (one core). Which thread runs a chunk must not matter to its result.
+pub fn share(chunks: usize, work: &(dyn Fn(usize) + Sync)) {
     static POSTER: Mutex<()> = Mutex::new(());
-    let Some(h) = helper() else {
-        first();
-        second();
+    let next = AtomicUsize::new(0);
+    let take_chunks = || loop {
+        let i = next.fetch_add(1, Ordering::Relaxed);
+        if i >= chunks {
+            break;
+        }
+        work(i);
+    };
+    let Some(h) = helper().filter(|_| chunks > 1) else {
+        take_chunks();
         return;
     };
     // One poster at a time (the engine has one MLX thread; tests may run several).
     let _guard = super::lock(&POSTER);
-    // SAFETY: lifetime erased; this function does not return before the helper finished it.
-    let job: Job = unsafe { std::mem::transmute::<&(dyn Fn() + Sync), Job>(second) };
+    let job: &(dyn Fn() + Sync) = &take_chunks;
+    // SAFETY: lifetime erased; this function does not return before the job is withdrawn
+    // unstarted or finished.
+    let job: Job = unsafe { std::mem::transmute::<&(dyn Fn() + Sync), Job>(job) };
     unsafe { *h.job.0.get() = Some(job) };
-    let ticket = h.posted.fetch_add(1, Ordering::SeqCst) + 1;
+    h.state.store(POSTED, Ordering::Release);
+    h.posted.fetch_add(1, Ordering::SeqCst);
     if h.parked.load(Ordering::SeqCst) {
         h.thread.unpark();
     }
-    // Wait for the helper even if `first` panics (it still reads `second`).
-    struct Wait<'a>(&'a Helper, usize);
-    impl Drop for Wait<'_> {
+    // Withdraw the job or wait for it even if a chunk here panics (the helper reads `next`).
+    struct Finish<'a>(&'a Helper);
+    impl Drop for Finish<'_> {
         fn drop(&mut self) {
+            let state = &self.0.state;
+            if state
+                .compare_exchange(POSTED, WITHDRAWN, Ordering::AcqRel, Ordering::Acquire)
+                .is_ok()
+            {
+                return;
+            }
             let mut spins = 0u32;
-            while self.0.done.load(Ordering::Acquire) < self.1 {
+            while state.load(Ordering::Acquire) != DONE {
                 if spins < SPINS_BEFORE_YIELD {
                     spins += 1;
                     std::hint::spin_loop();
@@ -127,11 +166,11 @@ pub fn both(first: impl FnOnce(), second: &(dyn Fn() + Sync)) {
             }
         }
     }
-    let wait = Wait(h, ticket);
-    first();
-    drop(wait);
-    if h.failed.load(Ordering::Relaxed) {
-        panic!("the helper thread's half of a host product panicked");
+    let finish = Finish(h);
+    take_chunks();
+    drop(finish);
+    if h.failed.swap(false, Ordering::Relaxed) {
+        panic!("the helper thread's part of a host product panicked");
     }
 }
 
@@ -140,20 +179,17 @@ mod tests {
     use super::*;
 
     #[test]
-    fn both_halves_run_and_finish_before_return() {
-        for round in 0..200usize {
-            let a = AtomicUsize::new(0);
-            let b = AtomicUsize::new(0);
-            both(
-                || {
-                    a.fetch_add(round, Ordering::Relaxed);
-                },
-                &|| {
-                    b.fetch_add(round + 1, Ordering::Relaxed);
-                },
+    fn every_chunk_runs_once_before_return() {
+        for round in 0..300usize {
+            let chunks = 1 + round % 9;
+            let hits: Vec<AtomicUsize> = (0..chunks).map(|_| AtomicUsize::new(0)).collect();
+            share(chunks, &|i| {
+                hits[i].fetch_add(1, Ordering::Relaxed);
+            });
+            assert!(
+                hits.iter().all(|h| h.load(Ordering::Relaxed) == 1),
+                "round {round}"
             );
-            assert_eq!(a.load(Ordering::Relaxed), round);
-            assert_eq!(b.load(Ordering::Relaxed), round + 1);
             if round % 50 == 0 {
                 // Let the helper park, then wake it with the next job.
                 std::thread::sleep(IDLE_BEFORE_PARK * 2);
@@ -162,13 +198,44 @@ mod tests {
     }
 
     #[test]
-    fn a_panicking_half_is_re_raised_and_the_helper_keeps_serving() {
-        let r = std::panic::catch_unwind(|| both(|| {}, &|| panic!("second half")));
-        assert!(r.is_err());
+    fn a_busy_helper_does_not_hold_the_poster_back() {
+        // While one `share` keeps the helper in a long chunk, a second poster's job may be
+        // withdrawn unstarted: all its chunks still run, on the poster's thread.
+        let slow_started = AtomicBool::new(false);
+        std::thread::scope(|scope| {
+            scope.spawn(|| {
+                share(2, &|_| {
+                    slow_started.store(true, Ordering::SeqCst);
+                    std::thread::sleep(Duration::from_millis(50));
+                })
+            });
+            while !slow_started.load(Ordering::SeqCst) {
+                std::hint::spin_loop();
+            }
+            let hits = AtomicUsize::new(0);
+            share(4, &|_| {
+                hits.fetch_add(1, Ordering::Relaxed);
+            });
+            assert_eq!(hits.load(Ordering::Relaxed), 4);
+        });
+    }
+
+    #[test]
+    fn a_panicking_chunk_is_re_raised_and_the_helper_keeps_serving() {
+        for _ in 0..20 {
+            let r = std::panic::catch_unwind(|| {
+                share(2, &|i| {
+                    if i == 1 {
+                        panic!("chunk 1")
+                    }
+                })
+            });
+            assert!(r.is_err());
+        }
         let b = AtomicUsize::new(0);
-        both(|| {}, &|| {
+        share(3, &|_| {
             b.fetch_add(1, Ordering::Relaxed);
         });
-        assert_eq!(b.load(Ordering::Relaxed), 1);
+        assert_eq!(b.load(Ordering::Relaxed), 3);
     }
 }
