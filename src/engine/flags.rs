@@ -398,17 +398,19 @@ impl Forks {
     /// ([`crate::engine::kernels::dense`]): `--host-matvec on` on the CPU backend, except inside
     /// compiled steps.
     pub fn host_dense(&self) -> bool {
-        self.host_matvec
-            && !self.compiled_decode
-            && super::runtime::backend() == super::runtime::Backend::Cpu
+        self.cpu_host(self.host_matvec)
     }
 
     /// Whether f32 element-wise work runs on the host ([`crate::engine::kernels::elementwise`]):
     /// `--host-elementwise on` on the CPU backend, except inside compiled steps.
     pub fn host_elem(&self) -> bool {
-        self.host_elementwise
-            && !self.compiled_decode
-            && super::runtime::backend() == super::runtime::Backend::Cpu
+        self.cpu_host(self.host_elementwise)
+    }
+
+    /// An L1 host fork in effect: on, on the CPU backend (the host kernels read MLX's CPU
+    /// buffers), and not inside compiled steps (a host call cannot be traced into a graph).
+    fn cpu_host(&self, fork: bool) -> bool {
+        fork && !self.compiled_decode && super::runtime::backend() == super::runtime::Backend::Cpu
     }
 
     /// The `(name, value)` pairs to pass on the command line to reproduce this value.

@@ -8,7 +8,7 @@
 //! real weight. A shape that differs (another BLAS, CPU or library version) stays on MLX for
 //! the rest of the process; only speed is lost.
 
-use super::host::HostSlice;
+use super::host::{check_bits, HostSlice};
 use super::lock;
 use super::mlx_order::{self, Order, Weights};
 use crate::engine::error::{EngineError, Result};
@@ -144,7 +144,7 @@ impl HostDense {
                 ));
             };
             let theirs = ops::matmul(&x, self.array.t())?;
-            same &= bits(&ours)? == bits(&theirs)?;
+            same &= check_bits(&ours)? == check_bits(&theirs)?;
         }
         lock(verdicts()).insert(key, same);
         Ok(same)
@@ -157,15 +157,6 @@ impl HostDense {
 /// `T` must be a `repr(transparent)` wrapper of `u16`.
 unsafe fn bits_of<T>(s: &[T]) -> &[u16] {
     std::slice::from_raw_parts(s.as_ptr().cast(), s.len())
-}
-
-/// An array's values widened to f32 (exact for every float dtype here), as bit patterns.
-fn bits(a: &Array) -> Result<Vec<u32>> {
-    let wide = a.as_dtype(Dtype::Float32)?;
-    let s = wide.try_as_slice::<f32>().map_err(|e| {
-        EngineError::Runtime(format!("cannot read a product for the host check ({e})"))
-    })?;
-    Ok(s.iter().map(|v| v.to_bits()).collect())
 }
 
 /// The check's verdict per `(rows, cols, dtype, order)`, for this process.

@@ -57,6 +57,16 @@ pub fn ready_f32(a: &Array) -> Option<&[f32]> {
     a.try_as_slice::<f32>().ok()
 }
 
+/// An array's values widened to f32 (exact for every float dtype here), as bit patterns: what
+/// the host kernels' one-time checks compare with MLX's result.
+pub fn check_bits(a: &Array) -> Result<Vec<u32>> {
+    let wide = a.as_dtype(Dtype::Float32)?;
+    let s = wide.try_as_slice::<f32>().map_err(|e| {
+        EngineError::Runtime(format!("cannot read MLX's result for a host check ({e})"))
+    })?;
+    Ok(s.iter().map(|v| v.to_bits()).collect())
+}
+
 /// A 2-D affine-quantized weight (`[rows, cols * bits / 32]` uint32, f32 `[rows, cols/group]`
 /// scales and biases) pinned in host memory for the kernel. Cloning shares the pinned buffers.
 #[derive(Debug, Clone)]

@@ -25,7 +25,7 @@ pub mod vnni;
 pub use affine::{KernelPath, Prepared, QMatrix, BITS, MAX_M};
 pub use dense::{dense_calls, refused_shapes, HostDense, HostDenseCell};
 pub use dispatch::{best_path, matmul, selection, Selection};
-pub use host::{host_calls, ready_f32, HostQuant, HostQuantCell};
+pub use host::{check_bits, host_calls, ready_f32, HostQuant, HostQuantCell};
 pub use step::{host_steps, HostDecoder, HostLayer, PastKv, StepOut, StepPlan};
 pub use vecops::{HeadShape, HostRope};
 pub use vnni::Int8Input;
@@ -42,7 +42,7 @@ thread_local! {
     static MLX_ONLY: std::cell::Cell<bool> = const { std::cell::Cell::new(false) };
 }
 
-/// Runs `f` with the L1 host kernels (dense products, activations) off on this thread, so
+/// Runs `f` with the L1 host kernels (dense products, element-wise work) off on this thread, so
 /// that its graph stays lazy on MLX. Same bits either way; used for the first token of a
 /// generation, which then goes out without waiting for the host kernels' first-use checks
 /// (they run at the next step instead).

@@ -143,7 +143,7 @@ pub struct SwiGlu {
 
 impl SwiGlu {
     /// The activation as `forks` ask: compiled like mlx-lm or eager (same bits on CPU), on the
-    /// host for f32 where [`Forks::host_act`] allows.
+    /// host for f32 where [`Forks::host_elem`] allows.
     pub fn new(forks: &Forks) -> Self {
         Self {
             op: swiglu(forks.compiled_activations),
@@ -195,15 +195,10 @@ impl SwiGlu {
         let theirs = self
             .op
             .call1(&[Array::from_slice(&gate, &[n]), Array::from_slice(&up, &[n])])?;
-        let theirs = theirs.try_as_slice::<f32>().map_err(|e| {
-            crate::engine::error::EngineError::Runtime(format!(
-                "cannot read MLX's swiglu for the host check ({e})"
-            ))
-        })?;
         let same = ours
             .iter()
-            .zip(theirs)
-            .all(|(a, b)| a.to_bits() == b.to_bits());
+            .map(|v| v.to_bits())
+            .eq(kernels::check_bits(&theirs)?);
         Ok(*VERDICT.get_or_init(|| same))
     }
 }
