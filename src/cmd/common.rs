@@ -167,6 +167,8 @@ pub struct SpecArgs {
     pub ngram_min: usize,
     /// Verification rule: `match` (token equality) or `reject` (rejection sampling)
     /// [default: match; `measure` at --temp > 0: reject].
+    // The bracket is clap's default-value convention in the help text, not a doc link.
+    #[allow(rustdoc::broken_intra_doc_links)]
     #[arg(long, value_enum)]
     pub spec_verify: Option<VerifyMode>,
 }

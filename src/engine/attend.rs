@@ -1,6 +1,6 @@
 //! Attention over one layer's cache, with the implementation the forks select:
 //! MLX's fused SDPA (mlx-lm's default), the op-by-op reference attention (`--fused-sdpa off`),
-//! mlx-lm's quantized attention over a [`QuantizedCache`] (`--kv-quant`), and the L3
+//! mlx-lm's quantized attention over a [`QuantizedCache`](crate::engine::cache::QuantizedCache) (`--kv-quant`), and the L3
 //! experiment `--perf-kernel on` (quantized attention in f32 with an online softmax).
 
 use super::cache::{causal_mask, AttentionMask, KvCache, QuantizedKv};
@@ -189,7 +189,7 @@ impl QuantizedView<'_> {
 
     /// `--perf-kernel on`: quantized-KV attention computed in f32 (queries and the cache's
     /// scales/biases upcast; on CPU f32 quantized matmuls are several times faster than bf16
-    /// ones) with an online softmax over chunks of [`ONLINE_CHUNK`] keys: each chunk keeps its
+    /// ones) with an online softmax over chunks of `ONLINE_CHUNK` keys: each chunk keeps its
     /// max, exp-sum and weighted values, and the chunks are merged at the end. The output is
     /// cast back to the query dtype. Not bit-identical to mlx-lm (tier L3).
     pub fn online_f32_sdpa(&self, q: &Array, scale: f32, mask: &AttentionMask) -> Result<Array> {

@@ -387,7 +387,7 @@ pub struct RmsNorm {
 }
 
 impl RmsNorm {
-    /// Loads `{path}.weight` of shape [dim].
+    /// Loads `{path}.weight` of shape `[dim]`.
     pub fn load(w: &mut WeightStore, path: &str, dim: i32, eps: f64) -> Result<Self> {
         Ok(Self {
             weight: w.take(&format!("{path}.weight"), &[dim])?,

@@ -5,7 +5,7 @@
 //! Why not rayon: a rayon fork/join wakes a sleeping pool thread through the kernel each
 //! time, which costs about as much as a small product itself. The helper spins for a short
 //! while after each job (yielding its core to anyone else who wants it), so the next product
-//! finds it awake; after [`IDLE_BEFORE_PARK`] without work it parks until the next job.
+//! finds it awake; after `IDLE_BEFORE_PARK` without work it parks until the next job.
 //!
 //! Why chunks claimed one at a time rather than two fixed halves: when the helper's core is
 //! busy (other processes, a hypervisor taking the vCPU), a fixed half waits for it, and a

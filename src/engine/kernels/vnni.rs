@@ -41,7 +41,7 @@ pub struct Int8Input {
 }
 
 impl Int8Input {
-    /// Quantizes `x` (`m × cols`, `cols` a multiple of [`SPAN`]) for `bits`-bit weights.
+    /// Quantizes `x` (`m × cols`, `cols` a multiple of `SPAN`) for `bits`-bit weights.
     pub fn new(x: &[f32], m: usize, cols: usize, bits: usize) -> Self {
         let blocks = cols / BLOCK;
         let mut codes = vec![0i8; m * cols];

@@ -274,7 +274,7 @@ impl ModelSpec {
         Ok(())
     }
 
-    /// Refuses a non-positive size (or a negative count), or a count past [`MAX_COUNTS`], in
+    /// Refuses a non-positive size (or a negative count), or a count past `MAX_COUNTS`, in
     /// config.json or its `text_config`, for every family before any shape is computed from it.
     pub fn check_sizes(&self) -> Result<()> {
         let nested = self.config.get("text_config").filter(|t| t.is_object());

@@ -4,7 +4,7 @@
 //!
 //! - **Parameters** ([`Params`]): every drafter tensor except `embed_tokens` / `lm_head` (the
 //!   target's, frozen and shared), as f32 master weights in name order.
-//! - **Forward** ([`forward`]): teacher-forced blocks `[x_p, MASK x (γ-1)]` at positions
+//! - **Forward** ([`Frozen::forward`]): teacher-forced blocks `[x_p, MASK x (γ-1)]` at positions
 //!   `p..p+γ-1`; block rows of anchor `p` see the context rows `< p` and their own block
 //!   (non-causal), exactly what inference sees; the sequential head's previous token is the
 //!   ground-truth `x_{p+k}`.
@@ -25,7 +25,7 @@ use std::path::{Path, PathBuf};
 
 /// The training-state file inside a checkpoint directory (parameters, Adam moments, step).
 pub const STATE_FILE: &str = "train-state.safetensors";
-/// Loss weights: cross-entropy, L1 between distributions, confidence BCE ([P] Eq. 12).
+/// Loss weights: cross-entropy, L1 between distributions, confidence BCE (the paper's Eq. 12).
 pub const LOSS_WEIGHTS: (f32, f32, f32) = (0.1, 0.9, 1.0);
 /// `loss_decay_gamma` of DeepSpec's code: position weights `exp(-k / 4)`.
 pub const LOSS_DECAY: f32 = 4.0;
@@ -142,7 +142,7 @@ impl Params {
     }
 }
 
-/// One sequence's anchors, laid out for [`forward`] and [`loss_sums`].
+/// One sequence's anchors, laid out for [`Frozen::forward`] and [`loss_sums`].
 pub struct AnchorBatch {
     /// Anchor positions `p_a` (ascending).
     pub anchors: Vec<usize>,
