@@ -3,6 +3,7 @@
 #
 #   scripts/fuzz.sh [SECONDS_PER_TARGET] [TARGET...]     (default: 120 s, every target)
 #   FUZZ_NO_BUILD=1 scripts/fuzz.sh ...                  (reuse the built fuzz binaries)
+#   FUZZ_FORK=N scripts/fuzz.sh ...                      (N worker processes on one target)
 #
 # Needs `cargo install cargo-fuzz`; libFuzzer's flags are nightly-only, so the stable toolchain
 # runs with RUSTC_BOOTSTRAP=1. Seed corpora are generated here from real files (a tiny model
@@ -28,7 +29,8 @@ export LD_LIBRARY_PATH
 if [ -z "${FUZZ_NO_BUILD:-}" ]; then
   # mlxb itself without RUSTC_BOOTSTRAP: cargo fingerprints it, and setting it here would
   # rebuild target/release from scratch (and again for the next plain `cargo build`).
-  cargo build --release --bin mlxb
+  # Both binaries: `mlxb` is the launcher and runs `mlxb-engine` beside it (seeds below).
+  cargo build --release --bins
   RUSTC_BOOTSTRAP=1 nice -n 10 cargo fuzz build --fuzz-dir fuzz -O
 fi
 
@@ -232,7 +234,7 @@ for t in "${TARGETS[@]}"; do
   set +e
   nice -n 19 "$BIN/$t" "fuzz/corpus/$t" -artifact_prefix="fuzz/artifacts/$t/" \
     -max_total_time="$SECS" -timeout=10 -rss_limit_mb=4096 -malloc_limit_mb=2048 \
-    -print_final_stats=1 2>&1 | timeline "fuzz/logs/$t.log" "fuzz/logs/$t.cov.tsv"
+    -print_final_stats=1 ${FUZZ_FORK:+-fork="$FUZZ_FORK"} 2>&1 | timeline "fuzz/logs/$t.log" "fuzz/logs/$t.cov.tsv"
   rc=${PIPESTATUS[0]}
   set -e
   if [ "$rc" -ne 0 ]; then

@@ -4,6 +4,10 @@
 //! the dynamic loader, before `main`, with a loader message and exit code 127 instead of
 //! one sentence that names the file and the fix.
 
+// A panic is never the answer to user input (issue #13): outside tests, every `unwrap`/`expect`
+// must become an error that names the file or field.
+#![cfg_attr(not(test), deny(clippy::unwrap_used, clippy::expect_used))]
+
 use std::ffi::{CStr, CString, OsString};
 use std::os::unix::ffi::OsStrExt;
 use std::os::unix::process::CommandExt;
