@@ -50,13 +50,18 @@ fn complete(args: &[&str], env: &[(&str, &Path)]) -> Duration {
     start.elapsed()
 }
 
-/// Starts `mlxb args` and SIGKILLs it after `delay` unless it exits first; true when killed.
-fn kill_after(args: &[&str], env: &[(&str, &Path)], delay: Duration) -> bool {
+/// Starts `mlxb args` and SIGKILLs it at `fraction` of `wall` unless it exits first; true when
+/// killed. A run that exits first has just measured an uninterrupted run, so `wall` shrinks to
+/// its time: the reference run may have been stretched by tests running alongside, and without
+/// this every later kill point could fall after the end (seen under load: 0 of 5 killed).
+fn kill_at(args: &[&str], env: &[(&str, &Path)], fraction: f64, wall: &mut Duration) -> bool {
     let mut child = command(args, env).stderr(Stdio::null()).spawn().unwrap();
-    let deadline = Instant::now() + delay;
+    let start = Instant::now();
+    let deadline = start + wall.mul_f64(fraction);
     loop {
         if let Some(status) = child.try_wait().unwrap() {
             assert!(status.success(), "`mlxb {}` failed", args.join(" "));
+            *wall = (*wall).min(start.elapsed());
             return false;
         }
         if Instant::now() >= deadline {
@@ -68,12 +73,12 @@ fn kill_after(args: &[&str], env: &[(&str, &Path)], delay: Duration) -> bool {
     }
 }
 
-/// Seeded kill delays spread over `[0, 0.7 · wall)`, `wall` being an uninterrupted run's time
-/// (which other tests running alongside may have stretched, hence the margin).
-fn delays(seed: u64, wall: Duration) -> Vec<Duration> {
+/// Seeded kill points as fractions in `[0, 0.7)` of an uninterrupted run's time (the margin
+/// because that time, measured once, may have been stretched by tests running alongside).
+fn kill_fractions(seed: u64) -> Vec<f64> {
     let mut rng = SplitMix::new(seed, 13);
     (0..RUNS)
-        .map(|_| wall.mul_f64(0.7 * (rng.next_u64() >> 11) as f64 / (1u64 << 53) as f64))
+        .map(|_| 0.7 * (rng.next_u64() >> 11) as f64 / (1u64 << 53) as f64)
         .collect()
 }
 
@@ -266,13 +271,13 @@ fn default_model_import_survives_kill_9() {
     let model = |xdg: &Path| xdg.join("mlxb/models/smollm2-135m-instruct");
     let reference = tmp.path().join("reference");
     seed_cache(&reference, &gguf);
-    let wall = complete(&args, &[("XDG_CACHE_HOME", &reference)]);
+    let mut wall = complete(&args, &[("XDG_CACHE_HOME", &reference)]);
     assert_loads(&model(&reference));
     let mut killed = 0;
-    for (i, delay) in delays(1, wall).into_iter().enumerate() {
+    for (i, fraction) in kill_fractions(1).into_iter().enumerate() {
         let xdg = tmp.path().join(format!("run{i}"));
         seed_cache(&xdg, &gguf);
-        if kill_after(&args, &[("XDG_CACHE_HOME", &xdg)], delay) {
+        if kill_at(&args, &[("XDG_CACHE_HOME", &xdg)], fraction, &mut wall) {
             killed += 1;
         }
         // Right after the kill the model is either absent or the complete import.
@@ -312,14 +317,14 @@ fn convert_survives_kill_9() {
     };
     let reference = tmp.path().join("reference");
     let a = run(&reference);
-    let wall = complete(&strs(&a), &[]);
+    let mut wall = complete(&strs(&a), &[]);
     assert_loads(&reference);
     let mut killed = 0;
-    for (i, delay) in delays(2, wall).into_iter().enumerate() {
+    for (i, fraction) in kill_fractions(2).into_iter().enumerate() {
         let out = tmp.path().join(format!("run{i}"));
         let a = run(&out);
         let a = strs(&a);
-        if kill_after(&a, &[], delay) {
+        if kill_at(&a, &[], fraction, &mut wall) {
             killed += 1;
         }
         if out.exists() {
@@ -405,11 +410,11 @@ fn train_dspark_survives_kill_9_and_resumes_to_the_same_drafter() {
         a
     };
     let reference = tmp.path().join("reference");
-    let wall = complete(&strs(&args(&reference, false)), &[]);
+    let mut wall = complete(&strs(&args(&reference, false)), &[]);
     let mut killed = 0;
-    for (i, delay) in delays(3, wall).into_iter().enumerate() {
+    for (i, fraction) in kill_fractions(3).into_iter().enumerate() {
         let out = tmp.path().join(format!("run{i}"));
-        if kill_after(&strs(&args(&out, false)), &[], delay) {
+        if kill_at(&strs(&args(&out, false)), &[], fraction, &mut wall) {
             killed += 1;
             assert_train_files_complete(&out);
             let resume = out.join(checkpoint::MLXB_CONFIG).exists()
@@ -455,14 +460,14 @@ fn calibrate_survives_kill_9_with_the_old_or_new_config() {
     };
     let reference = fx.tmp.path().join("reference");
     common::copy_dir(&fx.drafter, &reference);
-    let wall = complete(&strs(&args(&reference)), &[]);
+    let mut wall = complete(&strs(&args(&reference)), &[]);
     let new = std::fs::read(reference.join(config)).unwrap();
     assert_ne!(new, old, "calibration did not change the config");
     let mut killed = 0;
-    for (i, delay) in delays(0xca11b, wall).into_iter().enumerate() {
+    for (i, fraction) in kill_fractions(0xca11b).into_iter().enumerate() {
         let run = fx.tmp.path().join(format!("run{i}"));
         common::copy_dir(&fx.drafter, &run);
-        killed += kill_after(&strs(&args(&run)), &[], delay) as usize;
+        killed += kill_at(&strs(&args(&run)), &[], fraction, &mut wall) as usize;
         let now = std::fs::read(run.join(config)).unwrap();
         assert!(
             now == old || now == new,
