@@ -177,12 +177,17 @@ fn tiny_f32_llama_takes_the_host_paths_with_the_same_logits() {
     let calls = host_swiglu_calls() - before;
     assert!(calls >= 4 * 9, "the host SwiGLU ran {calls} times");
     // In each step, with the products on the host: both norms of every layer but the first
-    // layer's input norm (the embedding is MLX's), and the final norm.
+    // layer's input norm (the embedding is MLX's), and the final norm. Where f32 products stay
+    // on MLX (another OpenBLAS order) the norms' inputs are lazy and they stay on MLX too.
     let norms = host_norm_calls() - norms_before;
-    assert!(
-        norms >= 8 * 8,
-        "the host RMSNorm ran {norms} times in 8 steps"
-    );
+    if common::f32_host_order_expected() {
+        assert!(
+            norms >= 8 * 8,
+            "the host RMSNorm ran {norms} times in 8 steps"
+        );
+    } else {
+        eprintln!("the host RMSNorm ran {norms} times in 8 steps");
+    }
 }
 
 #[test]

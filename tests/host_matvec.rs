@@ -8,6 +8,10 @@
 //!   and really take it;
 //! - a wrong order is caught by the load-time check and the layer stays on MLX.
 //!
+//! The f32 orders are those of OpenBLAS's SkylakeX kernels. On a machine whose OpenBLAS picks
+//! other kernels (`mlxb --version` names them), f32 products may be refused: there the suite
+//! checks that every accepted product still equals MLX's and the logits are unchanged.
+//!
 //! End-to-end parity with mlx-lm under the defaults is `model_parity`'s job.
 
 mod common;
@@ -41,16 +45,18 @@ fn assert_same_bits(what: &str, h: &HostDense, w: &Array, x: &Array) {
     );
 }
 
-fn check_shape(rows: i32, cols: i32, dtype: Dtype, seed: u64) {
+/// Checks one shape: a product the load-time check accepts equals MLX's bit for bit on three
+/// inputs; returns whether it was accepted (a refusal is the caller's to judge).
+fn check_shape(rows: i32, cols: i32, dtype: Dtype, seed: u64) -> bool {
     let key = random::key(seed).unwrap();
     let w = random::normal::<f32>(&[rows, cols][..], 0.0, 0.05, &key)
         .unwrap()
         .as_dtype(dtype)
         .unwrap();
     let what = format!("{dtype:?} {rows}x{cols}");
-    let h = HostDense::new(&w)
-        .unwrap()
-        .unwrap_or_else(|| panic!("{what}: the load-time check found MLX summing differently"));
+    let Some(h) = HostDense::new(&w).unwrap() else {
+        return false;
+    };
     for (i, scale) in [1.0f32, 1e-3, 40.0].into_iter().enumerate() {
         let k = random::key(seed * 31 + i as u64).unwrap();
         let x = random::normal::<f32>(&[1, 1, cols][..], 0.0, scale, &k)
@@ -61,6 +67,17 @@ fn check_shape(rows: i32, cols: i32, dtype: Dtype, seed: u64) {
         let flat = x.reshape(&[1, cols]).unwrap();
         assert_same_bits(&what, &h, &w, &flat);
     }
+    true
+}
+
+/// A refused product is a failure unless it is f32 on a machine whose OpenBLAS sums f32 in
+/// another order (the 16-bit orders are MLX's own code, the same on every CPU).
+fn judge_refusal(what: &str, dtype: Dtype, f32_required: bool) {
+    assert!(
+        dtype == Dtype::Float32 && !f32_required,
+        "{what}: the load-time check found MLX summing differently"
+    );
+    eprintln!("{what}: refused here, stays on MLX");
 }
 
 #[test]
@@ -79,18 +96,23 @@ fn every_order_and_dtype_matches_mlx_bit_for_bit_on_random_weights() {
         (1000, 1001), // over 10^6 multiply-adds: panels 448+277+276
         (999, 1001),  // same, rows not a multiple of 16
     ];
+    let f32_required = common::f32_host_order_expected();
     for dtype in [Dtype::Float32, Dtype::Bfloat16, Dtype::Float16] {
         for (i, (rows, cols)) in shapes.into_iter().enumerate() {
-            check_shape(rows, cols, dtype, 100 + i as u64);
+            if !check_shape(rows, cols, dtype, 100 + i as u64) {
+                judge_refusal(&format!("{dtype:?} {rows}x{cols}"), dtype, f32_required);
+            }
         }
     }
-    // (Another test here refuses a shape on purpose; none of these may be.)
-    let refused = refused_shapes();
-    for (rows, cols) in shapes {
-        assert!(
-            !refused.contains(&(rows as usize, cols as usize)),
-            "{rows}x{cols} refused"
-        );
+    if f32_required {
+        // (Another test here refuses a shape on purpose; none of these may be.)
+        let refused = refused_shapes();
+        for (rows, cols) in shapes {
+            assert!(
+                !refused.contains(&(rows as usize, cols as usize)),
+                "{rows}x{cols} refused"
+            );
+        }
     }
 }
 
@@ -100,6 +122,7 @@ fn real_smollm2_weights_match_mlx_for_every_shape_in_f32_and_bf16() {
     let m = mlxb::engine::registry_models::find("smollm2-135m-instruct").unwrap();
     let dir = m.ensure().unwrap();
     let t = Array::load_safetensors(dir.join("model.safetensors")).unwrap();
+    let f32_required = common::f32_host_order_expected();
     for name in [
         "model.layers.0.self_attn.q_proj.weight",
         "model.layers.3.self_attn.k_proj.weight",
@@ -110,9 +133,10 @@ fn real_smollm2_weights_match_mlx_for_every_shape_in_f32_and_bf16() {
     ] {
         for dtype in [Dtype::Float32, Dtype::Bfloat16] {
             let w = t[name].as_dtype(dtype).unwrap();
-            let h = HostDense::new(&w).unwrap().unwrap_or_else(|| {
-                panic!("{name} {dtype:?}: the load-time check found MLX summing differently")
-            });
+            let Some(h) = HostDense::new(&w).unwrap() else {
+                judge_refusal(&format!("{name} {dtype:?}"), dtype, f32_required);
+                continue;
+            };
             let key = random::key(7).unwrap();
             let x = random::normal::<f32>(&[1, 1, w.shape()[1]][..], 0.0, 1.0, &key)
                 .unwrap()
@@ -126,6 +150,7 @@ fn real_smollm2_weights_match_mlx_for_every_shape_in_f32_and_bf16() {
 #[test]
 fn tiny_f32_and_bf16_llamas_decode_on_the_host_path_with_the_same_logits() {
     require_kernels();
+    let f32_required = common::f32_host_order_expected();
     for dtype in ["f32", "bf16"] {
         let dir = tempfile::tempdir().unwrap();
         common::make_model(dir.path(), &common::tiny_llama(json!({})), dtype, None);
@@ -153,12 +178,17 @@ fn tiny_f32_and_bf16_llamas_decode_on_the_host_path_with_the_same_logits() {
             );
             tok = last_argmax(&pa);
         }
-        // 4 layers x 7 projections + the tied head, per step.
+        // 4 layers x 7 projections + the tied head, per step (f32 only where OpenBLAS sums
+        // as the host path does; elsewhere the equal logits above are the fallback's check).
         let calls = dense_calls() - before;
-        assert!(
-            calls >= 12 * 29,
-            "{dtype}: the host path ran {calls} times in 12 steps"
-        );
+        if dtype == "bf16" || f32_required {
+            assert!(
+                calls >= 12 * 29,
+                "{dtype}: the host path ran {calls} times in 12 steps"
+            );
+        } else {
+            eprintln!("{dtype}: the host path ran {calls} times in 12 steps");
+        }
     }
 }
 
@@ -188,7 +218,9 @@ fn a_wrong_order_is_caught_and_the_layer_stays_on_mlx() {
     );
     assert!(refused_shapes().contains(&(64, 576)));
     let right = HostDense::new(&w).unwrap();
-    assert!(right.is_some(), "the right order was refused");
+    if common::f32_host_order_expected() {
+        assert!(right.is_some(), "the right order was refused");
+    }
 }
 
 #[test]

@@ -68,7 +68,8 @@ pub fn backend() -> Backend {
 }
 
 /// The BLAS that MLX's CPU matmul calls, identified from the symbols the process exports
-/// (OpenBLAS, Apple Accelerate, or the slow netlib reference BLAS the CPU wheel ships).
+/// (OpenBLAS with its version and kernel set, Apple Accelerate, or the slow netlib reference
+/// BLAS the CPU wheel ships).
 pub fn blas() -> String {
     type ConfigFn = unsafe extern "C" fn() -> *const libc::c_char;
     unsafe {
@@ -76,7 +77,12 @@ pub fn blas() -> String {
         if !sym.is_null() {
             let f: ConfigFn = std::mem::transmute(sym);
             let cfg = CStr::from_ptr(f()).to_string_lossy().into_owned();
-            return cfg.split_whitespace().take(2).collect::<Vec<_>>().join(" ");
+            let name = cfg.split_whitespace().take(2).collect::<Vec<_>>().join(" ");
+            // The kernel set matters as much as the version: it decides f32 summation order.
+            return match blas_core() {
+                Some(core) => format!("{name} ({core})"),
+                None => name,
+            };
         }
         if cfg!(target_os = "macos") {
             return "Accelerate".to_owned();
@@ -87,6 +93,24 @@ pub fn blas() -> String {
         }
     }
     "none found".to_owned()
+}
+
+/// The CPU kernel set OpenBLAS picked at start-up (`"SkylakeX"`, `"Haswell"`, ...), or `None`
+/// when MLX's BLAS is not OpenBLAS. It decides the order MLX's f32 matmul sums in, which
+/// `--host-matvec` must reproduce (`kernels::mlx_order`), so it explains a refused host path.
+pub fn blas_core() -> Option<String> {
+    type CoreFn = unsafe extern "C" fn() -> *const libc::c_char;
+    // SAFETY: looks up a symbol by a NUL-terminated name; when present it is OpenBLAS's
+    // `openblas_get_corename`, which returns a static NUL-terminated string.
+    unsafe {
+        let sym = libc::dlsym(libc::RTLD_DEFAULT, c"openblas_get_corename".as_ptr());
+        if sym.is_null() {
+            return None;
+        }
+        let f: CoreFn = std::mem::transmute(sym);
+        let name = f();
+        (!name.is_null()).then(|| CStr::from_ptr(name).to_string_lossy().trim().to_owned())
+    }
 }
 
 /// Fails with one clear sentence when the loaded libmlx is not the version mlxb was built for.
