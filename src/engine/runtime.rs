@@ -71,26 +71,20 @@ pub fn backend() -> Backend {
 /// (OpenBLAS with its version and kernel set, Apple Accelerate, or the slow netlib reference
 /// BLAS the CPU wheel ships).
 pub fn blas() -> String {
-    type ConfigFn = unsafe extern "C" fn() -> *const libc::c_char;
-    unsafe {
-        let sym = libc::dlsym(libc::RTLD_DEFAULT, c"openblas_get_config".as_ptr());
-        if !sym.is_null() {
-            let f: ConfigFn = std::mem::transmute(sym);
-            let cfg = CStr::from_ptr(f()).to_string_lossy().into_owned();
-            let name = cfg.split_whitespace().take(2).collect::<Vec<_>>().join(" ");
-            // The kernel set matters as much as the version: it decides f32 summation order.
-            return match blas_core() {
-                Some(core) => format!("{name} ({core})"),
-                None => name,
-            };
-        }
-        if cfg!(target_os = "macos") {
-            return "Accelerate".to_owned();
-        }
-        if !libc::dlsym(libc::RTLD_DEFAULT, c"cblas_sgemm".as_ptr()).is_null() {
-            return "reference BLAS (netlib; slow, run scripts/setup.sh to use OpenBLAS)"
-                .to_owned();
-        }
+    if let Some(cfg) = openblas_string(c"openblas_get_config") {
+        let name = cfg.split_whitespace().take(2).collect::<Vec<_>>().join(" ");
+        // The kernel set matters as much as the version: it decides f32 summation order.
+        return match blas_core() {
+            Some(core) => format!("{name} ({core})"),
+            None => name,
+        };
+    }
+    if cfg!(target_os = "macos") {
+        return "Accelerate".to_owned();
+    }
+    // SAFETY: looks up a symbol by a NUL-terminated name; nothing is called.
+    if !unsafe { libc::dlsym(libc::RTLD_DEFAULT, c"cblas_sgemm".as_ptr()) }.is_null() {
+        return "reference BLAS (netlib; slow, run scripts/setup.sh to use OpenBLAS)".to_owned();
     }
     "none found".to_owned()
 }
@@ -99,17 +93,23 @@ pub fn blas() -> String {
 /// when MLX's BLAS is not OpenBLAS. It decides the order MLX's f32 matmul sums in, which
 /// `--host-matvec` must reproduce (`kernels::mlx_order`), so it explains a refused host path.
 pub fn blas_core() -> Option<String> {
-    type CoreFn = unsafe extern "C" fn() -> *const libc::c_char;
-    // SAFETY: looks up a symbol by a NUL-terminated name; when present it is OpenBLAS's
-    // `openblas_get_corename`, which returns a static NUL-terminated string.
+    openblas_string(c"openblas_get_corename").map(|name| name.trim().to_owned())
+}
+
+/// The string an OpenBLAS query function without arguments returns (`openblas_get_config`,
+/// `openblas_get_corename`), or `None` when the process has no such symbol.
+fn openblas_string(symbol: &CStr) -> Option<String> {
+    type QueryFn = unsafe extern "C" fn() -> *const libc::c_char;
+    // SAFETY: looks up a symbol by a NUL-terminated name; the OpenBLAS functions passed here
+    // take no arguments and return a static NUL-terminated string.
     unsafe {
-        let sym = libc::dlsym(libc::RTLD_DEFAULT, c"openblas_get_corename".as_ptr());
+        let sym = libc::dlsym(libc::RTLD_DEFAULT, symbol.as_ptr());
         if sym.is_null() {
             return None;
         }
-        let f: CoreFn = std::mem::transmute(sym);
-        let name = f();
-        (!name.is_null()).then(|| CStr::from_ptr(name).to_string_lossy().trim().to_owned())
+        let f: QueryFn = std::mem::transmute(sym);
+        let s = f();
+        (!s.is_null()).then(|| CStr::from_ptr(s).to_string_lossy().into_owned())
     }
 }
 
