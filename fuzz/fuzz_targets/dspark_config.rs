@@ -5,7 +5,7 @@
 use libfuzzer_sys::fuzz_target;
 use mlxb::spec::dspark::checkpoint::{is_artifact, read_config};
 
-fuzz_target!(|data: &[u8]| {
+fuzz_target!(init: mlxb_fuzz::deterministic(), |data: &[u8]| {
     let Some((&which, bytes)) = data.split_first() else {
         return;
     };

@@ -5,7 +5,7 @@
 use libfuzzer_sys::fuzz_target;
 use mlxb::engine::gguf::{import_gguf, vocab, GgufHeader, ImportOptions};
 
-fuzz_target!(|data: &[u8]| {
+fuzz_target!(init: mlxb_fuzz::deterministic(), |data: &[u8]| {
     let dir = mlxb_fuzz::fresh_dir("gguf");
     let src = dir.join("in.gguf");
     mlxb_fuzz::put(&dir, "in.gguf", data);

@@ -4,7 +4,7 @@
 use libfuzzer_sys::fuzz_target;
 use mlxb::engine::gguf::quant::{decode, Decoded, GgmlType};
 
-fuzz_target!(|data: &[u8]| {
+fuzz_target!(init: mlxb_fuzz::deterministic(), |data: &[u8]| {
     let Some((&id, bytes)) = data.split_first() else {
         return;
     };

@@ -5,7 +5,7 @@
 use libfuzzer_sys::fuzz_target;
 use mlxb::server::request::{parse, Endpoint, Limits};
 
-fuzz_target!(|data: &[u8]| {
+fuzz_target!(init: mlxb_fuzz::deterministic(), |data: &[u8]| {
     let Some((&which, body)) = data.split_first() else {
         return;
     };

@@ -10,7 +10,7 @@ use mlxb::engine::plan::ForkPlan;
 use mlxb::engine::weights::{QuantConfig, WeightStore};
 use std::collections::HashMap;
 
-fuzz_target!(|data: &[u8]| {
+fuzz_target!(init: mlxb_fuzz::deterministic(), |data: &[u8]| {
     let Ok(config) = serde_json::from_slice::<serde_json::Value>(data) else {
         return;
     };

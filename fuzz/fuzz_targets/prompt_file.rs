@@ -4,7 +4,7 @@
 use libfuzzer_sys::fuzz_target;
 use mlxb::spec::dspark::data::read_prompts;
 
-fuzz_target!(|data: &[u8]| {
+fuzz_target!(init: mlxb_fuzz::deterministic(), |data: &[u8]| {
     let dir = mlxb_fuzz::fresh_dir("prompts");
     mlxb_fuzz::put(&dir, "prompts.jsonl", data);
     let _ = read_prompts(&dir.join("prompts.jsonl"));

@@ -5,7 +5,7 @@
 use libfuzzer_sys::fuzz_target;
 use mlxb::engine::weights::{checkpoint_size, QuantConfig, WeightStore};
 
-fuzz_target!(|data: &[u8]| {
+fuzz_target!(init: mlxb_fuzz::deterministic(), |data: &[u8]| {
     let dir = mlxb_fuzz::fresh_dir("safetensors");
     mlxb_fuzz::put(&dir, "model.safetensors", data);
     let _ = checkpoint_size(&dir, None);

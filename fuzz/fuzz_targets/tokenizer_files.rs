@@ -13,7 +13,7 @@ const FILES: [&str; 4] = [
     "generation_config.json",
 ];
 
-fuzz_target!(|data: &[u8]| {
+fuzz_target!(init: mlxb_fuzz::deterministic(), |data: &[u8]| {
     let dir = mlxb_fuzz::fresh_dir("tokenizer");
     for (name, bytes) in FILES.iter().zip(mlxb_fuzz::parts(data, FILES.len())) {
         if !bytes.is_empty() {

@@ -4,6 +4,19 @@
 use std::path::{Path, PathBuf};
 use std::sync::OnceLock;
 
+/// Makes rayon run on the fuzzing thread alone (every target's `init`). Parsers that split work
+/// with rayon (the GGUF decoders, the tokenizers crate) otherwise reach different scheduler code
+/// from one execution of the same input to the next (work stealing, waking sleeping workers);
+/// libFuzzer counts that as new coverage, so a target's figures never settle. Replaying the same
+/// `gguf_quant` corpus three times gave 1038 to 1074 edges and 3992 to 4351 features before this.
+pub fn deterministic() {
+    rayon::ThreadPoolBuilder::new()
+        .num_threads(1)
+        .use_current_thread()
+        .build_global()
+        .expect("rayon's global pool was built before the fuzz target's init");
+}
+
 /// The process-wide scratch directory (removed when the process exits normally).
 pub fn scratch() -> &'static Path {
     static DIR: OnceLock<tempfile::TempDir> = OnceLock::new();
