@@ -11,7 +11,8 @@
 # fuzz/corpus/TARGET (not committed; runs add to it); crashes land in fuzz/artifacts/TARGET,
 # logs and the final statistics of each run in fuzz/logs/TARGET.log, its coverage timeline in
 # fuzz/logs/TARGET.cov.tsv. Runs are sequential at `nice -n 19` (the machine is shared), and
-# each prints whether its target plateaued (neither cov nor ft grew over the last third).
+# each prints whether its target plateaued (neither cov nor ft grew over the last third) and
+# what a replay of the corpus reaches (twice: the spread is the target's run-to-run noise).
 set -euo pipefail
 cd "$(dirname "$0")/.."
 SECS=${1:-120}
@@ -226,6 +227,21 @@ plateau() {
     }' "$1"
 }
 
+# Replays the whole corpus twice without fuzzing and prints the cov/ft each replay reached. The
+# targets run rayon on one thread (fuzz/src/lib.rs), but some still differ by a few edges or
+# features between replays (hash maps' per-process random seeds, most likely); growth of that
+# size within a run may be noise rather than newly reached code.
+replay() {
+  local i line out=()
+  for i in 1 2; do
+    line=$(nice -n 19 "$BIN/$1" "fuzz/corpus/$1" -runs=0 2>&1 | grep INITED) || line=""
+    if [[ $line =~ cov:\ ([0-9]+)\ ft:\ ([0-9]+) ]]; then
+      out+=("${BASH_REMATCH[1]}/${BASH_REMATCH[2]}")
+    fi
+  done
+  echo "   corpus replayed twice, cov/ft: ${out[*]}"
+}
+
 mkdir -p fuzz/logs
 for t in "${TARGETS[@]}"; do
   echo "== $t (${SECS}s)"
@@ -242,4 +258,5 @@ for t in "${TARGETS[@]}"; do
     continue
   fi
   plateau "fuzz/logs/$t.cov.tsv"
+  replay "$t"
 done
