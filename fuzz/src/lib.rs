@@ -17,11 +17,57 @@ pub fn deterministic() {
         .expect("rayon's global pool was built before the fuzz target's init");
 }
 
-/// The process-wide scratch directory (removed when the process exits normally).
+/// Scratch directories are `$TMPDIR/mlxb-fuzz-PID`, the PID zero-padded to ten digits.
+const SCRATCH_PREFIX: &str = "mlxb-fuzz-";
+
+/// The process-wide scratch directory. Its name has the same length and kind of characters in
+/// every process: the random name `tempfile` gave before ended up in paths and error messages,
+/// and the string code handling it covered a little differently in each process, which libFuzzer
+/// counts as new coverage. Removed when the process exits (an `atexit` hook: a static is never
+/// dropped, and 246 directories had piled up in /tmp); those of fuzz processes that were killed
+/// or crashed are removed by the next process to start.
 pub fn scratch() -> &'static Path {
-    static DIR: OnceLock<tempfile::TempDir> = OnceLock::new();
-    DIR.get_or_init(|| tempfile::tempdir().expect("cannot create a scratch directory"))
-        .path()
+    static DIR: OnceLock<PathBuf> = OnceLock::new();
+    DIR.get_or_init(|| {
+        remove_stale_scratch();
+        let dir = own_scratch();
+        let _ = std::fs::remove_dir_all(&dir);
+        std::fs::create_dir_all(&dir).expect("cannot create a scratch directory");
+        // SAFETY: registers a plain function that captures nothing.
+        unsafe { libc::atexit(remove_own_scratch) };
+        dir
+    })
+}
+
+/// This process's scratch directory (the same path every time it is asked).
+fn own_scratch() -> PathBuf {
+    std::env::temp_dir().join(format!("{SCRATCH_PREFIX}{:010}", std::process::id()))
+}
+
+/// Runs at exit: removes this process's scratch directory.
+extern "C" fn remove_own_scratch() {
+    let _ = std::fs::remove_dir_all(own_scratch());
+}
+
+/// Removes the scratch directories whose process no longer exists.
+fn remove_stale_scratch() {
+    let Ok(entries) = std::fs::read_dir(std::env::temp_dir()) else {
+        return;
+    };
+    for entry in entries.flatten() {
+        let name = entry.file_name();
+        let pid = name
+            .to_str()
+            .and_then(|n| n.strip_prefix(SCRATCH_PREFIX))
+            .and_then(|p| p.parse::<libc::pid_t>().ok());
+        let Some(pid) = pid else { continue };
+        // SAFETY: signal 0 sends nothing; it only asks whether the process exists.
+        let gone = unsafe { libc::kill(pid, 0) } != 0
+            && std::io::Error::last_os_error().raw_os_error() == Some(libc::ESRCH);
+        if gone {
+            let _ = std::fs::remove_dir_all(entry.path());
+        }
+    }
 }
 
 /// Empties `scratch()/name` and returns it, so no file of an earlier input leaks into this one.
