@@ -228,9 +228,10 @@ plateau() {
 }
 
 # Replays the whole corpus twice without fuzzing and prints the cov/ft each replay reached. The
-# targets run rayon on one thread (fuzz/src/lib.rs), but some still differ by a few edges or
-# features between replays (hash maps' per-process random seeds, most likely); growth of that
-# size within a run may be noise rather than newly reached code.
+# targets run rayon on one thread and use a fixed-shape scratch path (fuzz/src/lib.rs), but
+# some still differ by a few edges or features between replays (randomly seeded hash maps: in
+# `tokenizer_files`, -print_coverage shows the tokenizers crate's maps probing and iterating
+# differently); growth of that size within a run may be noise rather than newly reached code.
 replay() {
   local i line out=()
   for i in 1 2; do
