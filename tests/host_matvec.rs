@@ -8,9 +8,10 @@
 //!   and really take it;
 //! - a wrong order is caught by the load-time check and the layer stays on MLX.
 //!
-//! The f32 orders are those of OpenBLAS's SkylakeX kernels. On a machine whose OpenBLAS picks
-//! other kernels (`mlxb --version` names them), f32 products may be refused: there the suite
-//! checks that every accepted product still equals MLX's and the logits are unchanged.
+//! The f32 orders are those of OpenBLAS's SkylakeX and Haswell kernels. On a machine whose
+//! OpenBLAS picks other kernels (`mlxb --version` names them), f32 products may be refused:
+//! there the suite checks that every accepted product still equals MLX's and the logits are
+//! unchanged.
 //!
 //! End-to-end parity with mlx-lm under the defaults is `model_parity`'s job.
 
@@ -18,7 +19,7 @@ mod common;
 
 use mlx_rs::{ops, random, Array, Dtype};
 use mlxb::engine::flags::Forks;
-use mlxb::engine::kernels::mlx_order::{self, Order};
+use mlxb::engine::kernels::mlx_order::{self, F32Kernels, Order};
 use mlxb::engine::kernels::{dense_calls, refused_shapes, HostDense};
 use serde_json::json;
 
@@ -82,17 +83,18 @@ fn judge_refusal(what: &str, dtype: Dtype, f32_required: bool) {
 #[test]
 fn every_order_and_dtype_matches_mlx_bit_for_bit_on_random_weights() {
     require_kernels();
+    // Orders on SkylakeX kernels; on Haswell kernels every one is panels of at most 320.
     let shapes = [
         (576, 576),   // lanes (SmolLM2 q/o)
         (192, 576),   // lanes (k/v)
-        (576, 1536),  // lanes (down)
+        (576, 1536),  // lanes (down); Haswell: 320+320+320+288+288
         (1536, 576),  // panels 288+288 (gate/up)
         (4099, 576),  // panels, rows not a multiple of 16
         (7, 40),      // lanes, rows not a multiple of 4, depth not of 16
         (37, 100),    // lanes, three trailing rows
         (300, 20),    // depth below 32: panels
         (1201, 64),   // more than 1200 outputs: panels
-        (1000, 1001), // over 10^6 multiply-adds: panels 448+277+276
+        (1000, 1001), // over 10^6 multiply-adds: panels 448+277+276; Haswell 320+320+181+180
         (999, 1001),  // same, rows not a multiple of 16
     ];
     let f32_required = common::f32_host_order_expected();
@@ -206,9 +208,13 @@ fn a_wrong_order_is_caught_and_the_layer_stays_on_mlx() {
     require_kernels();
     let key = random::key(5).unwrap();
     let w = random::normal::<f32>(&[64, 576][..], 0.0, 0.05, &key).unwrap();
-    // OpenBLAS sums this shape in lanes; one sequential chain is another order.
-    assert_eq!(mlx_order::f32_order(64, 576), Order::Lanes);
-    let wrong = HostDense::with_order(&w, Order::Panels(vec![576])).unwrap();
+    // SkylakeX kernels sum this shape in lanes, Haswell's in two panels of 288; a single
+    // sequential chain is neither, and lanes are not Haswell's.
+    let wrong_order = match F32Kernels::here().order(64, 576) {
+        Order::Lanes => Order::Panels(vec![576]),
+        _ => Order::Lanes,
+    };
+    let wrong = HostDense::with_order(&w, wrong_order).unwrap();
     assert!(
         wrong.is_none(),
         "a different summation order passed the check"

@@ -8,17 +8,20 @@
 //! element (SmolLM2 bf16 decodes at 5 % of its roofline). Reading the weights in place on both
 //! cores is faster, and summing in the same order keeps every bit.
 //!
-//! The orders (MLX 0.32.4's CPU backend, OpenBLAS 0.3.21 with its `SKYLAKEX` kernels):
-//! - **f32, Lanes**: MLX calls row-major `sgemm(NoTrans, Trans)`, which OpenBLAS runs as
-//!   column-major `TN` with `M` = outputs, `N` = tokens, `K` = inputs, on its small-matrix
-//!   kernel when `M·N·K ≤ 10⁶`, `M·N ≤ 1200` and `K ≥ 32`: sixteen lanes, lane `l` a fused
+//! The orders (MLX 0.32.4's CPU backend, OpenBLAS 0.3.21; which f32 order a shape gets depends
+//! on the kernel set OpenBLAS picked for the CPU, see [`F32Kernels`]):
+//! - **f32, Lanes** (`SKYLAKEX` only): MLX calls row-major `sgemm(NoTrans, Trans)`, which
+//!   OpenBLAS runs as column-major `TN` with `M` = outputs, `N` = tokens, `K` = inputs, on its
+//!   small-matrix kernel when `M·N·K ≤ 10⁶`, `M·N ≤ 1200` and `K ≥ 32`: sixteen lanes, lane `l` a fused
 //!   multiply-add chain over `k ≡ l (mod 16)` (a short last chunk masked to zeros), then the
 //!   lanes added pairwise: outputs in the whole groups of four at the front in the kernel's
 //!   4×4-transpose order `((l0+l1)+(l2+l3))` per 128-bit quarter, quarters `(q0+q1)+(q2+q3)`;
 //!   the rest in `_mm512_reduce_add_ps`'s halving order (`l + 8`, `+ 4`, `+ 2`, `+ 1`).
-//! - **f32, Panels** (OpenBLAS's GEMM driver, every other f32 product): `K` cut into panels of
-//!   at most [`PANEL`] (a remainder below twice that is halved, rounding up), each panel a
-//!   fused multiply-add chain from zero in `k` order, the panels added to the output in order.
+//! - **f32, Panels** (OpenBLAS's GEMM driver, every other f32 product; on `HASWELL` kernels
+//!   every f32 product): `K` cut into panels of at most the kernel set's depth (448 on
+//!   `SKYLAKEX`, 320 on `HASWELL`; a remainder below twice that is halved, rounding up), each
+//!   panel a fused multiply-add chain from zero in `k` order, the panels added to the output in
+//!   order.
 //! - **bf16/f16, Sequential** (MLX's `simd_gemm` with f32 accumulation): one f32 sum per
 //!   output in `k` order; each product of two 16-bit floats is exact in f32, so a fused
 //!   multiply-add gives the same bits as MLX's multiply-then-add. MLX rounds the sum to the
@@ -31,8 +34,6 @@
 use super::pair;
 use std::ops::Range;
 
-/// OpenBLAS's single-precision panel depth on SkylakeX (`SGEMM_DEFAULT_Q`).
-pub const PANEL: usize = 448;
 /// Largest `M·N·K` OpenBLAS hands its small-matrix kernel.
 const SMALL_MAX_MNK: f64 = 1e6;
 /// Largest `M·N` (outputs × tokens) the small-matrix `TN` kernel takes.
@@ -57,13 +58,53 @@ pub enum Order {
     Sequential,
 }
 
-/// The order OpenBLAS uses for one f32 token through a `rows × cols` weight.
-pub fn f32_order(rows: usize, cols: usize) -> Order {
-    let mnk = rows as f64 * cols as f64;
-    if mnk <= SMALL_MAX_MNK && rows <= SMALL_MAX_OUTPUTS && cols >= SMALL_MIN_DEPTH {
-        Order::Lanes
-    } else {
-        Order::Panels(panels(cols))
+/// The OpenBLAS kernel set whose f32 order MLX's matmul follows on this machine. OpenBLAS picks
+/// one per CPU at start-up (`openblas_get_corename`); the set decides both whether small
+/// products go to a small-matrix kernel and how deep the GEMM driver's panels are.
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub enum F32Kernels {
+    /// `SKYLAKEX` (AVX-512 Intel): small products on the small-matrix kernel
+    /// ([`Order::Lanes`]), the rest in panels of 448.
+    SkylakeX,
+    /// `HASWELL` (AVX2; also what 0.3.21 picks on AMD Zen 4): no small-matrix kernel, every
+    /// product in panels of 320 (measured against MLX on a Zen 4 host, `tests/host_matvec.rs`).
+    Haswell,
+}
+
+impl F32Kernels {
+    /// The kernel set for an OpenBLAS core name. `Zen` runs OpenBLAS's Haswell kernels with the
+    /// same depths (not measured here); any other name, or no OpenBLAS, is taken for SkylakeX.
+    /// A wrong guess costs speed only: [`super::dense`] compares each shape with MLX first.
+    pub fn of_core(core: Option<&str>) -> Self {
+        match core {
+            Some("Haswell" | "Zen") => F32Kernels::Haswell,
+            _ => F32Kernels::SkylakeX,
+        }
+    }
+
+    /// The kernel set of the OpenBLAS this process runs (looked up once).
+    pub fn here() -> Self {
+        static HERE: std::sync::OnceLock<F32Kernels> = std::sync::OnceLock::new();
+        *HERE.get_or_init(|| Self::of_core(crate::engine::runtime::blas_core().as_deref()))
+    }
+
+    /// The GEMM driver's single-precision panel depth (`SGEMM_DEFAULT_Q`).
+    pub fn panel_depth(self) -> usize {
+        match self {
+            F32Kernels::SkylakeX => 448,
+            F32Kernels::Haswell => 320,
+        }
+    }
+
+    /// The order OpenBLAS uses for one f32 token through a `rows × cols` weight.
+    pub fn order(self, rows: usize, cols: usize) -> Order {
+        let mnk = rows as f64 * cols as f64;
+        let small = mnk <= SMALL_MAX_MNK && rows <= SMALL_MAX_OUTPUTS && cols >= SMALL_MIN_DEPTH;
+        if small && self == F32Kernels::SkylakeX {
+            Order::Lanes
+        } else {
+            Order::Panels(panels(cols, self.panel_depth()))
+        }
     }
 }
 
@@ -89,7 +130,7 @@ impl Weights<'_> {
     /// The order MLX sums this dtype's `rows × cols` single-token product in.
     pub fn order(&self, rows: usize, cols: usize) -> Order {
         match self {
-            Weights::F32(_) => f32_order(rows, cols),
+            Weights::F32(_) => F32Kernels::here().order(rows, cols),
             Weights::Bf16(_) | Weights::F16(_) => Order::Sequential,
         }
     }
@@ -99,13 +140,13 @@ impl Weights<'_> {
 /// single-token product deep enough to be cut at all runs on: M·N·K is then past OpenBLAS's
 /// threading threshold). The single-threaded form rounds a halved remainder up to a multiple
 /// of 16 instead, which differs for some depths; the load-time check catches that case.
-pub fn panels(depth: usize) -> Vec<usize> {
+pub fn panels(depth: usize, panel: usize) -> Vec<usize> {
     let mut out = Vec::new();
     let mut left = depth;
     while left > 0 {
-        let p = if left >= 2 * PANEL {
-            PANEL
-        } else if left > PANEL {
+        let p = if left >= 2 * panel {
+            panel
+        } else if left > panel {
             left.div_ceil(2)
         } else {
             left
@@ -467,22 +508,40 @@ mod tests {
 
     #[test]
     fn panels_follow_the_gemm_driver() {
-        assert_eq!(panels(576), vec![288, 288]);
-        assert_eq!(panels(1536), vec![448, 448, 320, 320]);
-        assert_eq!(panels(1000), vec![448, 276, 276]);
-        assert_eq!(panels(448), vec![448]);
-        assert_eq!(panels(10), vec![10]);
-        assert_eq!(panels(3000).iter().sum::<usize>(), 3000);
+        assert_eq!(panels(576, 448), vec![288, 288]);
+        assert_eq!(panels(1536, 448), vec![448, 448, 320, 320]);
+        assert_eq!(panels(1000, 448), vec![448, 276, 276]);
+        assert_eq!(panels(448, 448), vec![448]);
+        assert_eq!(panels(10, 448), vec![10]);
+        assert_eq!(panels(3000, 448).iter().sum::<usize>(), 3000);
+        assert_eq!(panels(1536, 320), vec![320, 320, 320, 288, 288]);
+        assert_eq!(panels(576, 320), vec![288, 288]);
     }
 
     #[test]
-    fn small_f32_products_take_the_lane_order() {
-        assert_eq!(f32_order(576, 576), Order::Lanes);
-        assert_eq!(f32_order(192, 576), Order::Lanes);
-        assert_eq!(f32_order(1536, 576), Order::Panels(vec![288, 288]));
-        assert_eq!(f32_order(576, 16), Order::Panels(vec![16]));
-        assert_eq!(f32_order(1200, 833), Order::Lanes);
-        assert_eq!(f32_order(1200, 834), Order::Panels(vec![417, 417]));
+    fn small_f32_products_take_the_lane_order_on_skylakex_only() {
+        let sk = F32Kernels::SkylakeX;
+        assert_eq!(sk.order(576, 576), Order::Lanes);
+        assert_eq!(sk.order(192, 576), Order::Lanes);
+        assert_eq!(sk.order(1536, 576), Order::Panels(vec![288, 288]));
+        assert_eq!(sk.order(576, 16), Order::Panels(vec![16]));
+        assert_eq!(sk.order(1200, 833), Order::Lanes);
+        assert_eq!(sk.order(1200, 834), Order::Panels(vec![417, 417]));
+        let hw = F32Kernels::Haswell;
+        assert_eq!(hw.order(576, 576), Order::Panels(vec![288, 288]));
+        assert_eq!(
+            hw.order(576, 1536),
+            Order::Panels(vec![320, 320, 320, 288, 288])
+        );
+        assert_eq!(hw.order(7, 40), Order::Panels(vec![40]));
+    }
+
+    #[test]
+    fn core_names_pick_their_kernel_sets() {
+        assert_eq!(F32Kernels::of_core(Some("Haswell")), F32Kernels::Haswell);
+        assert_eq!(F32Kernels::of_core(Some("Zen")), F32Kernels::Haswell);
+        assert_eq!(F32Kernels::of_core(Some("SkylakeX")), F32Kernels::SkylakeX);
+        assert_eq!(F32Kernels::of_core(None), F32Kernels::SkylakeX);
     }
 
     #[test]
@@ -526,7 +585,11 @@ mod tests {
         );
         for (rows, cols) in [(7, 40), (37, 100), (64, 576), (1500, 960)] {
             let (w, x) = case(rows, cols);
-            for ord in [Order::Lanes, Order::Panels(panels(cols))] {
+            for ord in [
+                Order::Lanes,
+                Order::Panels(panels(cols, 448)),
+                Order::Panels(panels(cols, 320)),
+            ] {
                 for threads in [1, 2, 3] {
                     let y = matvec(Weights::F32(&w), rows, cols, &x, &ord, threads).unwrap();
                     for (r, v) in y.iter().enumerate() {
