@@ -12,9 +12,9 @@
 //! on the kernel set OpenBLAS picked for the CPU, see [`F32Kernels`]):
 //! - **f32, Lanes** (`SKYLAKEX` only): MLX calls row-major `sgemm(NoTrans, Trans)`, which
 //!   OpenBLAS runs as column-major `TN` with `M` = outputs, `N` = tokens, `K` = inputs, on its
-//!   small-matrix kernel when `M·N·K ≤ 10⁶`, `M·N ≤ 1200` and `K ≥ 32`: sixteen lanes, lane `l` a fused
-//!   multiply-add chain over `k ≡ l (mod 16)` (a short last chunk masked to zeros), then the
-//!   lanes added pairwise: outputs in the whole groups of four at the front in the kernel's
+//!   small-matrix kernel when `M·N·K ≤ 10⁶`, `M·N ≤ 1200` and `K ≥ 32`: sixteen lanes, lane
+//!   `l` a fused multiply-add chain over `k ≡ l (mod 16)` (a short last chunk masked to
+//!   zeros), then the lanes added pairwise: outputs in the whole groups of four at the front in the kernel's
 //!   4×4-transpose order `((l0+l1)+(l2+l3))` per 128-bit quarter, quarters `(q0+q1)+(q2+q3)`;
 //!   the rest in `_mm512_reduce_add_ps`'s halving order (`l + 8`, `+ 4`, `+ 2`, `+ 1`).
 //! - **f32, Panels** (OpenBLAS's GEMM driver, every other f32 product; on `HASWELL` kernels
@@ -587,8 +587,8 @@ mod tests {
             let (w, x) = case(rows, cols);
             for ord in [
                 Order::Lanes,
-                Order::Panels(panels(cols, 448)),
-                Order::Panels(panels(cols, 320)),
+                Order::Panels(panels(cols, F32Kernels::SkylakeX.panel_depth())),
+                Order::Panels(panels(cols, F32Kernels::Haswell.panel_depth())),
             ] {
                 for threads in [1, 2, 3] {
                     let y = matvec(Weights::F32(&w), rows, cols, &x, &ord, threads).unwrap();
