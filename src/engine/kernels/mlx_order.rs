@@ -14,9 +14,9 @@
 //!   OpenBLAS runs as column-major `TN` with `M` = outputs, `N` = tokens, `K` = inputs, on its
 //!   small-matrix kernel when `M·N·K ≤ 10⁶`, `M·N ≤ 1200` and `K ≥ 32`: sixteen lanes, lane
 //!   `l` a fused multiply-add chain over `k ≡ l (mod 16)` (a short last chunk masked to
-//!   zeros), then the lanes added pairwise: outputs in the whole groups of four at the front in the kernel's
-//!   4×4-transpose order `((l0+l1)+(l2+l3))` per 128-bit quarter, quarters `(q0+q1)+(q2+q3)`;
-//!   the rest in `_mm512_reduce_add_ps`'s halving order (`l + 8`, `+ 4`, `+ 2`, `+ 1`).
+//!   zeros), then the lanes added pairwise: outputs in the whole groups of four at the front
+//!   in the kernel's 4×4-transpose order `((l0+l1)+(l2+l3))` per 128-bit quarter, quarters
+//!   `(q0+q1)+(q2+q3)`; the rest in `_mm512_reduce_add_ps`'s halving order (`l + 8`, `+ 4`, `+ 2`, `+ 1`).
 //! - **f32, Panels** (OpenBLAS's GEMM driver, every other f32 product; on `HASWELL` kernels
 //!   every f32 product): `K` cut into panels of at most the kernel set's depth (448 on
 //!   `SKYLAKEX`, 320 on `HASWELL`; a remainder below twice that is halved, rounding up), each
