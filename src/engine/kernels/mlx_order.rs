@@ -16,7 +16,8 @@
 //!   `l` a fused multiply-add chain over `k ≡ l (mod 16)` (a short last chunk masked to
 //!   zeros), then the lanes added pairwise: outputs in the whole groups of four at the front
 //!   in the kernel's 4×4-transpose order `((l0+l1)+(l2+l3))` per 128-bit quarter, quarters
-//!   `(q0+q1)+(q2+q3)`; the rest in `_mm512_reduce_add_ps`'s halving order (`l + 8`, `+ 4`, `+ 2`, `+ 1`).
+//!   `(q0+q1)+(q2+q3)`; the rest in `_mm512_reduce_add_ps`'s halving order (`l + 8`, `+ 4`,
+//!   `+ 2`, `+ 1`).
 //! - **f32, Panels** (OpenBLAS's GEMM driver, every other f32 product; on `HASWELL` kernels
 //!   every f32 product): `K` cut into panels of at most the kernel set's depth (448 on
 //!   `SKYLAKEX`, 320 on `HASWELL`; a remainder below twice that is halved, rounding up), each
@@ -176,8 +177,8 @@ pub fn available() -> bool {
 /// `y = x · Wᵀ` for one token in f32: `w` is `rows × cols` row-major, `x` has `cols` values
 /// (the 16-bit token widened exactly). With `threads` ≥ 2 the rows are cut into chunks that
 /// this thread and the [`pair`] helper claim one at a time; the cut never changes a bit (each
-/// output is summed alone). Errors when the CPU lacks the kernels, the order does not fit the dtype, or the
-/// lengths disagree.
+/// output is summed alone). Errors when the CPU lacks the kernels, the order does not fit the
+/// dtype, or the lengths disagree.
 pub fn matvec(
     w: Weights<'_>,
     rows: usize,
