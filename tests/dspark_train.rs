@@ -549,4 +549,31 @@ fn cli_trains_and_refuses_bad_input_with_exit_2() {
     let (code, _, err) = with_data(d_s, &["--resume"]);
     assert_eq!(code, 0, "{err}");
     assert_eq!(snapshot(&out), before);
+    // A kill between the final state and the final drafter leaves an older drafter next to the
+    // finished state: --resume writes the state's drafter (seen in CI as a torn crash test).
+    let weights = out.join(checkpoint::WEIGHTS_FILE);
+    let finished = Array::load_safetensors(&weights).unwrap();
+    let mut older = finished.clone();
+    let fc = older["fc.weight"].add(Array::from_f32(1.0)).unwrap();
+    older.insert(
+        "fc.weight".into(),
+        fc.as_dtype(finished["fc.weight"].dtype()).unwrap(),
+    );
+    checkpoint::save(&out, &c.config, &older).unwrap();
+    let (code, _, err) = with_data(d_s, &["--resume"]);
+    assert_eq!(code, 0, "{err}");
+    let repaired = Array::load_safetensors(&weights).unwrap();
+    let mut names: Vec<&String> = repaired.keys().collect();
+    names.sort();
+    let mut expected: Vec<&String> = finished.keys().collect();
+    expected.sort();
+    assert_eq!(names, expected);
+    for name in names {
+        let (a, b) = (&repaired[name], &finished[name]);
+        assert_eq!(a.dtype(), b.dtype(), "{name}");
+        assert!(
+            a.eq_values(b).unwrap(),
+            "{name}: --resume kept the older drafter"
+        );
+    }
 }

@@ -231,8 +231,13 @@ pub fn run(args: TrainDsparkArgs) -> anyhow::Result<()> {
             trainer.save()?;
         }
     }
-    if trainer.opt.step == first && !args.resume {
-        trainer.save()?;
+    if trainer.opt.step == first {
+        if !args.resume {
+            trainer.save()?;
+        } else if !trainer.drafter_matches(&tensors)? {
+            // Killed between the final state and the final drafter: finish the second write.
+            trainer.save_drafter()?;
+        }
     }
     println!(
         "trained {} steps on {} sequences; drafter in {}",

@@ -847,11 +847,35 @@ impl<'a> Trainer<'a> {
             EngineError::file(&self.out, format!("cannot create the directory ({e})"))
         })?;
         save_state(&self.out, &self.params, &self.opt, &self.opts)?;
+        self.save_drafter()
+    }
+
+    /// Writes only the drafter from the current parameters.
+    pub fn save_drafter(&self) -> Result<()> {
         checkpoint::save(
             &self.out,
             self.frozen.config,
             &self.params.to_tensors(self.save_dtype)?,
         )
+    }
+
+    /// Whether `on_disk` (a drafter's tensors) is exactly the drafter the current parameters
+    /// save as: same names, dtypes and values. A run killed between [`Self::save`]'s two writes
+    /// leaves an older drafter next to a newer state; `--resume` checks this to repair it.
+    pub fn drafter_matches(&self, on_disk: &HashMap<String, Array>) -> Result<bool> {
+        let current = self.params.to_tensors(self.save_dtype)?;
+        if current.len() != on_disk.len() {
+            return Ok(false);
+        }
+        for (name, a) in &current {
+            let Some(b) = on_disk.get(name) else {
+                return Ok(false);
+            };
+            if a.dtype() != b.dtype() || a.shape() != b.shape() || !a.eq_values(b)? {
+                return Ok(false);
+            }
+        }
+        Ok(true)
     }
 }
 
