@@ -570,9 +570,10 @@ fn cli_trains_and_refuses_bad_input_with_exit_2() {
     assert_eq!(names, expected);
     for name in names {
         let (a, b) = (&repaired[name], &finished[name]);
-        assert_eq!(a.dtype(), b.dtype(), "{name}");
-        assert!(
-            a.eq_values(b).unwrap(),
+        assert_eq!((a.dtype(), a.shape()), (b.dtype(), b.shape()), "{name}");
+        assert_eq!(
+            common::bits(a),
+            common::bits(b),
             "{name}: --resume kept the older drafter"
         );
     }
