@@ -163,7 +163,7 @@ fn prefill(
     caches
 }
 
-fn cache_bits(caches: &mlxb::engine::models::Caches) -> Vec<(i32, Vec<Vec<u32>>)> {
+fn cache_bits(caches: &mlxb::engine::models::Caches) -> Vec<(i32, Vec<Vec<u64>>)> {
     caches
         .iter()
         .map(|c| {

@@ -670,7 +670,7 @@ fn qwen3_5_cache_snapshot_restore_is_exact() {
     let saved: Vec<_> = caches.iter().map(|c| c.snapshot()).collect();
     let block = mlx_rs::Array::from_slice(&ids[16..], &[1, 8]);
     let first = model.forward(&block, &mut caches).unwrap();
-    let state_after: Vec<Vec<u32>> = caches
+    let state_after: Vec<Vec<u64>> = caches
         .iter()
         .flat_map(|c| c.state())
         .map(|a| common::bits(&a))
@@ -685,7 +685,7 @@ fn qwen3_5_cache_snapshot_restore_is_exact() {
     );
     let again = model.forward(&block, &mut caches).unwrap();
     assert_eq!(common::bits(&first), common::bits(&again));
-    let state_again: Vec<Vec<u32>> = caches
+    let state_again: Vec<Vec<u64>> = caches
         .iter()
         .flat_map(|c| c.state())
         .map(|a| common::bits(&a))

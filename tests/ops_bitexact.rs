@@ -8,6 +8,7 @@ use mlx_rs::ops;
 use mlx_rs::transforms::compile::compile;
 use mlx_rs::transforms::value_and_grad;
 use mlx_rs::{Array, Dtype};
+use mlxb::engine::bits::same_bits;
 use std::collections::HashMap;
 
 /// Same values as `pattern` in tests/oracle/ops.py.
@@ -17,22 +18,6 @@ fn pattern(shape: &[i32], salt: i64) -> Array {
         .map(|i| (((i * 37 + salt * 11) % 97 - 48) as f64 / 64.0) as f32)
         .collect();
     Array::from_slice(&v, shape)
-}
-
-/// Raw bits of an array, whatever its element width.
-fn bits(a: &Array) -> Vec<u32> {
-    a.eval().unwrap();
-    match a.item_size() {
-        4 => a.view::<u32>().unwrap().as_slice::<u32>().to_vec(),
-        2 => a
-            .view::<u16>()
-            .unwrap()
-            .as_slice::<u16>()
-            .iter()
-            .map(|&x| x as u32)
-            .collect(),
-        n => panic!("unexpected element size {n}"),
-    }
 }
 
 fn rust_results() -> HashMap<String, Array> {
@@ -131,7 +116,7 @@ fn ops_are_bit_identical_to_python_mlx() {
         let p = py
             .get(&name)
             .unwrap_or_else(|| panic!("oracle lacks {name}"));
-        let same = r.dtype() == p.dtype() && r.shape() == p.shape() && bits(r) == bits(p);
+        let same = same_bits(r, p).unwrap();
         println!(
             "{name:<22} {:?} {:?} bit-identical: {same}",
             r.dtype(),

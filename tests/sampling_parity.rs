@@ -40,22 +40,6 @@ fn get<'a>(o: &'a HashMap<String, Array>, key: &str) -> &'a Array {
         .unwrap_or_else(|| panic!("oracle output lacks `{key}`"))
 }
 
-/// Raw bits of an array, whatever its element width.
-fn bits(a: &Array) -> Vec<u32> {
-    a.eval().unwrap();
-    match a.item_size() {
-        4 => a.view::<u32>().unwrap().as_slice::<u32>().to_vec(),
-        2 => a
-            .view::<u16>()
-            .unwrap()
-            .as_slice::<u16>()
-            .iter()
-            .map(|&x| x as u32)
-            .collect(),
-        n => panic!("unexpected element size {n}"),
-    }
-}
-
 fn ids(a: &Array) -> Vec<u32> {
     assert_eq!(
         a.dtype(),
@@ -242,7 +226,10 @@ fn check_filter(o: &HashMap<String, Array>, name: &str, dt_name: &str, dt: Dtype
     for i in 0..STEPS {
         let got = sampler.filter(&logprobs_of(&row(o, dt, i))).unwrap();
         assert_eq!(got.dtype(), dt, "`{name}` filters changed the dtype");
-        let (g, w) = (bits(&got), bits(&want.try_index(i..i + 1).unwrap()));
+        let (g, w) = (
+            common::bits(&got),
+            common::bits(&want.try_index(i..i + 1).unwrap()),
+        );
         let diff = g.iter().zip(&w).filter(|(a, b)| a != b).count();
         assert_eq!(
             diff, 0,
@@ -323,7 +310,7 @@ fn check_processors(name: &str) {
             let got = procs.apply(&tokens, &input).unwrap();
             assert_eq!(got.dtype(), dt, "`{name}` changed the logits dtype");
             let want_i = want.try_index(i..i + 1).unwrap();
-            let (g, w) = (bits(&got), bits(&want_i));
+            let (g, w) = (common::bits(&got), common::bits(&want_i));
             let diff = g.iter().zip(&w).filter(|(a, b)| a != b).count();
             assert_eq!(
                 diff, 0,
@@ -331,7 +318,7 @@ fn check_processors(name: &str) {
             );
             changed += g
                 .iter()
-                .zip(bits(&input))
+                .zip(common::bits(&input))
                 .filter(|(a, b)| **a != *b)
                 .count();
         }

@@ -3,6 +3,7 @@
 
 use super::common::{ModelArgs, PromptArgs};
 use super::flags::{open_session, ForkArgs};
+use crate::engine::bits::same_bits;
 use crate::engine::error::EngineError;
 use crate::engine::flags::{KvQuant, Tier};
 use crate::engine::generate::{Flow, GenerateConfig, Generator};
@@ -47,20 +48,6 @@ pub struct ParityReport {
     pub identical: bool,
 }
 
-fn raw_bits(a: &Array) -> anyhow::Result<Vec<u32>> {
-    a.eval()?;
-    Ok(match a.item_size() {
-        4 => a.view::<u32>()?.as_slice::<u32>().to_vec(),
-        2 => a
-            .view::<u16>()?
-            .as_slice::<u16>()
-            .iter()
-            .map(|&x| x as u32)
-            .collect(),
-        n => anyhow::bail!("unexpected logprob element size {n}"),
-    })
-}
-
 /// Compares mlxb's steps with the oracle's.
 pub fn compare(
     ours: &[(u32, Array)],
@@ -84,9 +71,7 @@ pub fn compare(
             .max(None)?
             .try_item_exact::<f32>()?;
         max_diff = max_diff.max(diff);
-        let same = *id as i64 == oid as i64
-            && lp.dtype() == olp.dtype()
-            && raw_bits(lp)? == raw_bits(&olp)?;
+        let same = *id as i64 == oid as i64 && same_bits(lp, &olp)?;
         if !same && first.is_none() {
             first = Some(i);
         }

@@ -1,6 +1,7 @@
 //! The shared engine: MLX runtime facts, models, caches, sampling and the generation loop.
 
 pub mod attend;
+pub mod bits;
 pub mod cache;
 pub mod chat_template;
 pub mod contain;

@@ -82,20 +82,9 @@ pub fn oracle_trace(
     mlx_rs::Array::load_safetensors(&out).unwrap()
 }
 
-/// Raw bits of an array (f32/u32 as u32, 16-bit types widened), for bit-exact comparison.
-pub fn bits(a: &mlx_rs::Array) -> Vec<u32> {
-    a.eval().unwrap();
-    match a.item_size() {
-        4 => a.view::<u32>().unwrap().as_slice::<u32>().to_vec(),
-        2 => a
-            .view::<u16>()
-            .unwrap()
-            .as_slice::<u16>()
-            .iter()
-            .map(|&x| x as u32)
-            .collect(),
-        n => panic!("unexpected element size {n}"),
-    }
+/// Raw bits of an array (each item's pattern widened to u64), for bit-exact comparison.
+pub fn bits(a: &mlx_rs::Array) -> Vec<u64> {
+    mlxb::engine::bits::widened_bits(a).unwrap()
 }
 
 /// Deterministic prompt ids in [3, vocab) (skipping special tokens 0..3).

@@ -15,6 +15,7 @@
 //!   bit for bit.
 
 use super::checkpoint::{self, DsparkConfig, LayerStyle, SeqHead};
+use crate::engine::bits::same_bits;
 use crate::engine::error::{EngineError, Result};
 use crate::engine::models::LanguageModel;
 use mlx_rs::error::Exception;
@@ -871,25 +872,12 @@ impl<'a> Trainer<'a> {
             let Some(b) = on_disk.get(name) else {
                 return Ok(false);
             };
-            if a.dtype() != b.dtype() || a.shape() != b.shape() || !same_bits(a, b)? {
+            if !same_bits(a, b)? {
                 return Ok(false);
             }
         }
         Ok(true)
     }
-}
-
-/// Whether two arrays of one dtype and shape hold the same bit patterns. Value equality is not
-/// enough for "the file is what a save would write": it calls -0.0 equal to +0.0 and NaN
-/// unequal to itself; comparing the bits viewed as unsigned integers has neither gap.
-fn same_bits(a: &Array, b: &Array) -> Result<bool> {
-    let as_bits = |x: &Array| match x.item_size() {
-        1 => x.view::<u8>(),
-        2 => x.view::<u16>(),
-        4 => x.view::<u32>(),
-        _ => x.view::<u64>(),
-    };
-    Ok(as_bits(a)?.eq_values(as_bits(b)?)?)
 }
 
 /// Writes the training state (f32 parameters, moments, step, options) atomically.
@@ -960,28 +948,4 @@ pub fn load_state(dir: &Path, params: &mut Params) -> Result<(AdamW, TrainOption
         ));
     }
     Ok((opt, opts))
-}
-
-#[cfg(test)]
-mod tests {
-    use super::*;
-
-    #[test]
-    fn same_bits_tells_signed_zeros_apart_and_matches_nan_with_itself() -> Result<()> {
-        let zeros = Array::from_slice(&[0.0f32, 1.5], &[2]);
-        let signed = Array::from_slice(&[-0.0f32, 1.5], &[2]);
-        assert!(
-            zeros.eq_values(&signed)?,
-            "value equality calls -0 and +0 equal"
-        );
-        assert!(!same_bits(&zeros, &signed)?);
-        let nan = Array::from_slice(&[f32::NAN, 2.0], &[2]);
-        assert!(same_bits(&nan, &nan.clone())?);
-        for dtype in [Dtype::Bfloat16, Dtype::Float16] {
-            let (a, b) = (zeros.as_dtype(dtype)?, signed.as_dtype(dtype)?);
-            assert!(same_bits(&a, &a.clone())?);
-            assert!(!same_bits(&a, &b)?);
-        }
-        Ok(())
-    }
 }
