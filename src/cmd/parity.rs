@@ -56,13 +56,17 @@ pub fn compare(
 ) -> anyhow::Result<ParityReport> {
     let mut first = None;
     let mut max_diff = 0f32;
+    let olp_all = match oracle_lp {
+        Some(lp) => lp,
+        None if oracle_ids.is_empty() => &Array::from_slice::<f32>(&[], &[0]),
+        None => anyhow::bail!("the mlx-lm trace has token ids but no logprobs to compare"),
+    };
     let n = ours.len().max(oracle_ids.len());
     for i in 0..n {
         let (Some((id, lp)), Some(&oid)) = (ours.get(i), oracle_ids.get(i)) else {
             first.get_or_insert(i);
             break;
         };
-        let Some(olp_all) = oracle_lp else { break };
         let olp = olp_all.index(i as i32);
         let diff = lp
             .as_dtype(Dtype::Float32)?
@@ -166,4 +170,54 @@ pub fn run(args: ParityArgs) -> anyhow::Result<()> {
         .into());
     }
     Ok(())
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    fn steps(ids: &[u32], lps: &[[f32; 2]]) -> Vec<(u32, Array)> {
+        ids.iter()
+            .zip(lps)
+            .map(|(&id, lp)| (id, Array::from_slice(lp, &[2])))
+            .collect()
+    }
+
+    fn oracle(lps: &[[f32; 2]]) -> Array {
+        let flat: Vec<f32> = lps.iter().flatten().copied().collect();
+        Array::from_slice(&flat, &[lps.len() as i32, 2])
+    }
+
+    #[test]
+    fn identical_steps_compare_identical() -> anyhow::Result<()> {
+        let lps = [[-0.5, -1.0], [-0.25, f32::NAN]];
+        let r = compare(&steps(&[3, 4], &lps), &[3, 4], Some(&oracle(&lps)))?;
+        assert!(r.identical && r.first_divergence.is_none(), "{r:?}");
+        Ok(())
+    }
+
+    #[test]
+    fn a_signed_zero_a_token_or_a_missing_step_is_a_divergence() -> anyhow::Result<()> {
+        let lps = [[-0.5, 0.0], [-0.25, -1.0]];
+        let signed = [[-0.5, -0.0], [-0.25, -1.0]];
+        let r = compare(&steps(&[3, 4], &signed), &[3, 4], Some(&oracle(&lps)))?;
+        assert_eq!((r.first_divergence, r.identical), (Some(0), false));
+        assert_eq!(
+            r.max_abs_diff, 0.0,
+            "the values agree; only the bits differ"
+        );
+        let r = compare(&steps(&[3, 5], &lps), &[3, 4], Some(&oracle(&lps)))?;
+        assert_eq!(r.first_divergence, Some(1));
+        let r = compare(&steps(&[3], &lps), &[3, 4], Some(&oracle(&lps)))?;
+        assert_eq!((r.first_divergence, r.identical), (Some(1), false));
+        Ok(())
+    }
+
+    #[test]
+    fn a_trace_without_logprobs_is_an_error_not_a_pass() {
+        let lps = [[-0.5, -1.0]];
+        assert!(compare(&steps(&[3], &lps), &[3], None).is_err());
+        let r = compare(&[], &[], None).map(|r| r.identical);
+        assert!(matches!(r, Ok(true)), "{r:?}");
+    }
 }
