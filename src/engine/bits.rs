@@ -3,7 +3,7 @@
 //! both compare arrays viewed as unsigned integers of their item size instead.
 
 use super::error::Result;
-use mlx_rs::Array;
+use mlx_rs::{Array, Dtype};
 
 /// `a`'s elements reinterpreted (not converted) as unsigned integers of the same item size.
 fn unsigned_view(a: &Array) -> Result<Array> {
@@ -26,32 +26,15 @@ pub fn same_bits(a: &Array, b: &Array) -> Result<bool> {
 /// `a`'s bit patterns in row-major order, each widened to `u64`, so that tests can compare
 /// (and print) arrays bit for bit whatever their dtype.
 pub fn widened_bits(a: &Array) -> Result<Vec<u64>> {
-    let view = unsigned_view(a)?;
-    view.eval()?;
-    Ok(match a.item_size() {
-        1 => view
-            .as_slice::<u8>()
-            .iter()
-            .map(|&x| u64::from(x))
-            .collect(),
-        2 => view
-            .as_slice::<u16>()
-            .iter()
-            .map(|&x| u64::from(x))
-            .collect(),
-        4 => view
-            .as_slice::<u32>()
-            .iter()
-            .map(|&x| u64::from(x))
-            .collect(),
-        _ => view.as_slice::<u64>().to_vec(),
-    })
+    // Unsigned to wider unsigned conversion zero-extends, so the patterns survive it.
+    let wide = unsigned_view(a)?.as_dtype(Dtype::Uint64)?;
+    wide.eval()?;
+    Ok(wide.as_slice::<u64>().to_vec())
 }
 
 #[cfg(test)]
 mod tests {
     use super::*;
-    use mlx_rs::Dtype;
 
     #[test]
     fn same_bits_tells_signed_zeros_apart_and_matches_nan_with_itself() -> Result<()> {
@@ -91,6 +74,8 @@ mod tests {
         );
         let bytes = Array::from_slice(&[0u8, 255], &[2]);
         assert_eq!(widened_bits(&bytes)?, vec![0, 255]);
+        let long = Array::from_slice(&[-1i64], &[1]);
+        assert_eq!(widened_bits(&long)?, vec![u64::MAX]);
         Ok(())
     }
 }
