@@ -56,16 +56,14 @@ pub fn compare(
 ) -> anyhow::Result<ParityReport> {
     let mut first = None;
     let mut max_diff = 0f32;
-    let olp_all = match oracle_lp {
-        Some(lp) => lp,
-        None if oracle_ids.is_empty() => &Array::from_slice::<f32>(&[], &[0]),
-        None => anyhow::bail!("the mlx-lm trace has token ids but no logprobs to compare"),
-    };
     let n = ours.len().max(oracle_ids.len());
     for i in 0..n {
         let (Some((id, lp)), Some(&oid)) = (ours.get(i), oracle_ids.get(i)) else {
             first.get_or_insert(i);
             break;
+        };
+        let Some(olp_all) = oracle_lp else {
+            anyhow::bail!("the mlx-lm trace has token ids but no logprobs to compare");
         };
         let olp = olp_all.index(i as i32);
         let diff = lp
