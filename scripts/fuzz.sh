@@ -4,6 +4,7 @@
 #   scripts/fuzz.sh [SECONDS_PER_TARGET] [TARGET...]     (default: 120 s, every target)
 #   FUZZ_NO_BUILD=1 scripts/fuzz.sh ...                  (reuse the built fuzz binaries)
 #   FUZZ_FORK=N scripts/fuzz.sh ...                      (N worker processes on one target)
+#   FUZZ_NO_DICT=1 scripts/fuzz.sh ...                   (without the dictionaries, below)
 #
 # Needs `cargo install cargo-fuzz`; libFuzzer's flags are nightly-only, so the stable toolchain
 # runs with RUSTC_BOOTSTRAP=1. Seed corpora are generated here from real files (a tiny model
@@ -243,6 +244,20 @@ replay() {
   echo "   corpus replayed twice, cov/ft: ${out[*]}"
 }
 
+# libFuzzer's -dict for a target: fuzz/dicts/TARGET.dict (the keys, type names and syntax its
+# parser looks for, so a mutation can insert a whole `"pre_tokenizer"` instead of finding it a
+# byte at a time), after fuzz/dicts/json.dict for the targets that read JSON. libFuzzer takes
+# one -dict file, so the two are joined into the seeds' temporary directory.
+dict_flag() {
+  local own="fuzz/dicts/$1.dict" joined="$SEEDS/$1.dict"
+  [ -z "${FUZZ_NO_DICT:-}" ] && [ -f "$own" ] || return 0
+  case $1 in
+    gguf_*) cat "$own" ;;
+    *) cat fuzz/dicts/json.dict "$own" ;;
+  esac >"$joined"
+  echo "-dict=$joined"
+}
+
 mkdir -p fuzz/logs
 for t in "${TARGETS[@]}"; do
   echo "== $t (${SECS}s)"
@@ -251,7 +266,7 @@ for t in "${TARGETS[@]}"; do
   set +e
   nice -n 19 "$BIN/$t" "fuzz/corpus/$t" -artifact_prefix="fuzz/artifacts/$t/" \
     -max_total_time="$SECS" -timeout=10 -rss_limit_mb=4096 -malloc_limit_mb=2048 \
-    -print_final_stats=1 ${FUZZ_FORK:+-fork="$FUZZ_FORK"} 2>&1 | timeline "fuzz/logs/$t.log" "fuzz/logs/$t.cov.tsv"
+    -print_final_stats=1 ${FUZZ_FORK:+-fork="$FUZZ_FORK"} $(dict_flag "$t") 2>&1 | timeline "fuzz/logs/$t.log" "fuzz/logs/$t.cov.tsv"
   rc=${PIPESTATUS[0]}
   set -e
   if [ "$rc" -ne 0 ]; then
