@@ -5,6 +5,9 @@
 #   FUZZ_NO_BUILD=1 scripts/fuzz.sh ...                  (reuse the built fuzz binaries)
 #   FUZZ_FORK=N scripts/fuzz.sh ...                      (N worker processes on one target)
 #   FUZZ_NO_DICT=1 scripts/fuzz.sh ...                   (without the dictionaries, below)
+#   FUZZ_WORK=DIR scripts/fuzz.sh ...                    (corpora, logs, crashes under DIR, not
+#                                                        fuzz/: e.g. two runs of one target from
+#                                                        copies of its corpus, side by side)
 #
 # Needs `cargo install cargo-fuzz`; libFuzzer's flags are nightly-only, so the stable toolchain
 # runs with RUSTC_BOOTSTRAP=1. Seed corpora are generated here from real files (a tiny model
@@ -17,6 +20,7 @@
 set -euo pipefail
 cd "$(dirname "$0")/.."
 SECS=${1:-120}
+WORK=${FUZZ_WORK:-fuzz}
 shift || true
 ALL=(safetensors_header model_config gguf_header gguf_quant tokenizer_files dspark_config
   http_request prompt_file)
@@ -45,19 +49,19 @@ $PY tests/oracle/make_model.py "$SEEDS/model" '{"model_type": "llama", "hidden_s
   "tie_word_embeddings": true}' --dtype f32 >/dev/null
 target/release/mlxb dspark-init --model "$SEEDS/model" --out "$SEEDS/drafter" --layers 1 \
   --gamma 4 --markov-rank 16 >/dev/null
-$PY - "$SEEDS" <<'EOF'
+$PY - "$SEEDS" "$WORK/corpus" <<'EOF'
 import json, os, random, sys
 import numpy as np
 import mlx.core as mx
 import gguf
 
-seeds = sys.argv[1]
+seeds, corpora = sys.argv[1], sys.argv[2]
 SEP = b"\n\x00MLXB-FUZZ-FILE\x00\n"  # fuzz/src/lib.rs SEPARATOR
 rng = random.Random(0)
 
 
 def put(target, name, data):
-    d = os.path.join("fuzz/corpus", target)
+    d = os.path.join(corpora, target)
     os.makedirs(d, exist_ok=True)
     with open(os.path.join(d, name), "wb") as f:
         f.write(data if isinstance(data, bytes) else data.encode())
@@ -236,7 +240,7 @@ plateau() {
 replay() {
   local i line out=()
   for i in 1 2; do
-    line=$(nice -n 19 "$BIN/$1" "fuzz/corpus/$1" -runs=0 2>&1 | grep INITED) || line=""
+    line=$(nice -n 19 "$BIN/$1" "$WORK/corpus/$1" -runs=0 2>&1 | grep INITED) || line=""
     if [[ $line =~ cov:\ ([0-9]+)\ ft:\ ([0-9]+) ]]; then
       out+=("${BASH_REMATCH[1]}/${BASH_REMATCH[2]}")
     fi
@@ -258,21 +262,21 @@ dict_flag() {
   echo "-dict=$joined"
 }
 
-mkdir -p fuzz/logs
+mkdir -p "$WORK/logs"
 for t in "${TARGETS[@]}"; do
   echo "== $t (${SECS}s)"
-  mkdir -p "fuzz/artifacts/$t"
-  : >"fuzz/logs/$t.log"
+  mkdir -p "$WORK/artifacts/$t"
+  : >"$WORK/logs/$t.log"
   set +e
-  nice -n 19 "$BIN/$t" "fuzz/corpus/$t" -artifact_prefix="fuzz/artifacts/$t/" \
+  nice -n 19 "$BIN/$t" "$WORK/corpus/$t" -artifact_prefix="$WORK/artifacts/$t/" \
     -max_total_time="$SECS" -timeout=10 -rss_limit_mb=4096 -malloc_limit_mb=2048 \
-    -print_final_stats=1 ${FUZZ_FORK:+-fork="$FUZZ_FORK"} $(dict_flag "$t") 2>&1 | timeline "fuzz/logs/$t.log" "fuzz/logs/$t.cov.tsv"
+    -print_final_stats=1 ${FUZZ_FORK:+-fork="$FUZZ_FORK"} $(dict_flag "$t") 2>&1 | timeline "$WORK/logs/$t.log" "$WORK/logs/$t.cov.tsv"
   rc=${PIPESTATUS[0]}
   set -e
   if [ "$rc" -ne 0 ]; then
-    echo "   crash: see fuzz/logs/$t.log and fuzz/artifacts/$t/"
+    echo "   crash: see $WORK/logs/$t.log and $WORK/artifacts/$t/"
     continue
   fi
-  plateau "fuzz/logs/$t.cov.tsv"
+  plateau "$WORK/logs/$t.cov.tsv"
   replay "$t"
 done
