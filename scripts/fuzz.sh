@@ -5,6 +5,8 @@
 #   FUZZ_NO_BUILD=1 scripts/fuzz.sh ...                  (reuse the built fuzz binaries)
 #   FUZZ_FORK=N scripts/fuzz.sh ...                      (N worker processes on one target)
 #   FUZZ_NO_DICT=1 scripts/fuzz.sh ...                   (without the dictionaries, below)
+#   FUZZ_KEEP=1 scripts/fuzz.sh ...                      (store the minimized corpus in
+#                                                        fuzz/kept/TARGET.tar.xz, committed)
 #   FUZZ_WORK=DIR scripts/fuzz.sh ...                    (corpora, logs, crashes under DIR, not
 #                                                        fuzz/: e.g. two runs of one target from
 #                                                        copies of its corpus, side by side)
@@ -12,11 +14,13 @@
 # Needs `cargo install cargo-fuzz`; libFuzzer's flags are nightly-only, so the stable toolchain
 # runs with RUSTC_BOOTSTRAP=1. Seed corpora are generated here from real files (a tiny model
 # made by mlx-lm, a DSpark drafter made by mlxb, GGUF files written by the `gguf` package) into
-# fuzz/corpus/TARGET (not committed; runs add to it); crashes land in fuzz/artifacts/TARGET,
+# fuzz/corpus/TARGET (not committed; runs add to it, and start from fuzz/kept/TARGET.tar.xz, the
+# committed minimized corpus of earlier runs, where there is one); crashes land in fuzz/artifacts/TARGET,
 # logs and the final statistics of each run in fuzz/logs/TARGET.log, its coverage timeline in
 # fuzz/logs/TARGET.cov.tsv. Runs are sequential at `nice -n 19` (the machine is shared), and
-# each prints whether its target plateaued (neither cov nor ft grew over the last third) and
-# what a replay of the corpus reaches (twice: the spread is the target's run-to-run noise).
+# each prints whether its target plateaued (a run of an hour or more whose cov grew by under 1 %
+# over its last third) and what a replay of the corpus reaches (twice: the spread is the
+# target's run-to-run noise).
 set -euo pipefail
 cd "$(dirname "$0")/.."
 SECS=${1:-120}
@@ -54,6 +58,9 @@ import json, os, random, sys
 import numpy as np
 import mlx.core as mx
 import gguf
+
+sys.path.insert(0, "fuzz")
+import seed_shapes  # every tokenizer, tokenizer_config and config.json form real models ship
 
 seeds, corpora = sys.argv[1], sys.argv[2]
 SEP = b"\n\x00MLXB-FUZZ-FILE\x00\n"  # fuzz/src/lib.rs SEPARATOR
@@ -111,6 +118,8 @@ for t, extra in fam.items():
     q = dict(c, quantization={"group_size": 64, "bits": 4, "model.embed_tokens": {"group_size": 32, "bits": 8}})
     put("model_config", t + "-q4", json.dumps(q))
 put("model_config", "kv-config", json.dumps(dict(base, kv_quantization={"layer_bits": [4, 8]})))
+for name, c in seed_shapes.model_configs(base):
+    put("model_config", name, seed_shapes.as_json(c))
 
 # GGUF: small llama files written by the gguf package (f32, f16, q8_0 tensors, BPE and SPM vocabularies).
 def write_gguf(name, tok_model, qtype):
@@ -165,6 +174,14 @@ tc["chat_template"] = ("{% for m in messages %}{% if m['role'] == 'system' %}[S]
                        "{% else %}<{{ m['role'] }}>{{ m['content'] | trim }}{% endif %}{% endfor %}"
                        "{% if add_generation_prompt %}<assistant>{% endif %}")
 put("tokenizer_files", "template", SEP.join([parts[0], json.dumps(tc).encode()] + parts[2:]))
+# Every tokenizer family and tokenizer_config.json form real repositories ship (fuzz/seed_shapes.py).
+shapes = dict(seed_shapes.tokenizers_by_shape())
+for name, tok_json in shapes.items():
+    put("tokenizer_files", f"shape-{name}", SEP.join([tok_json] + parts[1:]))
+for (name, tok_cfg, gen_cfg), tok_json in zip(seed_shapes.tokenizer_configs(),
+                                              [shapes["spm-bpe"], shapes["split-bytelevel"], parts[0]]):
+    put("tokenizer_files", f"config-{name}",
+        SEP.join([tok_json, seed_shapes.as_json(tok_cfg), parts[2], seed_shapes.as_json(gen_cfg)]))
 
 # DSpark configs: mlxb's dspark.json (first byte even) and a DeepSpec config.json (odd).
 put("dspark_config", "mlxb", b"\x00" + read("drafter", "dspark.json"))
@@ -219,17 +236,45 @@ timeline() {
   done
 }
 
-# Prints the final figures of a timeline and whether it plateaued (the rule above).
+# Prints the final figures of a timeline and whether it plateaued: a run of at least an hour
+# whose cov grew by less than 1 % over its last third (fuzz/README.md says why the rule has this
+# form); "exhausted" when neither cov nor ft grew at all in that third.
 plateau() {
   awk -F'\t' 'NR > 1 { t[n] = $1; e[n] = $2; c[n] = $3; f[n] = $4; n++ }
     END {
       if (n == 0) { print "   no status lines"; exit }
       cut = t[n - 1] * 2 / 3; i = 0
       while (i + 1 < n && t[i + 1] <= cut) i++
-      flat = (c[i] == c[n - 1] && f[i] == f[n - 1]) ? "plateaued" : "still rising"
-      printf "   %s execs, %s s, cov %s, ft %s; at %d s cov %s ft %s: %s\n",
-        e[n - 1], t[n - 1], c[n - 1], f[n - 1], t[i], c[i], f[i], flat
+      grew = c[i] > 0 ? 100 * (c[n - 1] - c[i]) / c[i] : 100
+      if (c[i] == c[n - 1] && f[i] == f[n - 1]) verdict = "plateaued (exhausted: cov and ft flat)"
+      else if (t[n - 1] < 3600) verdict = "too short to judge (under an hour)"
+      else if (grew < 1) verdict = "plateaued"
+      else verdict = "still rising"
+      printf "   %s execs, %s s, cov %s, ft %s; at %d s cov %s ft %s (cov +%.2f %%): %s\n",
+        e[n - 1], t[n - 1], c[n - 1], f[n - 1], t[i], c[i], f[i], grew, verdict
     }' "$1"
+}
+
+# fuzz/kept/TARGET.tar.xz (committed): the minimized corpus of the runs so far, so that runs add
+# up across checkouts instead of restarting from the seeds. Unpacked before a run; FUZZ_KEEP=1
+# replaces it after the run with libFuzzer's minimal merge of the whole corpus.
+unkeep() {
+  local archive="fuzz/kept/$1.tar.xz"
+  [ -f "$archive" ] || return 0
+  mkdir -p "$WORK/corpus/$1"
+  tar -C "$WORK/corpus/$1" --skip-old-files -xJf "$archive"
+}
+
+keep() {
+  [ -n "${FUZZ_KEEP:-}" ] || return 0
+  local merged tmp="fuzz/kept/.$1.tar.xz.tmp-$$"
+  merged=$(mktemp -d)
+  nice -n 19 "$BIN/$1" -merge=1 "$merged" "$WORK/corpus/$1" >/dev/null 2>&1
+  mkdir -p fuzz/kept
+  tar -C "$merged" --sort=name --owner=0 --group=0 --mtime=@0 -cf - . | xz -9e >"$tmp"
+  mv "$tmp" "fuzz/kept/$1.tar.xz"
+  echo "   kept $(find "$merged" -type f | wc -l) inputs in fuzz/kept/$1.tar.xz ($(du -k "fuzz/kept/$1.tar.xz" | cut -f1) KB)"
+  rm -rf "$merged"
 }
 
 # Replays the whole corpus twice without fuzzing and prints the cov/ft each replay reached. The
@@ -267,6 +312,7 @@ for t in "${TARGETS[@]}"; do
   echo "== $t (${SECS}s)"
   mkdir -p "$WORK/artifacts/$t"
   : >"$WORK/logs/$t.log"
+  unkeep "$t"
   set +e
   nice -n 19 "$BIN/$t" "$WORK/corpus/$t" -artifact_prefix="$WORK/artifacts/$t/" \
     -max_total_time="$SECS" -timeout=10 -rss_limit_mb=4096 -malloc_limit_mb=2048 \
@@ -279,4 +325,5 @@ for t in "${TARGETS[@]}"; do
   fi
   plateau "$WORK/logs/$t.cov.tsv"
   replay "$t"
+  keep "$t"
 done
