@@ -11,7 +11,6 @@ from every branch a real file takes and spends its time on the malformed variant
 import json
 
 from tokenizers import (
-    AddedToken,
     Tokenizer,
     decoders,
     models,
@@ -27,7 +26,7 @@ TEXT = [
     "café naïve 東京 😀 1234567890 Hello, world! ÀÉÎÕÜ\tTabs  and   spaces\n",
 ] * 8
 
-SPECIALS = ["<unk>", "<s>", "</s>", "<pad>"]
+SPECIALS = ["<unk>", "<s>", "</s>", "<pad>"]  # what the trainers reserve ids 0-3 for
 
 
 def _trained(model, trainer, **parts):
@@ -39,29 +38,11 @@ def _trained(model, trainer, **parts):
 
 
 def tokenizers_by_shape():
-    """(name, tokenizer.json bytes) for each tokenizer family real repositories ship."""
+    """(name, tokenizer.json bytes) for the tokenizer families real repositories ship beyond the
+    byte-level and SentencePiece-style BPEs of the tokenizer-parity fixtures, which fuzz.sh
+    seeds from too (tests/oracle/tokenizer.py, with their tokenizer_config.json forms and
+    real chat templates)."""
     out = []
-    # SentencePiece-style BPE (Llama 2, Gemma, Mistral): byte fallback, ▁ replacement.
-    tok = _trained(
-        models.BPE(unk_token="<unk>", byte_fallback=True, fuse_unk=True),
-        trainers.BpeTrainer(vocab_size=120, special_tokens=SPECIALS, show_progress=False),
-        normalizer=normalizers.Sequence(
-            [normalizers.Prepend("▁"), normalizers.Replace(" ", "▁")]
-        ),
-        decoder=decoders.Sequence(
-            [
-                decoders.Replace("▁", " "),
-                decoders.ByteFallback(),
-                decoders.Fuse(),
-                decoders.Strip(" ", 1, 0),
-            ]
-        ),
-    )
-    tok.post_processor = processors.TemplateProcessing(
-        single="<s> $A", pair="<s> $A </s> $B:1", special_tokens=[("<s>", 1), ("</s>", 2)]
-    )
-    tok.add_tokens([AddedToken("<|tool|>", normalized=False, special=False)])
-    out.append(("spm-bpe", tok))
     # BERT WordPiece: its normalizer, pre-tokenizer, processor and decoder.
     tok = _trained(
         models.WordPiece(unk_token="[UNK]", max_input_chars_per_word=20),
@@ -147,97 +128,6 @@ def tokenizers_by_shape():
     tok.post_processor = processors.RobertaProcessing(("</s>", 2), ("<s>", 1))
     out.append(("bpe-suffix", tok))
     return [(name, tok.to_str().encode()) for name, tok in out]
-
-
-TEMPLATES = {
-    # ChatML with a system default and loop controls (Qwen, SmolLM).
-    "chatml": (
-        "{%- if messages[0]['role'] == 'system' %}{%- set system = messages[0]['content'] %}"
-        "{%- set loop_messages = messages[1:] %}{%- else %}{%- set system = 'You are helpful.' %}"
-        "{%- set loop_messages = messages %}{%- endif %}<|im_start|>system\n{{ system }}<|im_end|>\n"
-        "{%- for message in loop_messages %}{%- if loop.first and message.role != 'user' %}"
-        "{{ raise_exception('Conversations must start with the user') }}{%- endif %}"
-        "<|im_start|>{{ message.role }}\n{{ message.content | trim }}<|im_end|>\n{%- endfor %}"
-        "{%- if add_generation_prompt %}<|im_start|>assistant\n{%- endif %}"
-    ),
-    # Llama 3 style: bos_token, namespace, strftime_now, tojson of tools.
-    "llama3": (
-        "{{- bos_token }}{%- set ns = namespace(found=false) %}"
-        "{%- if tools is defined and tools %}{{ tools | tojson(indent=2) }}{%- endif %}"
-        "{{- 'Today Date: ' + strftime_now('%d %b %Y') }}"
-        "{%- for message in messages %}{%- if message['role'] == 'system' %}"
-        "{%- set ns.found = true %}{%- endif %}"
-        "{{- '<|start_header_id|>' + message['role'] + '<|end_header_id|>\\n\\n' + "
-        "message['content'] | trim + '<|eot_id|>' }}{%- endfor %}"
-        "{%- if add_generation_prompt %}{{- '<|start_header_id|>assistant<|end_header_id|>\\n\\n' }}"
-        "{%- endif %}"
-    ),
-    # Gemma style: a macro, string methods, role mapping, thinking markers.
-    "gemma": (
-        "{% macro turn(role, text) %}<start_of_turn>{{ role }}\n{{ text.strip() }}<end_of_turn>\n"
-        "{% endmacro %}{{ bos_token }}{% for m in messages %}"
-        "{% set role = 'model' if m['role'] == 'assistant' else m['role'] %}"
-        "{{ turn(role, m['content'] | string) }}{% endfor %}"
-        "{% if add_generation_prompt %}<start_of_turn>model\n<think>\n{% endif %}"
-    ),
-}
-
-
-def tokenizer_configs():
-    """(name, tokenizer_config.json, generation_config.json) variants real repositories ship."""
-    out = []
-    out.append(
-        (
-            "added-decoder",
-            {
-                "add_bos_token": True,
-                "add_eos_token": False,
-                "clean_up_tokenization_spaces": True,
-                "added_tokens_decoder": {
-                    "1": {"content": "<s>", "special": True, "lstrip": False, "rstrip": False,
-                          "normalized": False, "single_word": False},
-                    "2": {"content": "</s>", "special": True, "lstrip": False, "rstrip": False,
-                          "normalized": False, "single_word": False},
-                },
-                "bos_token": {"__type": "AddedToken", "content": "<s>", "lstrip": False,
-                              "normalized": False, "rstrip": False, "single_word": False},
-                "eos_token": "</s>",
-                "unk_token": "<unk>",
-                "pad_token": None,
-                "chat_template": TEMPLATES["gemma"],
-            },
-            {"eos_token_id": [1, 2], "bos_token_id": 1},
-        )
-    )
-    out.append(
-        (
-            "extra-specials",
-            {
-                "bos_token": "<|begin_of_text|>",
-                "eos_token": "<|eot_id|>",
-                "image_token": "<|image|>",
-                "additional_special_tokens": ["<|tool|>", "<|python_tag|>"],
-                "model_max_length": 131072,
-                "chat_template": [
-                    {"name": "default", "template": TEMPLATES["llama3"]},
-                    {"name": "tool_use", "template": TEMPLATES["chatml"]},
-                ],
-            },
-            {"eos_token_id": 1},
-        )
-    )
-    out.append(
-        (
-            "chatml",
-            {
-                "eos_token": "<|im_end|>",
-                "extra_special_tokens": {"audio_token": "<|audio|>"},
-                "chat_template": TEMPLATES["chatml"],
-            },
-            {},
-        )
-    )
-    return out
 
 
 def model_configs(base):

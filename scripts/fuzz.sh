@@ -54,13 +54,13 @@ $PY tests/oracle/make_model.py "$SEEDS/model" '{"model_type": "llama", "hidden_s
 target/release/mlxb dspark-init --model "$SEEDS/model" --out "$SEEDS/drafter" --layers 1 \
   --gamma 4 --markov-rank 16 >/dev/null
 $PY - "$SEEDS" "$WORK/corpus" <<'EOF'
-import json, os, random, sys
+import json, os, random, subprocess, sys
 import numpy as np
 import mlx.core as mx
 import gguf
 
 sys.path.insert(0, "fuzz")
-import seed_shapes  # every tokenizer, tokenizer_config and config.json form real models ship
+import seed_shapes  # tokenizer families and config.json forms real models ship
 
 seeds, corpora = sys.argv[1], sys.argv[2]
 SEP = b"\n\x00MLXB-FUZZ-FILE\x00\n"  # fuzz/src/lib.rs SEPARATOR
@@ -174,14 +174,20 @@ tc["chat_template"] = ("{% for m in messages %}{% if m['role'] == 'system' %}[S]
                        "{% else %}<{{ m['role'] }}>{{ m['content'] | trim }}{% endif %}{% endfor %}"
                        "{% if add_generation_prompt %}<assistant>{% endif %}")
 put("tokenizer_files", "template", SEP.join([parts[0], json.dumps(tc).encode()] + parts[2:]))
-# Every tokenizer family and tokenizer_config.json form real repositories ship (fuzz/seed_shapes.py).
-shapes = dict(seed_shapes.tokenizers_by_shape())
-for name, tok_json in shapes.items():
+# The tokenizer-parity fixtures (tests/oracle/tokenizer.py: ChatML and Gemma SPM tokenizers,
+# dict- and list-form tokenizer_config.json, a corrupt generation_config.json, legacy layouts,
+# real chat templates), and the tokenizer families they lack (fuzz/seed_shapes.py).
+fixtures = os.path.join(seeds, "tokenizer-fixtures")
+subprocess.run([sys.executable, "tests/oracle/tokenizer.py", "build", fixtures], check=True,
+               stdout=subprocess.DEVNULL)
+def fixture_file(name, file):
+    p = os.path.join(fixtures, name, file)
+    return open(p, "rb").read() if os.path.exists(p) else b""  # empty: the file is absent
+for name in sorted(os.listdir(fixtures)):
+    put("tokenizer_files", f"fixture-{name}", SEP.join(fixture_file(name, f) for f in
+        ["tokenizer.json", "tokenizer_config.json", "config.json", "generation_config.json"]))
+for name, tok_json in seed_shapes.tokenizers_by_shape():
     put("tokenizer_files", f"shape-{name}", SEP.join([tok_json] + parts[1:]))
-for (name, tok_cfg, gen_cfg), tok_json in zip(seed_shapes.tokenizer_configs(),
-                                              [shapes["spm-bpe"], shapes["split-bytelevel"], parts[0]]):
-    put("tokenizer_files", f"config-{name}",
-        SEP.join([tok_json, seed_shapes.as_json(tok_cfg), parts[2], seed_shapes.as_json(gen_cfg)]))
 
 # DSpark configs: mlxb's dspark.json (first byte even) and a DeepSpec config.json (odd).
 put("dspark_config", "mlxb", b"\x00" + read("drafter", "dspark.json"))
