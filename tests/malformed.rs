@@ -395,6 +395,28 @@ fn broken_models_are_refused_and_left_untouched() {
             "Precompiled",
         ],
     );
+    // Found by fuzzing (sixteenth session): the tokenizers crate loads this post-processor but
+    // panics encoding with it (its special-token map's key differs from the token's `id`).
+    let m = s.model("tokenizer_template_key_mismatch", |d| {
+        edit_json(&d.join("tokenizer.json"), |t| {
+            t["post_processor"] = json!({
+                "type": "TemplateProcessing",
+                "single": [{"SpecialToken": {"id": "<|im_start|>", "type_id": 0}},
+                           {"Sequence": {"id": "A", "type_id": 0}}],
+                "pair": [{"Sequence": {"id": "A", "type_id": 0}},
+                         {"Sequence": {"id": "B", "type_id": 1}}],
+                "special_tokens": {"<|im_sta_rt|>": {"id": "<|im_start|>", "ids": [1],
+                                                     "tokens": ["<|im_start|>"]}}
+            })
+        })
+    });
+    s.refuse_model(
+        &m,
+        &[
+            "tokenizer.json",
+            "is not a tokenizer the tokenizers library can run",
+        ],
+    );
     let m = s.model("bad_tokenizer_config", |d| {
         std::fs::write(d.join("tokenizer_config.json"), "{bad").unwrap()
     });
@@ -456,7 +478,7 @@ fn broken_models_are_refused_and_left_untouched() {
         b"",
         &["is not supported", "`model_type` is missing"],
     );
-    assert_eq!(s.count, 30);
+    assert_eq!(s.count, 31);
 }
 
 #[test]

@@ -120,6 +120,19 @@ impl Tokenizer {
             EngineError::file(&tok_path, format!("has unusable truncation settings ({e})"))
         })?;
         inner.with_padding(None);
+        // Some files make the tokenizers crate panic only when it encodes (found by fuzzing: a
+        // TemplateProcessing special token whose map key differs from its `id`); one encode
+        // with special tokens here refuses such a file at load, naming it.
+        if let Err(panic) = super::contain::contain(|| inner.encode("a", true)) {
+            return Err(EngineError::file(
+                &tok_path,
+                format!(
+                    "is not a tokenizer the tokenizers library can run (it failed encoding a \
+                     test text: {panic}); re-download it or re-save it with a current \
+                     transformers"
+                ),
+            ));
+        }
 
         let cfg_path = model_dir.join("tokenizer_config.json");
         let mut init = match read_json(&cfg_path)? {
@@ -297,18 +310,18 @@ impl Tokenizer {
 
     /// Token ids for `text`, as transformers' `tokenizer.encode(text, add_special_tokens=...)`.
     pub fn encode(&self, text: &str, add_special_tokens: bool) -> Result<Vec<u32>> {
-        let enc = self
-            .inner
-            .encode(text, add_special_tokens)
+        let enc = super::contain::contain(|| self.inner.encode(text, add_special_tokens))
+            .map_err(|panic| format!("the tokenizer failed: {panic}"))
+            .and_then(|r| r.map_err(|e| e.to_string()))
             .map_err(|e| EngineError::Input(format!("the text could not be tokenized: {e}")))?;
         Ok(enc.get_ids().to_vec())
     }
 
     /// Text for `ids` (special tokens kept), as transformers' `tokenizer.decode(ids)`.
     pub fn decode(&self, ids: &[u32]) -> Result<String> {
-        let text = self
-            .inner
-            .decode(ids, false)
+        let text = super::contain::contain(|| self.inner.decode(ids, false))
+            .map_err(|panic| format!("the tokenizer failed: {panic}"))
+            .and_then(|r| r.map_err(|e| e.to_string()))
             .map_err(|e| EngineError::Input(format!("the token ids could not be decoded: {e}")))?;
         Ok(if self.clean_up_spaces {
             clean_up_tokenization(&text)
