@@ -37,6 +37,17 @@ pub fn contain<T>(f: impl FnOnce() -> T) -> Result<T, String> {
     })
 }
 
+/// Runs a fallible `f` contained: its error and a panic inside it both become one message,
+/// a panic's prefixed with `on_panic` (so callers need not flatten the two layers each time).
+pub fn contain_fallible<T, E: std::fmt::Display>(
+    on_panic: &str,
+    f: impl FnOnce() -> Result<T, E>,
+) -> Result<T, String> {
+    contain(f)
+        .map_err(|panic| format!("{on_panic}: {panic}"))
+        .and_then(|r| r.map_err(|e| e.to_string()))
+}
+
 #[cfg(test)]
 mod tests {
     use super::*;
@@ -50,5 +61,14 @@ mod tests {
         assert_eq!(e, "a panic without a message");
         // The flag is restored: a later contained call still works.
         assert_eq!(contain(|| "ok"), Ok("ok"));
+    }
+
+    #[test]
+    fn a_fallible_call_gives_its_error_or_its_panic_prefixed() {
+        assert_eq!(contain_fallible("failed", || Ok::<_, String>(3)), Ok(3));
+        let e = contain_fallible("failed", || Err::<i32, _>("bad key")).unwrap_err();
+        assert_eq!(e, "bad key");
+        let e = contain_fallible("failed", || -> Result<i32, String> { panic!("boom") });
+        assert_eq!(e.unwrap_err(), "failed: boom");
     }
 }

@@ -22,6 +22,9 @@ pub use crate::engine::chat_template::ChatMessage;
 /// Re-exported so callers keep streaming output from the tokenizer module.
 pub use crate::engine::detokenizer::StreamingDetokenizer;
 
+/// What prefixes a panic inside the tokenizers crate while encoding or decoding.
+const TOKENIZER_PANICKED: &str = "the tokenizer failed";
+
 /// The named special-token attributes transformers always knows, in its order.
 const SPECIAL_TOKEN_ATTRIBUTES: [&str; 7] = [
     "bos_token",
@@ -92,7 +95,9 @@ impl Tokenizer {
         // `contain` turns that into one (reported after a JSON error, if any).
         let (tok_json, inner) = std::thread::scope(|s| {
             let json = s.spawn(|| serde_json::from_slice::<TokenizerFile>(&bytes));
-            let inner = super::contain::contain(|| tokenizers::Tokenizer::from_bytes(&bytes));
+            let inner = super::contain::contain_fallible("its parser failed", || {
+                tokenizers::Tokenizer::from_bytes(&bytes)
+            });
             (json.join(), inner)
         });
         let tok_file: TokenizerFile = tok_json
@@ -103,18 +108,15 @@ impl Tokenizer {
                     format!("is not valid JSON ({e}); re-download the model's tokenizer files"),
                 )
             })?;
-        let mut inner = inner
-            .map_err(|panic| format!("its parser failed: {panic}"))
-            .and_then(|r| r.map_err(|e| e.to_string()))
-            .map_err(|e| {
-                EngineError::file(
-                    &tok_path,
-                    format!(
+        let mut inner = inner.map_err(|e| {
+            EngineError::file(
+                &tok_path,
+                format!(
                     "is not a tokenizer the tokenizers library can load ({e}); re-download it or \
                      re-save it with a current transformers"
                 ),
-                )
-            })?;
+            )
+        })?;
         // transformers encodes with truncation and padding switched off whatever the file says.
         inner.with_truncation(None).map_err(|e| {
             EngineError::file(&tok_path, format!("has unusable truncation settings ({e})"))
@@ -310,19 +312,20 @@ impl Tokenizer {
 
     /// Token ids for `text`, as transformers' `tokenizer.encode(text, add_special_tokens=...)`.
     pub fn encode(&self, text: &str, add_special_tokens: bool) -> Result<Vec<u32>> {
-        let enc = super::contain::contain(|| self.inner.encode(text, add_special_tokens))
-            .map_err(|panic| format!("the tokenizer failed: {panic}"))
-            .and_then(|r| r.map_err(|e| e.to_string()))
-            .map_err(|e| EngineError::Input(format!("the text could not be tokenized: {e}")))?;
+        let enc = super::contain::contain_fallible(TOKENIZER_PANICKED, || {
+            self.inner.encode(text, add_special_tokens)
+        })
+        .map_err(|e| EngineError::Input(format!("the text could not be tokenized: {e}")))?;
         Ok(enc.get_ids().to_vec())
     }
 
     /// Text for `ids` (special tokens kept), as transformers' `tokenizer.decode(ids)`.
     pub fn decode(&self, ids: &[u32]) -> Result<String> {
-        let text = super::contain::contain(|| self.inner.decode(ids, false))
-            .map_err(|panic| format!("the tokenizer failed: {panic}"))
-            .and_then(|r| r.map_err(|e| e.to_string()))
-            .map_err(|e| EngineError::Input(format!("the token ids could not be decoded: {e}")))?;
+        let text =
+            super::contain::contain_fallible(TOKENIZER_PANICKED, || self.inner.decode(ids, false))
+                .map_err(|e| {
+                    EngineError::Input(format!("the token ids could not be decoded: {e}"))
+                })?;
         Ok(if self.clean_up_spaces {
             clean_up_tokenization(&text)
         } else {
