@@ -7,7 +7,7 @@
 #   FUZZ_NO_DICT=1 scripts/fuzz.sh ...                   (without the dictionaries, below)
 #   FUZZ_KEEP=1 scripts/fuzz.sh ...                      (store the minimized corpus in
 #                                                        fuzz/kept/TARGET.tar.xz, committed)
-#   FUZZ_TMPDIR=DIR scripts/fuzz.sh ...                 (the targets' scratch files under DIR;
+#   FUZZ_TMPDIR=DIR scripts/fuzz.sh ...                  (the targets' scratch files under DIR;
 #                                                        default /dev/shm where it is writable)
 #   FUZZ_WORK=DIR scripts/fuzz.sh ...                    (corpora, logs, crashes under DIR, not
 #                                                        fuzz/: e.g. two runs of one target from
@@ -36,16 +36,6 @@ PY=.venv/bin/python
 # The fuzz binaries are not given mlxb's rpath (build.rs only links mlxb's own targets).
 LD_LIBRARY_PATH="$($PY -c 'import mlx, os; print(os.path.join(list(mlx.__path__)[0], "lib"))')${LD_LIBRARY_PATH:+:$LD_LIBRARY_PATH}"
 export LD_LIBRARY_PATH
-# Every input's files are written into a scratch directory and deleted for the next input
-# (fuzz/src/lib.rs). On ext4 that churn of inodes is slow: a profile of `tokenizer_files` 20
-# minutes into a run found about 60 % of a worker's time in ext4's inode allocator
-# (`recently_deleted`, under `ext4_create` and `ext4_mkdir`). So the scratch directory goes on
-# tmpfs where there is one.
-if [ -n "${FUZZ_TMPDIR:-}" ]; then
-  export TMPDIR=$FUZZ_TMPDIR
-elif [ -d /dev/shm ] && [ -w /dev/shm ]; then
-  export TMPDIR=/dev/shm
-fi
 
 # FUZZ_NO_BUILD=1 reuses the binaries already built (e.g. several runs in parallel).
 if [ -z "${FUZZ_NO_BUILD:-}" ]; then
@@ -240,6 +230,16 @@ EOF
 # nor ft grew over the last third of the run.
 BIN=fuzz/target/x86_64-unknown-linux-gnu/release
 export ASAN_OPTIONS=detect_odr_violation=0
+# Every input's files are written into a scratch directory and deleted for the next input
+# (fuzz/src/lib.rs). On ext4 that churn of inodes is slow: a profile of `tokenizer_files` 20
+# minutes into a run found 55-60 % of a worker's time in ext4's inode allocator
+# (`recently_deleted`, under `ext4_create` and `ext4_mkdir`). So the scratch directory of the runs
+# below goes on tmpfs where there is one (the builds and seeds above keep the caller's TMPDIR).
+if [ -n "${FUZZ_TMPDIR:-}" ]; then
+  export TMPDIR=$FUZZ_TMPDIR
+elif [ -d /dev/shm ] && [ -w /dev/shm ]; then
+  export TMPDIR=/dev/shm
+fi
 
 # Reads libFuzzer's output on stdin, copies it to $1 and writes the timeline to $2.
 timeline() {
