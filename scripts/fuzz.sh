@@ -226,8 +226,8 @@ EOF
 # ---- runs ---------------------------------------------------------------------------------
 # The binaries built above run directly (`cargo fuzz run` would rebuild whenever the tree moved).
 # Each run also writes fuzz/logs/TARGET.cov.tsv, a coverage timeline (seconds, executions, cov,
-# ft: one row per libFuzzer status line), and prints whether the target plateaued: neither cov
-# nor ft grew over the last third of the run.
+# ft: one row per libFuzzer status line), and prints whether the target plateaued (the rule is
+# at `plateau` below).
 BIN=fuzz/target/x86_64-unknown-linux-gnu/release
 export ASAN_OPTIONS=detect_odr_violation=0
 # Every input's files are written into a scratch directory and deleted for the next input
