@@ -69,7 +69,7 @@ fn main() -> ExitCode {
     // `exec` only returns on failure.
     let err = Command::new(&engine).arg0(arg0).args(args).exec();
     eprintln!(
-        "mlxb: error: cannot start {} ({err}); mlxb and mlxb-engine must be installed side by side (cargo install installs both)",
+        "mlxb: error: cannot start {} ({err}); mlxb runs the mlxb-engine beside it, so build both with `cargo build --release` (`cargo run` builds only mlxb) or install both with `cargo install --path .`",
         engine.display()
     );
     ExitCode::from(2)

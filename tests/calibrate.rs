@@ -269,4 +269,61 @@ fn bad_input_exits_2_and_leaves_the_checkpoint_alone() {
         "{err}"
     );
     assert!(!out.exists());
+
+    // A target without a chat template: train-dspark says what does work and advises no flag
+    // it lacks; generate, which has `--ignore-chat-template`, names it.
+    let plain = fx.tmp.path().join("plain-target");
+    common::copy_dir(&fx.target, &plain);
+    let tc = plain.join("tokenizer_config.json");
+    let mut cfg: serde_json::Value =
+        serde_json::from_str(&std::fs::read_to_string(&tc).unwrap()).unwrap();
+    cfg.as_object_mut().unwrap().remove("chat_template");
+    std::fs::write(&tc, cfg.to_string()).unwrap();
+    let chat = fx.prompts(
+        "chat.jsonl",
+        "{\"messages\": [{\"role\": \"user\", \"content\": \"a b c\"}]}\n",
+    );
+    let (code, _, err) = common::run_mlxb(&[
+        "train-dspark",
+        "--model",
+        s(&plain),
+        "--data",
+        s(&chat),
+        "--out",
+        s(&out),
+    ]);
+    assert_eq!(code, 2, "{err}");
+    assert!(
+        err.contains("no chat template") && err.contains("smollm2-135m-instruct"),
+        "{err}"
+    );
+    assert!(!err.contains("--ignore-chat-template"), "{err}");
+    assert_eq!(err.trim_end().lines().count(), 1, "{err}");
+    assert!(!out.exists());
+    let (code, _, err) = common::run_mlxb(&[
+        "generate",
+        "--model",
+        s(&plain),
+        "--prompt",
+        "hi",
+        "--max-tokens",
+        "1",
+    ]);
+    assert_eq!(code, 0, "a missing template is not used by generate: {err}");
+    cfg["chat_template"] = serde_json::json!("{% for m in messages %}{{ m.content ");
+    std::fs::write(&tc, cfg.to_string()).unwrap();
+    let (code, _, err) = common::run_mlxb(&[
+        "generate",
+        "--model",
+        s(&plain),
+        "--prompt",
+        "hi",
+        "--max-tokens",
+        "1",
+    ]);
+    assert_eq!(code, 2, "{err}");
+    assert!(
+        err.contains("does not compile") && err.contains("--ignore-chat-template"),
+        "{err}"
+    );
 }

@@ -1,8 +1,10 @@
 //! Flags shared by the subcommands that generate text, and their translation to engine configs.
 
+use crate::engine::error::EngineError;
 use crate::engine::generate::GenerateConfig;
 use crate::engine::sample::{ProcessorConfig, SamplerConfig};
 use crate::engine::text::TextParams;
+use crate::engine::tokenizer::Tokenizer;
 use crate::spec::source::{DraftKind, SpecOptions, VerifyMode};
 use clap::Args;
 
@@ -39,13 +41,32 @@ impl PromptArgs {
         if p == "-" {
             let mut s = String::new();
             std::io::Read::read_to_string(&mut std::io::stdin(), &mut s).map_err(|e| {
-                crate::engine::error::EngineError::Input(format!(
+                EngineError::Input(format!(
                     "--prompt -: cannot read the prompt from stdin ({e}); give UTF-8 text"
                 ))
             })?;
             return Ok(s);
         }
         Ok(p)
+    }
+
+    /// The prompt's token ids, through the chat template unless `--ignore-chat-template`; a
+    /// template problem names that flag as the way around it.
+    pub fn ids(&self, tokenizer: &Tokenizer) -> anyhow::Result<Vec<u32>> {
+        let text = self.text()?;
+        tokenizer
+            .prompt_ids(
+                &text,
+                self.system_prompt.as_deref(),
+                !self.ignore_chat_template,
+            )
+            .map_err(|e| match e {
+                EngineError::ChatTemplate(why) => EngineError::Input(format!(
+                    "{why}; pass --ignore-chat-template to feed the prompt as-is instead"
+                ))
+                .into(),
+                other => other.into(),
+            })
     }
 }
 

@@ -63,12 +63,7 @@ fn prompt_ids(args: &GenerateArgs, session: &Session) -> anyhow::Result<Vec<u32>
         }
         return Ok(ids.clone());
     }
-    let prompt = args.prompt.text()?;
-    Ok(session.tokenizer.prompt_ids(
-        &prompt,
-        args.prompt.system_prompt.as_deref(),
-        !args.prompt.ignore_chat_template,
-    )?)
+    args.prompt.ids(&session.tokenizer)
 }
 
 /// mlx-lm's footer lines.

@@ -105,12 +105,7 @@ pub fn run(args: ParityArgs) -> anyhow::Result<()> {
         .into());
     }
     let (mut session, forks) = open_session(&dir, &args.forks)?;
-    let prompt = args.prompt.text()?;
-    let ids = session.tokenizer.prompt_ids(
-        &prompt,
-        args.prompt.system_prompt.as_deref(),
-        !args.prompt.ignore_chat_template,
-    )?;
+    let ids = args.prompt.ids(&session.tokenizer)?;
     let request = serde_json::json!({
         "model": std::fs::canonicalize(&dir)?,
         "prompt_ids": ids,

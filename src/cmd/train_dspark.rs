@@ -138,6 +138,15 @@ pub fn run(args: TrainDsparkArgs) -> anyhow::Result<()> {
     };
     let dir = resolve_model(args.model.as_deref())?;
     let mut session = Session::open(&dir, Forks::default())?;
+    if !session.tokenizer.has_chat_template() {
+        return Err(EngineError::Input(format!(
+            "{}: this model has no chat template, and train-dspark regenerates its training \
+             data as chat turns through the target's template; train the drafter for a chat \
+             (instruct) model such as the default smollm2-135m-instruct",
+            dir.display()
+        ))
+        .into());
+    }
     let (config, tensors, resumed) = match resumed {
         Some(r) => {
             r.config

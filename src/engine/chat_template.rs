@@ -88,33 +88,29 @@ impl ChatTemplate {
         let source = match &self.template {
             Template::Ready { source } => source,
             Template::Absent => {
-                return Err(EngineError::Input(
-                    "this model has no chat template; use --ignore-chat-template".into(),
+                return Err(EngineError::ChatTemplate(
+                    "this model has no chat template".into(),
                 ))
             }
             Template::Broken { source, reason } => {
-                return Err(EngineError::file(
+                return Err(template_error(
                     source,
-                    format!(
-                        "has a chat template that does not compile ({reason}); fix it or use \
-                         --ignore-chat-template"
-                    ),
+                    &format!("has a chat template that does not compile ({reason}); fix it"),
                 ))
             }
             Template::NoDefault { source, names } => {
-                return Err(EngineError::file(
+                return Err(template_error(
                     source,
-                    format!(
-                        "has several chat templates ({}) and none named 'default'; add one or use \
-                         --ignore-chat-template",
+                    &format!(
+                        "has several chat templates ({}) and none named 'default'; add one",
                         names.join(", ")
                     ),
                 ))
             }
             Template::Custom(kind) => {
-                return Err(EngineError::Input(format!(
+                return Err(EngineError::ChatTemplate(format!(
                     "this model uses mlx-lm's Python chat renderer '{kind}', which mlxb does not \
-                     support; use --ignore-chat-template"
+                     support"
                 )))
             }
         };
@@ -285,12 +281,15 @@ fn render_error(source: &Path, e: &minijinja::Error) -> EngineError {
         }
         cur = err.source();
     }
-    EngineError::file(
+    template_error(
         source,
-        format!(
-            "has a chat template that failed to render ({e}); fix it or use --ignore-chat-template"
-        ),
+        &format!("has a chat template that failed to render ({e}); fix it"),
     )
+}
+
+/// A [`EngineError::ChatTemplate`] about the template file `source`.
+fn template_error(source: &Path, reason: &str) -> EngineError {
+    EngineError::ChatTemplate(format!("{}: {reason}", source.display()))
 }
 
 /// The environment transformers renders with: trim_blocks, lstrip_blocks, no trailing

@@ -9,6 +9,10 @@ pub enum EngineError {
     /// Something in the user's input is wrong; the message says what and how to fix it.
     #[error("{0}")]
     Input(String),
+    /// The model's chat template is missing, broken or unsupported. The sentence names no
+    /// flag: each front end adds the way around it that it offers (`--ignore-chat-template`).
+    #[error("{0}")]
+    ChatTemplate(String),
     /// A file could not be read or parsed.
     #[error("{path}: {reason}")]
     File { path: PathBuf, reason: String },
@@ -39,7 +43,10 @@ impl EngineError {
     pub fn is_user_error(&self) -> bool {
         matches!(
             self,
-            EngineError::Input(_) | EngineError::File { .. } | EngineError::Runtime(_)
+            EngineError::Input(_)
+                | EngineError::ChatTemplate(_)
+                | EngineError::File { .. }
+                | EngineError::Runtime(_)
         )
     }
 }
