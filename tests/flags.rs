@@ -107,6 +107,41 @@ fn table_is_the_single_source_of_truth() {
     }
 }
 
+/// Every fork table in the docs is `mlxb flags --markdown` to the byte; README.md has one.
+#[test]
+fn documented_fork_tables_are_the_generated_one() {
+    const BEGIN: &str = "<!-- fork-table:begin";
+    const END: &str = "<!-- fork-table:end -->";
+    let want = flags::markdown_table();
+    let mut docs = vec![common::root().join("README.md")];
+    if let Ok(dir) = std::fs::read_dir(common::root().join("docs")) {
+        docs.extend(dir.map(|e| e.unwrap().path()));
+    }
+    let mut in_readme = 0;
+    for doc in docs {
+        let text = std::fs::read_to_string(&doc).unwrap();
+        let mut rest = text.as_str();
+        while let Some(at) = rest.find(BEGIN) {
+            let body = &rest[at..];
+            let start = body.find('\n').unwrap() + 1;
+            let end = body
+                .find(END)
+                .unwrap_or_else(|| panic!("{}: a fork table has no end marker", doc.display()));
+            assert_eq!(
+                body[start..end].trim(),
+                want.trim(),
+                "{}: the fork table is not `mlxb flags --markdown`; paste that in",
+                doc.display()
+            );
+            if doc.ends_with("README.md") {
+                in_readme += 1;
+            }
+            rest = &body[end..];
+        }
+    }
+    assert_eq!(in_readme, 1, "README.md must show the fork table once");
+}
+
 #[test]
 fn tiers_are_pure_aliases_and_flags_override() {
     for tier in Tier::ALL {

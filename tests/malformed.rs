@@ -226,7 +226,7 @@ fn broken_models_are_refused_and_left_untouched() {
             ],
         ),
         (
-            // Found by fuzzing (fifth session): qwen3_5_moe's sanitize looped over every
+            // Found by fuzzing (fixed in 0739813): qwen3_5_moe's sanitize looped over every
             // layer formatting tensor names before any tensor was required (minutes).
             "huge_layer_count",
             Box::new(|c| {
@@ -395,7 +395,7 @@ fn broken_models_are_refused_and_left_untouched() {
             "Precompiled",
         ],
     );
-    // Found by fuzzing (sixteenth session): the tokenizers crate loads this post-processor but
+    // Found by fuzzing (fixed in cd94c13): the tokenizers crate loads this post-processor but
     // panics encoding with it (its special-token map's key differs from the token's `id`).
     let m = s.model("tokenizer_template_key_mismatch", |d| {
         edit_json(&d.join("tokenizer.json"), |t| {
