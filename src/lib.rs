@@ -7,6 +7,10 @@
 
 pub mod bench;
 pub mod cmd;
+pub mod convert;
 pub mod engine;
+pub mod oracle;
+pub mod progress;
 pub mod server;
 pub mod spec;
+pub mod train;

@@ -13,7 +13,7 @@ mod dspark_cli;
 
 use mlx_rs::Array;
 use mlxb::spec::dspark::checkpoint;
-use mlxb::spec::dspark::train::SplitMix;
+use mlxb::train::trainer::SplitMix;
 use serde_json::{json, Value};
 use std::io::{Read, Seek, SeekFrom};
 use std::path::{Path, PathBuf};
@@ -255,7 +255,7 @@ fn seed_cache(xdg: &Path, gguf: &Path) {
 /// An imported model directory is complete: its provenance parses and it loads as a model.
 fn assert_loads(dir: &Path) {
     let prov: Value = serde_json::from_slice(
-        &std::fs::read(dir.join(mlxb::engine::gguf::import::PROVENANCE_FILE)).unwrap(),
+        &std::fs::read(dir.join(mlxb::convert::gguf::import::PROVENANCE_FILE)).unwrap(),
     )
     .unwrap();
     assert!(prov.get("importer_version").is_some(), "{prov}");
@@ -349,7 +349,7 @@ fn assert_train_files_complete(out: &Path) {
     if out.join(checkpoint::MLXB_CONFIG).exists() {
         checkpoint::load(out).unwrap_or_else(|e| panic!("{} is torn: {e}", out.display()));
     }
-    let state = out.join(mlxb::spec::dspark::train::STATE_FILE);
+    let state = out.join(mlxb::train::trainer::STATE_FILE);
     if state.exists() {
         let (_, meta) = Array::load_safetensors_with_metadata(&state).unwrap();
         assert!(meta.contains_key("step"));
@@ -418,13 +418,10 @@ fn train_dspark_survives_kill_9_and_resumes_to_the_same_drafter() {
             killed += 1;
             assert_train_files_complete(&out);
             let resume = out.join(checkpoint::MLXB_CONFIG).exists()
-                && out.join(mlxb::spec::dspark::train::STATE_FILE).exists();
+                && out.join(mlxb::train::trainer::STATE_FILE).exists();
             complete(&strs(&args(&out, resume)), &[]);
         }
-        for f in [
-            checkpoint::WEIGHTS_FILE,
-            mlxb::spec::dspark::train::STATE_FILE,
-        ] {
+        for f in [checkpoint::WEIGHTS_FILE, mlxb::train::trainer::STATE_FILE] {
             assert_same_safetensors(&out.join(f), &reference.join(f));
         }
         assert_eq!(
@@ -492,7 +489,7 @@ fn calibrate_survives_kill_9_with_the_old_or_new_config() {
 /// kill right after the rename cannot leave a complete-looking import without them.
 #[test]
 fn an_import_holds_its_notices_when_it_appears() {
-    use mlxb::engine::gguf::{import_gguf, ImportOptions};
+    use mlxb::convert::gguf::{import_gguf, ImportOptions};
     let gguf = smollm2_gguf();
     let tmp = tempfile::tempdir_in(env!("CARGO_TARGET_TMPDIR")).unwrap();
     let notice = tmp.path().join("LICENSE.src");

@@ -15,12 +15,12 @@ use mlxb::engine::models::{self, ForwardOpts, LanguageModel};
 use mlxb::engine::session::Session;
 use mlxb::spec::dspark::checkpoint::{self, SeqHead};
 use mlxb::spec::dspark::drafter::DsparkSource;
-use mlxb::spec::dspark::init::{init, InitOptions};
 use mlxb::spec::dspark::module::DsparkModule;
 use mlxb::spec::metrics::SpecMetrics;
 use mlxb::spec::source::{
     open_source, Draft, DraftKind, DraftSource, SpecOptions, TargetView, VerifyMode,
 };
+use mlxb::train::init::{init, InitOptions};
 use serde_json::{json, Value};
 use std::cell::RefCell;
 use std::collections::HashMap;

@@ -11,9 +11,9 @@ use mlx_rs::{random, Array};
 use mlxb::engine::flags::Forks;
 use mlxb::engine::models::{self, LanguageModel};
 use mlxb::spec::dspark::checkpoint::{self, DsparkConfig, SeqHead};
-use mlxb::spec::dspark::init::{init, InitOptions};
 use mlxb::spec::dspark::module::DsparkModule;
-use mlxb::spec::dspark::train::{
+use mlxb::train::init::{init, InitOptions};
+use mlxb::train::trainer::{
     anchor_batch, extract_example, load_state, loss_sums, sample_anchors, step_loss, total_loss,
     AdamW, Example, Frozen, Params, SplitMix, TrainOptions, Trainer,
 };
@@ -348,7 +348,7 @@ fn resume_reproduces_the_uninterrupted_run() {
     }
 }
 
-use mlxb::spec::dspark::calibrate::{
+use mlxb::train::calibrate::{
     auroc, ece, fit_temperatures, fit_thresholds, patch_config, Round, ECE_BINS,
 };
 
@@ -416,8 +416,8 @@ fn temperature_scaling_recovers_a_known_temperature() {
         .collect();
     let t = fit_temperatures(&rounds, 1);
     assert!(t[0] > 1.6 && t[0] < 2.5, "fitted T = {}", t[0]);
-    let (before, y) = mlxb::spec::dspark::calibrate::survival_at(&rounds, &[1.0], 0);
-    let (after, _) = mlxb::spec::dspark::calibrate::survival_at(&rounds, &t, 0);
+    let (before, y) = mlxb::train::calibrate::survival_at(&rounds, &[1.0], 0);
+    let (after, _) = mlxb::train::calibrate::survival_at(&rounds, &t, 0);
     assert!(ece(&after, &y, ECE_BINS) < ece(&before, &y, ECE_BINS));
     let a = auroc(&after, &y).unwrap();
     assert!(

@@ -9,8 +9,8 @@
 mod common;
 
 use mlx_rs::Array;
-use mlxb::engine::gguf::{quant, GgmlType, GgufHeader};
-use mlxb::engine::registry_models;
+use mlxb::convert::gguf::{quant, GgmlType, GgufHeader};
+use mlxb::convert::registry;
 use mlxb::engine::tokenizer::Tokenizer;
 use serde_json::Value;
 use std::collections::HashMap;
@@ -81,7 +81,7 @@ fn builtin(name: &str) -> PathBuf {
         "--ignore-chat-template",
     ];
     ok(&mlxb(&args));
-    let m = registry_models::find(name).unwrap();
+    let m = registry::find(name).unwrap();
     cache_home().join("mlxb/models").join(m.name)
 }
 
@@ -96,7 +96,7 @@ fn gemma3() -> &'static Path {
 }
 
 fn cached_gguf(name: &str) -> PathBuf {
-    let m = registry_models::find(name).unwrap();
+    let m = registry::find(name).unwrap();
     cache_home().join("mlxb/gguf").join(m.gguf_name)
 }
 
@@ -626,8 +626,8 @@ fn a_wrong_hash_is_reported_with_the_file() {
     let p = scratch().join("hash.bin");
     std::fs::write(&p, b"abc").unwrap();
     let sha = "ba7816bf8f01cfea414140de5dae2223b00361a396177a9cb410ff61f20015ad";
-    assert_eq!(registry_models::sha256_file(&p).unwrap(), sha);
-    let err = registry_models::verify_sha256(&p, &"0".repeat(64))
+    assert_eq!(registry::sha256_file(&p).unwrap(), sha);
+    let err = registry::verify_sha256(&p, &"0".repeat(64))
         .unwrap_err()
         .to_string();
     assert!(

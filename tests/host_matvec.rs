@@ -128,8 +128,8 @@ fn every_order_and_dtype_matches_mlx_bit_for_bit_on_random_weights() {
 #[test]
 fn real_smollm2_weights_match_mlx_for_every_shape_in_f32_and_bf16() {
     kernels_here();
-    let m = mlxb::engine::registry_models::find("smollm2-135m-instruct").unwrap();
-    let dir = m.ensure().unwrap();
+    let m = mlxb::convert::registry::find("smollm2-135m-instruct").unwrap();
+    let dir = m.ensure(&mlxb::progress::Silent).unwrap();
     let t = Array::load_safetensors(dir.join("model.safetensors")).unwrap();
     let f32_required = common::f32_host_order_expected();
     for name in [

@@ -173,8 +173,8 @@ fn bf16_activations_and_scales_come_back_in_bf16() {
 
 /// The cached SmolLM2 GGUF imported with `--keep-quant` (its own Q4_1 / Q8_0 blocks).
 fn smollm2_keep_quant(out: &Path) -> std::collections::HashMap<String, Array> {
-    let m = mlxb::engine::registry_models::find("smollm2-135m-instruct").unwrap();
-    let gguf = m.ensure_gguf().unwrap();
+    let m = mlxb::convert::registry::find("smollm2-135m-instruct").unwrap();
+    let gguf = m.ensure_gguf(&mlxb::progress::Silent).unwrap();
     let (code, _, err) = common::run_mlxb(&[
         "convert",
         "--gguf",

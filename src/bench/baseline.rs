@@ -2,7 +2,7 @@
 //! BLAS) that mlxb drives line by line, so both sides' repetitions interleave in one run.
 
 use crate::engine::error::{EngineError, Result};
-use crate::engine::oracle;
+use crate::oracle::mlx_lm;
 use std::io::{BufRead, BufReader, Write};
 use std::path::Path;
 use std::process::{Child, ChildStdin, ChildStdout, Command, Stdio};
@@ -30,7 +30,7 @@ impl MlxLmWorker {
             .write_all(WORKER.as_bytes())
             .map_err(|e| EngineError::Runtime(format!("cannot write the baseline script ({e})")))?;
         let script = script.into_temp_path();
-        let mut child = Command::new(oracle::python()?)
+        let mut child = Command::new(mlx_lm::python()?)
             .arg(&script)
             .arg(model)
             .env("HF_HUB_OFFLINE", "1")

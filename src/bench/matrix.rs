@@ -10,12 +10,12 @@ use super::progress::Event;
 use super::report::Row;
 use super::runner::{measure, TestInputs, TestSpec};
 use super::{row_template, test_row};
-use crate::engine::divergence;
 use crate::engine::error::{EngineError, Result};
 use crate::engine::flags::{self, Domain, Fork, Forks, KvQuant, Output, Resolution, Tier, FORKS};
 use crate::engine::models::{self, LoadedModel};
 use crate::engine::plan::ForkPlan;
 use crate::engine::session::Session;
+use crate::oracle::divergence;
 use std::path::Path;
 
 /// The quantized KV cache a value that only acts on one is measured with: 8 bits (mlx-lm's

@@ -1,6 +1,7 @@
 //! `mlxb bench`: llama-bench-style tests with an interleaved mlx-lm baseline, run with the
 //! fork flags of `generate`, or `--matrix`: every fork and tier against L1.
 
+use super::common::resolve_model;
 use super::common::SpecArgs;
 use super::flags::{open_session, ForkArgs};
 use crate::bench::matrix::{self, MatrixOptions};
@@ -8,7 +9,6 @@ use crate::bench::progress::{Bar, Observer};
 use crate::bench::report::Row;
 use crate::bench::{self, report, runner::TestKind, runner::TestSpec, tui, BenchPlan};
 use crate::engine::error::EngineError;
-use crate::engine::session::resolve_model;
 use clap::{Args, ValueEnum};
 use std::io::IsTerminal;
 

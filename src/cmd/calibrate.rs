@@ -1,24 +1,24 @@
 //! `mlxb calibrate`: runs a DSpark drafter unpruned over a prompt file (greedy), fits
 //! sequential temperature scaling and per-position thresholds on the recorded rounds
-//! (dspark-spec.md §4.1; the math is in [`crate::spec::dspark::calibrate`]) and patches them
+//! (dspark-spec.md §4.1; the math is in [`crate::train::calibrate`]) and patches them
 //! into the checkpoint's `dspark.json` atomically.
 
+use super::common::resolve_model;
 use super::common::ModelArgs;
 use super::flags::{open_session, ForkArgs};
 use super::measure::prompt_bar;
 use crate::engine::error::EngineError;
 use crate::engine::generate::GenerateConfig;
-use crate::engine::prompts::PromptFile;
 use crate::engine::sample::{ProcessorConfig, SamplerConfig};
-use crate::engine::session::resolve_model;
 use crate::engine::text::TextParams;
-use crate::spec::dspark::calibrate::{
+use crate::spec::dspark::drafter::DsparkSource;
+use crate::spec::source::VerifyMode;
+use crate::train::calibrate::{
     check_patchable, fit_temperatures, fit_thresholds, patch_config, position_stats,
     rounds_from_trace,
 };
-use crate::spec::dspark::drafter::DsparkSource;
-use crate::spec::measure::{generate, stats_table, Drafting};
-use crate::spec::source::VerifyMode;
+use crate::train::measure::{generate, stats_table, Drafting};
+use crate::train::prompts::PromptFile;
 use clap::Args;
 use std::path::PathBuf;
 

@@ -8,6 +8,16 @@ use crate::engine::tokenizer::Tokenizer;
 use crate::spec::source::{DraftKind, SpecOptions, VerifyMode};
 use clap::Args;
 
+/// Resolves a `--model` value to a model directory: an MLX-format directory, a built-in model's
+/// short name, or (none) the default model; built-in models are fetched and imported on first
+/// use, with notices and progress bars on stderr.
+pub fn resolve_model(model_ref: Option<&str>) -> anyhow::Result<std::path::PathBuf> {
+    Ok(crate::convert::registry::resolve(
+        model_ref,
+        &super::progress::Terminal::default(),
+    )?)
+}
+
 /// Which model and how to feed the prompt.
 #[derive(Debug, Clone, Args)]
 pub struct ModelArgs {

@@ -1,6 +1,6 @@
 //! `mlxb convert`: import a GGUF file (llama.cpp) into an MLX-format model directory.
 
-use crate::engine::gguf::{self, ImportOptions, OutDtype};
+use crate::convert::gguf::{self, ImportOptions, OutDtype};
 use clap::{Args, ValueEnum};
 use std::path::PathBuf;
 
@@ -45,7 +45,12 @@ pub fn run(args: ConvertArgs) -> anyhow::Result<()> {
         keep_quant: args.keep_quant,
         ..ImportOptions::default()
     };
-    let s = gguf::import_with_progress(&args.gguf, &args.out, &opts)?;
+    let s = gguf::import_reporting(
+        &args.gguf,
+        &args.out,
+        &opts,
+        &super::progress::Terminal::default(),
+    )?;
     eprintln!(
         "mlxb: wrote {} ({}, {} tensors, {} kept quantized, {:.1} MB of weights) in {:.1} s",
         s.out.display(),

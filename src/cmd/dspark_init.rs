@@ -1,11 +1,12 @@
 //! `mlxb dspark-init`: writes a randomly initialised DSpark drafter for a target (mlxb's
 //! `dspark.json` + `model.safetensors`), the starting point of training.
 
+use super::common::resolve_model;
 use crate::engine::error::EngineError;
 use crate::engine::flags::Forks;
-use crate::engine::session::{resolve_model, Session};
+use crate::engine::session::Session;
 use crate::spec::dspark::checkpoint::{self, SeqHead};
-use crate::spec::dspark::init::{init_for_session, InitOptions};
+use crate::train::init::{init_for_session, InitOptions};
 use clap::Args;
 use std::path::PathBuf;
 

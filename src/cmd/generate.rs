@@ -1,10 +1,11 @@
 //! `mlxb generate`: one prompt in, streamed text out, with mlx-lm's footer or a JSON object.
 
+use super::common::resolve_model;
 use super::common::{ModelArgs, PromptArgs, SamplingArgs, SpecArgs};
 use super::flags::{open_session, ForkArgs};
 use crate::engine::error::EngineError;
 use crate::engine::generate::{Flow, GenerationStats};
-use crate::engine::session::{resolve_model, trace_startup, Session};
+use crate::engine::session::{trace_startup, Session};
 use crate::engine::text::{generate_text_traced, DraftPlan, TextEvent};
 use crate::spec::dspark::drafter::PruneMode;
 use crate::spec::metrics::SpecMetrics;

@@ -1,17 +1,17 @@
 //! `mlxb measure`: a drafter against vanilla mlxb on a prompt file, in one invocation
-//! (see [`crate::spec::measure`]): acceptance, speed, calibration, and at T=0 a losslessness
+//! (see [`crate::train::measure`]): acceptance, speed, calibration, and at T=0 a losslessness
 //! check.
 
+use super::common::resolve_model;
 use super::common::{ModelArgs, SamplingArgs, SpecArgs};
 use super::flags::{open_session, ForkArgs};
 use crate::engine::error::EngineError;
-use crate::engine::prompts::PromptFile;
-use crate::engine::session::resolve_model;
 use crate::spec::dspark::checkpoint;
 use crate::spec::dspark::drafter::PruneMode;
-use crate::spec::measure::{measure, Drafting};
 use crate::spec::source::{open_source_pruned, DraftKind, SpecOptions, VerifyMode};
 use crate::spec::trace::{JsonlTrace, TraceSink};
+use crate::train::measure::{measure, Drafting};
+use crate::train::prompts::PromptFile;
 use clap::Args;
 use indicatif::{ProgressBar, ProgressStyle};
 use std::path::PathBuf;

@@ -10,6 +10,7 @@ pub mod generate;
 pub mod measure;
 pub mod models;
 pub mod parity;
+pub mod progress;
 pub mod serve;
 pub mod train_dspark;
 

@@ -1,15 +1,15 @@
 //! `mlxb parity`: runs mlx-lm (the L1 oracle) and mlxb greedily on the same prompt ids and
 //! compares token ids and full-vocabulary logprobs of every step, bit for bit.
 
+use super::common::resolve_model;
 use super::common::{ModelArgs, PromptArgs};
 use super::flags::{open_session, ForkArgs};
 use crate::engine::bits::same_bits;
 use crate::engine::error::EngineError;
 use crate::engine::flags::{KvQuant, Tier};
 use crate::engine::generate::{Flow, GenerateConfig, Generator};
-use crate::engine::oracle;
 use crate::engine::sample::{LogitsProcessors, ProcessorConfig, Sampler, SamplerConfig};
-use crate::engine::session::resolve_model;
+use crate::oracle::mlx_lm;
 use clap::Args;
 use mlx_rs::ops::indexing::IndexOp;
 use mlx_rs::{Array, Dtype};
@@ -118,7 +118,7 @@ pub fn run(args: ParityArgs) -> anyhow::Result<()> {
         "kv_group_size": forks.kv_group_size,
         "quantized_kv_start": forks.quantized_kv_start,
     });
-    let trace = oracle::trace(&request)?;
+    let trace = mlx_lm::trace(&request)?;
 
     let mut sampler = Sampler::new(&SamplerConfig::default())?;
     let mut processors = LogitsProcessors::new(&ProcessorConfig::default())?;

@@ -1,9 +1,9 @@
 //! `mlxb serve`: flags of the OpenAI-compatible server, handed to `crate::server`.
 
+use super::common::resolve_model;
 use super::common::{ModelArgs, SpecArgs};
 use super::flags::ForkArgs;
 use crate::engine::error::EngineError;
-use crate::engine::session::resolve_model;
 use crate::server::{serve, ServeConfig};
 use clap::Args;
 

@@ -5,14 +5,15 @@
 //! (`OUT/model.safetensors` + `dspark.json` + `train-state.safetensors` every
 //! `--checkpoint-every` steps; `--resume` continues from the last one bit for bit).
 
+use super::common::resolve_model;
 use crate::cmd::dspark_init::ShapeArgs;
 use crate::engine::error::EngineError;
 use crate::engine::flags::Forks;
-use crate::engine::session::{resolve_model, Session};
+use crate::engine::session::Session;
 use crate::spec::dspark::checkpoint::{self, DsparkConfig, TargetFacts};
-use crate::spec::dspark::data::{build_cache, read_prompts, RegenOptions};
-use crate::spec::dspark::init::init_for_session;
-use crate::spec::dspark::train::{load_state, AdamW, Frozen, Params, TrainOptions, Trainer};
+use crate::train::data::{build_cache, read_prompts, RegenOptions};
+use crate::train::init::init_for_session;
+use crate::train::trainer::{load_state, AdamW, Frozen, Params, TrainOptions, Trainer};
 use clap::Args;
 use mlx_rs::{Array, Dtype};
 use std::collections::HashMap;
@@ -111,12 +112,7 @@ pub fn run(args: TrainDsparkArgs) -> anyhow::Result<()> {
         )
         .into());
     }
-    if args.resume
-        && !args
-            .out
-            .join(crate::spec::dspark::train::STATE_FILE)
-            .is_file()
-    {
+    if args.resume && !args.out.join(crate::train::trainer::STATE_FILE).is_file() {
         return Err(EngineError::file(
             &args.out,
             "holds no training state to resume; run without --resume",
@@ -172,7 +168,14 @@ pub fn run(args: TrainDsparkArgs) -> anyhow::Result<()> {
         max_tokens: args.max_tokens,
         seed: args.seed,
     };
-    let examples = build_cache(&mut session, &prompts, &taps, &cache, &regen)?;
+    let examples = build_cache(
+        &mut session,
+        &prompts,
+        &taps,
+        &cache,
+        &regen,
+        &super::progress::Terminal::default(),
+    )?;
     if args.cache_only {
         println!("cached {} sequences in {}", examples.len(), cache.display());
         return Ok(());

@@ -1,4 +1,6 @@
-//! The shared engine: MLX runtime facts, models, caches, sampling and the generation loop.
+//! The shared engine, inference only: MLX runtime facts, models, caches, attention, sampling,
+//! tokenizer and detokenizer, weights, host kernels, the fork table and the generation loop.
+//! It imports nothing from the tools above it (`convert`, `oracle`, `train`, `cmd`, ...).
 
 pub mod attend;
 pub mod bits;
@@ -6,20 +8,15 @@ pub mod cache;
 pub mod chat_template;
 pub mod contain;
 pub mod detokenizer;
-pub mod divergence;
 pub mod error;
 pub mod flags;
 pub mod fsutil;
 pub mod generate;
-pub mod gguf;
 pub mod kernels;
 pub mod loader;
 pub mod models;
 pub mod nn;
-pub mod oracle;
 pub mod plan;
-pub mod prompts;
-pub mod registry_models;
 pub mod runtime;
 pub mod sample;
 pub mod session;

@@ -16,12 +16,6 @@ pub struct Session {
     pub dir: PathBuf,
 }
 
-/// Resolves a `--model` value to a model directory: an MLX-format directory, a built-in model's
-/// short name, or (none) the default model; built-in models are fetched and imported on first use.
-pub fn resolve_model(model_ref: Option<&str>) -> Result<PathBuf> {
-    super::registry_models::resolve(model_ref)
-}
-
 impl Session {
     /// Loads the model and tokenizer from `dir` with the given forks. The tokenizer (pure
     /// Rust, ~0.19 s for SmolLM2's 49k vocabulary) is parsed on a second thread while this one

@@ -4,14 +4,13 @@
 //!
 //! Roles are split by file: `source` (the seam and provider options), `executor` (the round
 //! driver), `verify` (acceptance policies), `rollback` (exact cache rewind), `metrics`
-//! (vLLM-style acceptance counters), `trace` (per-round JSONL traces), `measure` (vanilla vs speculative over a prompt file), and one file per drafter (`dspark/` is a directory).
+//! (vLLM-style acceptance counters), `trace` (per-round JSONL traces), and one file per drafter (`dspark/` is a directory).
 
 pub mod assistant;
 pub mod autoregressive;
 pub mod dspark;
 pub mod early_exit;
 pub mod executor;
-pub mod measure;
 pub mod metrics;
 pub mod ngram;
 pub mod rollback;

@@ -4,14 +4,10 @@
 //!
 //! Files: `checkpoint` (config, the two on-disk formats, the one loader and its checks),
 //! `module` (the network), `drafter` (the [`crate::spec::source::DraftSource`] and the
-//! drafting loop), `init` (randomly initialised drafters for `mlxb dspark-init`), `train` (the training
-//! forward, loss, optimizer and resumable state), `calibrate` (STS and per-position thresholds), `shipped` (where `--drafter default` points).
+//! drafting loop), `shipped` (where `--drafter default` points). Making, training and
+//! calibrating drafters is not inference and lives in [`crate::train`].
 
-pub mod calibrate;
 pub mod checkpoint;
-pub mod data;
 pub mod drafter;
-pub mod init;
 pub mod module;
 pub mod shipped;
-pub mod train;

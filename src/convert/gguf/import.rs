@@ -5,6 +5,7 @@
 use super::quant::{self, Decoded, GgmlType};
 use super::{vocab, GgufHeader, TensorInfo};
 use crate::engine::error::{EngineError, Result};
+use crate::progress::Progress;
 use mlx_rs::io::GgufFile;
 use mlx_rs::{Array, Dtype};
 use serde_json::{json, Map, Value};
@@ -772,25 +773,28 @@ fn quantization_section(bits: &BTreeMap<String, i32>) -> Option<Value> {
     Some(Value::Object(q))
 }
 
-/// [`import_gguf`] with a progress bar on stderr (hidden when stderr is not a terminal).
-pub fn import_with_progress(src: &Path, out: &Path, opts: &ImportOptions) -> Result<ImportSummary> {
-    let bar = indicatif::ProgressBar::new(0);
-    let style =
-        indicatif::ProgressStyle::with_template("{msg} [{bar:30}] {pos}/{len} tensors {elapsed}")
-            .unwrap_or_else(|_| indicatif::ProgressStyle::default_bar());
-    bar.set_style(style.progress_chars("=> "));
+/// [`import_gguf`] reporting the converted tensors to `progress`.
+pub fn import_reporting(
+    src: &Path,
+    out: &Path,
+    opts: &ImportOptions,
+    progress: &dyn Progress,
+) -> Result<ImportSummary> {
     let name = src
         .file_name()
         .map(|n| n.to_string_lossy().into_owned())
         .unwrap_or_default();
-    bar.set_message(format!("importing {name}"));
+    let mut begun = false;
     let result = import_gguf(src, out, opts, &mut |done, total| {
-        bar.set_length(total as u64);
-        bar.set_position(done as u64);
+        if !begun {
+            progress.begin(&format!("importing {name}"), total as u64, "tensors");
+            begun = true;
+        }
+        progress.set(done as u64);
         if done == total {
-            bar.set_message("writing model.safetensors");
+            progress.relabel("writing model.safetensors");
         }
     });
-    bar.finish_and_clear();
+    progress.end();
     result
 }

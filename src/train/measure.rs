@@ -5,14 +5,14 @@
 //! drafters the calibration of the confidence head per position. At temperature 0 the
 //! speculative ids must equal the vanilla ids, prompt by prompt: a free losslessness check.
 
-use super::dspark::calibrate::{position_stats, rounds_from_trace, PositionStats, Round};
-use super::metrics::SpecMetrics;
-use super::source::{DraftSource, VerifyMode};
-use super::trace::{RoundTrace, TraceSink};
+use super::calibrate::{position_stats, rounds_from_trace, PositionStats, Round};
 use crate::engine::error::{EngineError, Result};
 use crate::engine::generate::{Flow, GenerationStats};
 use crate::engine::session::Session;
 use crate::engine::text::{generate_text_traced, DraftPlan, TextParams};
+use crate::spec::metrics::SpecMetrics;
+use crate::spec::source::{DraftSource, VerifyMode};
+use crate::spec::trace::{RoundTrace, TraceSink};
 use serde::Serialize;
 use std::cell::RefCell;
 use std::rc::Rc;

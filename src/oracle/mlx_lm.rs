@@ -1,7 +1,7 @@
 //! Running mlx-lm (the L1 oracle) in the runtime env, on the same libmlx as mlxb, for
 //! `mlxb parity` and `bench --baseline`. The driver script ships inside the binary.
 
-use super::error::{EngineError, Result};
+use crate::engine::error::{EngineError, Result};
 use mlx_rs::Array;
 use std::collections::HashMap;
 use std::path::PathBuf;

@@ -11,10 +11,10 @@ pub mod import;
 pub mod quant;
 pub mod vocab;
 
-pub use import::{import_gguf, import_with_progress, ImportOptions, ImportSummary, OutDtype};
+pub use import::{import_gguf, import_reporting, ImportOptions, ImportSummary, OutDtype};
 pub use quant::GgmlType;
 
-use super::error::{EngineError, Result};
+use crate::engine::error::{EngineError, Result};
 use std::collections::BTreeMap;
 use std::fs::File;
 use std::io::{BufReader, Read, Seek, SeekFrom};

@@ -14,10 +14,10 @@
 //!   and the optimizer state is saved exactly, so `--resume` reproduces an uninterrupted run
 //!   bit for bit.
 
-use super::checkpoint::{self, DsparkConfig, LayerStyle, SeqHead};
 use crate::engine::bits::same_bits;
 use crate::engine::error::{EngineError, Result};
 use crate::engine::models::LanguageModel;
+use crate::spec::dspark::checkpoint::{self, DsparkConfig, LayerStyle, SeqHead};
 use mlx_rs::error::Exception;
 use mlx_rs::ops::indexing::{take_along_axis, IndexOp};
 use mlx_rs::{fast, ops, Array, Dtype};

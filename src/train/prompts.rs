@@ -4,9 +4,9 @@
 //! compared with other implementations token for token. Blank lines are skipped; every
 //! problem names the file and the line.
 
-use super::chat_template::ChatMessage;
-use super::error::{EngineError, Result};
-use super::session::Session;
+use crate::engine::chat_template::ChatMessage;
+use crate::engine::error::{EngineError, Result};
+use crate::engine::session::Session;
 use serde_json::Value;
 use std::path::{Path, PathBuf};
 

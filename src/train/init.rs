@@ -4,9 +4,9 @@
 //! ones for norms, zeros for biases. Each tensor draws from its own key (seed + name), so two
 //! drafters made with the same seed share every tensor they both have.
 
-use super::checkpoint::{target_rope, DsparkConfig, SeqHead, TargetFacts};
 use crate::engine::error::{EngineError, Result};
 use crate::engine::models::LanguageModel;
+use crate::spec::dspark::checkpoint::{target_rope, DsparkConfig, SeqHead, TargetFacts};
 use mlx_rs::{ops, random, Array, Dtype};
 use serde_json::Value;
 use std::collections::HashMap;

@@ -2,12 +2,12 @@
 //! distributions from L1's, teacher-forced on L1's greedy tokens over a fixed prompt set
 //! (`mlxb bench --matrix` reports it for every output-changing fork; it is 0 for L1-valid ones).
 
-use super::error::Result;
-use super::flags::Forks;
-use super::generate::{Flow, GenerateConfig, Generator};
-use super::models::{self, LoadedModel};
-use super::sample::{LogitsProcessors, ProcessorConfig, Sampler, SamplerConfig};
-use super::tokenizer::Tokenizer;
+use crate::engine::error::Result;
+use crate::engine::flags::Forks;
+use crate::engine::generate::{Flow, GenerateConfig, Generator};
+use crate::engine::models::{self, LoadedModel};
+use crate::engine::sample::{LogitsProcessors, ProcessorConfig, Sampler, SamplerConfig};
+use crate::engine::tokenizer::Tokenizer;
 use mlx_rs::transforms::eval;
 use mlx_rs::{Array, Dtype};
 use std::path::Path;

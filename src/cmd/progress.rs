@@ -1,0 +1,59 @@
+//! Draws the lower layers' [`Progress`] reports on stderr: notices as `mlxb: ...` lines,
+//! counted steps as indicatif bars (hidden when stderr is not a terminal).
+
+use crate::progress::Progress;
+use indicatif::{ProgressBar, ProgressStyle};
+use std::sync::Mutex;
+
+/// Progress on the terminal.
+#[derive(Default)]
+pub struct Terminal {
+    bar: Mutex<Option<ProgressBar>>,
+}
+
+impl Terminal {
+    fn with_bar(&self, f: impl FnOnce(&ProgressBar)) {
+        if let Ok(bar) = self.bar.lock() {
+            if let Some(bar) = bar.as_ref() {
+                f(bar);
+            }
+        }
+    }
+}
+
+impl Progress for Terminal {
+    fn notice(&self, text: &str) {
+        eprintln!("mlxb: {text}");
+    }
+
+    fn begin(&self, label: &str, total: u64, unit: &str) {
+        let bar = ProgressBar::new(total);
+        let template =
+            format!("{{msg}} [{{bar:30}}] {{pos}}/{{len}} {unit} {{elapsed}} (ETA {{eta}})");
+        let style = ProgressStyle::with_template(&template)
+            .unwrap_or_else(|_| ProgressStyle::default_bar());
+        bar.set_style(style.progress_chars("=> "));
+        bar.set_message(label.to_owned());
+        if let Ok(mut slot) = self.bar.lock() {
+            if let Some(old) = slot.replace(bar) {
+                old.finish_and_clear();
+            }
+        }
+    }
+
+    fn set(&self, done: u64) {
+        self.with_bar(|bar| bar.set_position(done));
+    }
+
+    fn relabel(&self, label: &str) {
+        self.with_bar(|bar| bar.set_message(label.to_owned()));
+    }
+
+    fn end(&self) {
+        if let Ok(mut slot) = self.bar.lock() {
+            if let Some(bar) = slot.take() {
+                bar.finish_and_clear();
+            }
+        }
+    }
+}

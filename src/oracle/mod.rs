@@ -1,0 +1,6 @@
+//! What mlxb's output is checked against: runs of the mlx-lm oracle in `.venv` (`parity`,
+//! `bench --baseline mlx-lm`) and the KL divergence of a fork combination to L1 (`bench
+//! --matrix`).
+
+pub mod divergence;
+pub mod mlx_lm;
