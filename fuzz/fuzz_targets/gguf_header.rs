@@ -3,7 +3,7 @@
 #![no_main]
 
 use libfuzzer_sys::fuzz_target;
-use mlxb::engine::gguf::{import_gguf, vocab, GgufHeader, ImportOptions};
+use mlxb::convert::gguf::{import_gguf, vocab, GgufHeader, ImportOptions};
 
 fuzz_target!(init: mlxb_fuzz::deterministic(), |data: &[u8]| {
     let dir = mlxb_fuzz::fresh_dir("gguf");

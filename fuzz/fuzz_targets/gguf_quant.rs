@@ -2,7 +2,7 @@
 #![no_main]
 
 use libfuzzer_sys::fuzz_target;
-use mlxb::engine::gguf::quant::{decode, Decoded, GgmlType};
+use mlxb::convert::gguf::quant::{decode, Decoded, GgmlType};
 
 fuzz_target!(init: mlxb_fuzz::deterministic(), |data: &[u8]| {
     let Some((&id, bytes)) = data.split_first() else {

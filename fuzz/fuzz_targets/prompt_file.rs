@@ -2,7 +2,7 @@
 #![no_main]
 
 use libfuzzer_sys::fuzz_target;
-use mlxb::spec::dspark::data::read_prompts;
+use mlxb::train::data::read_prompts;
 
 fuzz_target!(init: mlxb_fuzz::deterministic(), |data: &[u8]| {
     let dir = mlxb_fuzz::fresh_dir("prompts");
