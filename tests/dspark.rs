@@ -16,10 +16,9 @@ use mlxb::engine::session::Session;
 use mlxb::spec::dspark::checkpoint::{self, SeqHead};
 use mlxb::spec::dspark::drafter::DsparkSource;
 use mlxb::spec::dspark::module::DsparkModule;
+use mlxb::spec::factory::{open_source, DraftKind, SpecOptions};
 use mlxb::spec::metrics::SpecMetrics;
-use mlxb::spec::source::{
-    open_source, Draft, DraftKind, DraftSource, SpecOptions, TargetView, VerifyMode,
-};
+use mlxb::spec::source::{Draft, DraftSource, TargetView, VerifyMode};
 use mlxb::train::init::{init, InitOptions};
 use serde_json::{json, Value};
 use std::cell::RefCell;
@@ -101,6 +100,7 @@ fn spec_options(kind: DraftKind, path: &Path, min_conf: Option<f64>) -> SpecOpti
         ngram_min: 1,
         verify: VerifyMode::Match,
         dspark_min_conf: min_conf,
+        dspark_prune: Default::default(),
     }
 }
 
@@ -881,8 +881,9 @@ fn cli_init_and_generate() {
 /// temperature and hands over their distributions; generation runs to the end.
 #[test]
 fn rejection_sampling_with_sampled_proposals_runs() {
-    use mlxb::engine::generate::{Flow, GenerateConfig, Generator, Speculation};
+    use mlxb::engine::generate::{Flow, GenerateConfig, Generator};
     use mlxb::engine::sample::{self, LogitsProcessors, ProcessorConfig, Sampler, SamplerConfig};
+    use mlxb::spec::executor::Speculation;
     let dir = target(&common::tiny_llama(json!({})));
     let ck = drafter(dir.path(), &opts(SeqHead::Rnn), |_, _| {});
     let mut loaded = models::load(dir.path(), Forks::default()).unwrap();
@@ -895,27 +896,20 @@ fn rejection_sampling_with_sampled_proposals_runs() {
     })
     .unwrap();
     let mut processors = LogitsProcessors::new(&ProcessorConfig::default()).unwrap();
-    let g = Generator::new(loaded.model.as_mut(), &mut sampler, &mut processors).with_speculation(
-        Speculation {
-            source: Box::new(source),
-            num_draft_tokens: 3,
-            verify: VerifyMode::Reject,
-            temp: 1.0,
-            metrics: SpecMetrics::default(),
-        },
-    );
+    let mut spec = Speculation::new(Box::new(source), 3, VerifyMode::Reject);
+    let g = Generator::new(loaded.model.as_mut(), &mut sampler, &mut processors)
+        .with_speculation(&mut spec);
     let mut n = 0;
     let cfg = GenerateConfig {
         max_tokens: GEN,
         prefill_step_size: 2048,
     };
-    let (_, m) = g
-        .run(&prompt(384), &cfg, |_| {
-            n += 1;
-            Ok(Flow::Continue)
-        })
-        .unwrap();
-    let m = m.unwrap();
+    g.run(&prompt(384), &cfg, |_| {
+        n += 1;
+        Ok(Flow::Continue)
+    })
+    .unwrap();
+    let m = spec.metrics;
     assert_eq!(n, GEN);
     assert!(
         m.drafts > 5 && m.accepted_per_position.len() == 5,

@@ -10,13 +10,14 @@ use mlx_rs::ops::indexing::IndexOp;
 use mlx_rs::Array;
 use mlxb::cmd::flags::ForkArgs;
 use mlxb::engine::flags::{self, Domain, Forks, KvQuant, Tier, FORKS};
-use mlxb::engine::generate::{Flow, GenerateConfig, Generator, Speculation};
+use mlxb::engine::generate::{Flow, GenerateConfig, Generator};
 use mlxb::engine::models::{self, LoadedModel};
 use mlxb::engine::sample::{LogitsProcessors, ProcessorConfig, Sampler, SamplerConfig};
 use mlxb::engine::session::Session;
 use mlxb::oracle::divergence::kl_to_l1;
-use mlxb::spec::metrics::SpecMetrics;
-use mlxb::spec::source::{open_source, DraftKind, SpecOptions, VerifyMode};
+use mlxb::spec::executor::Speculation;
+use mlxb::spec::factory::{open_source, DraftKind, SpecOptions};
+use mlxb::spec::source::VerifyMode;
 use serde_json::{json, Value};
 use std::path::Path;
 
@@ -500,6 +501,7 @@ fn check_spec_quantized(dir: &Path, group: i32, kinds: &[DraftSpec]) {
                 ngram_min: 1,
                 verify: VerifyMode::Match,
                 dspark_min_conf: None,
+                dspark_prune: Default::default(),
             };
             let source = open_source(&opts, &session, forks, 2048).unwrap();
             let mut sampler = Sampler::new(&SamplerConfig::default()).unwrap();
@@ -509,22 +511,16 @@ fn check_spec_quantized(dir: &Path, group: i32, kinds: &[DraftSpec]) {
                 max_tokens: 40,
                 prefill_step_size: 2048,
             };
-            let (_, m) =
-                Generator::new(session.model.model.as_mut(), &mut sampler, &mut processors)
-                    .with_plan(&plan)
-                    .with_speculation(Speculation {
-                        source,
-                        num_draft_tokens: 4,
-                        verify: VerifyMode::Match,
-                        temp: 0.0,
-                        metrics: SpecMetrics::default(),
-                    })
-                    .run(&prompt, &cfg, |s| {
-                        ids.push(s.token as i32);
-                        Ok(Flow::Continue)
-                    })
-                    .unwrap();
-            let m = m.unwrap();
+            let mut spec = Speculation::new(source, 4, VerifyMode::Match);
+            Generator::new(session.model.model.as_mut(), &mut sampler, &mut processors)
+                .with_plan(&plan)
+                .with_speculation(&mut spec)
+                .run(&prompt, &cfg, |s| {
+                    ids.push(s.token as i32);
+                    Ok(Flow::Continue)
+                })
+                .unwrap();
+            let m = spec.metrics;
             assert_eq!(ids, want, "{kind:?} start {start}: {:?}", m.to_json());
             assert!(m.drafts > 0, "{kind:?} drafted nothing");
         }

@@ -12,9 +12,8 @@ use mlxb::engine::models::ForwardOpts;
 use mlxb::engine::session::Session;
 use mlxb::spec::assistant::config;
 use mlxb::spec::assistant::drafter::AssistantSource;
-use mlxb::spec::source::{
-    open_source, DraftKind, DraftSource, SpecOptions, TargetView, VerifyMode,
-};
+use mlxb::spec::factory::{open_source, DraftKind, SpecOptions};
+use mlxb::spec::source::{DraftSource, TargetView, VerifyMode};
 use serde_json::{json, Value};
 use std::path::Path;
 
@@ -85,6 +84,7 @@ fn options(path: &Path) -> SpecOptions {
         ngram_min: 1,
         verify: VerifyMode::Match,
         dspark_min_conf: None,
+        dspark_prune: Default::default(),
     }
 }
 

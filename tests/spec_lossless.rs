@@ -6,14 +6,14 @@
 mod common;
 
 use mlxb::engine::flags::Forks;
-use mlxb::engine::generate::{Flow, GenerateConfig, Generator, Speculation};
+use mlxb::engine::generate::{Flow, GenerateConfig, Generator};
 use mlxb::engine::models::{self, LanguageModel};
 use mlxb::engine::sample::{self, LogitsProcessors, ProcessorConfig, Sampler, SamplerConfig};
 use mlxb::engine::session::Session;
+use mlxb::spec::executor::Speculation;
+use mlxb::spec::factory::{open_source, DraftKind, SpecOptions};
 use mlxb::spec::metrics::SpecMetrics;
-use mlxb::spec::source::{
-    open_source, Draft, DraftKind, DraftSource, SpecOptions, TargetView, VerifyMode,
-};
+use mlxb::spec::source::{Draft, DraftSource, TargetView, VerifyMode};
 use serde_json::{json, Value};
 use std::path::Path;
 
@@ -95,6 +95,7 @@ fn check_all_drafters(dir: &Path, config: &Value, draft_layers: usize, wraps: bo
                 ngram_min: 1,
                 verify: VerifyMode::Match,
                 dspark_min_conf: None,
+                dspark_prune: Default::default(),
             };
             let source = open_source(&opts, &session, Forks::default(), 2048).unwrap();
             let (got, metrics) = generate(session.model.model.as_mut(), &prompt, Some(source), k);
@@ -181,6 +182,7 @@ fn rejection_sampling_is_lossless_in_distribution() {
             })
             .unwrap();
             let mut processors = LogitsProcessors::new(&ProcessorConfig::default()).unwrap();
+            let mut attached = None;
             let mut g = Generator::new(loaded.model.as_mut(), &mut sampler, &mut processors);
             if speculative {
                 // Always proposes token 3: usually wrong, so the residual path is exercised.
@@ -208,13 +210,9 @@ fn rejection_sampling_is_lossless_in_distribution() {
                         Ok(())
                     }
                 }
-                g = g.with_speculation(Speculation {
-                    source: Box::new(Fixed),
-                    num_draft_tokens: 2,
-                    verify: VerifyMode::Reject,
-                    temp: 1.0,
-                    metrics: SpecMetrics::default(),
-                });
+                let spec =
+                    attached.insert(Speculation::new(Box::new(Fixed), 2, VerifyMode::Reject));
+                g = g.with_speculation(spec);
             }
             let mut toks = vec![];
             let cfg = GenerateConfig {

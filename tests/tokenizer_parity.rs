@@ -508,7 +508,7 @@ fn bad_model_files_are_reported_with_their_path() {
         .apply_chat_template(&[ChatMessage::new("user", "hi")], true)
         .unwrap_err();
     assert!(
-        matches!(&err, EngineError::File { path, .. } if path.ends_with("tokenizer_config.json")),
+        matches!(&err, EngineError::ChatTemplate { path: Some(path), .. } if path.ends_with("tokenizer_config.json")),
         "{err:?}"
     );
     assert_eq!(

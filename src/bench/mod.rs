@@ -14,7 +14,7 @@ pub mod tui;
 use crate::engine::error::{EngineError, Result};
 use crate::engine::runtime;
 use crate::engine::session::Session;
-use crate::spec::source::{open_source, SpecOptions};
+use crate::spec::factory::{open_source, SpecOptions};
 use progress::Event;
 use report::{Row, Setup};
 use runner::{measure, time_decode, tps, TestInputs, TestKind, TestSpec};

@@ -4,10 +4,11 @@
 //! as in mlx-lm's own generation_tps).
 
 use crate::engine::error::Result;
-use crate::engine::generate::{Flow, GenerateConfig, Generator, Speculation};
+use crate::engine::generate::{Flow, GenerateConfig, Generator};
 use crate::engine::models::{Caches, LanguageModel, LoadedModel};
 use crate::engine::plan::ForkPlan;
 use crate::engine::sample::{LogitsProcessors, ProcessorConfig, Sampler, SamplerConfig};
+use crate::spec::executor::Speculation;
 use crate::spec::metrics::SpecMetrics;
 use crate::spec::source::{DraftSource, VerifyMode};
 use mlx_rs::transforms::eval;
@@ -153,21 +154,17 @@ pub fn time_decode<'a>(
     let LoadedModel { model, plan, .. } = loaded;
     let mut sampler = Sampler::new(&SamplerConfig::default())?;
     let mut processors = LogitsProcessors::new(&ProcessorConfig::default())?;
+    let mut spec = draft.map(|(source, k)| Speculation::new(source, k, VerifyMode::Match));
     let mut g = Generator::new(model.as_mut(), &mut sampler, &mut processors).with_plan(plan);
-    if let Some((source, k)) = draft {
-        g = g.with_speculation(Speculation {
-            source,
-            num_draft_tokens: k,
-            verify: VerifyMode::Match,
-            temp: 0.0,
-            metrics: SpecMetrics::default(),
-        });
+    if let Some(spec) = spec.as_mut() {
+        g = g.with_speculation(spec);
     }
     let cfg = GenerateConfig {
         max_tokens: n,
         prefill_step_size: 2048,
     };
-    let (stats, metrics) = g.run(prompt, &cfg, |_| Ok(Flow::Continue))?;
+    let stats = g.run(prompt, &cfg, |_| Ok(Flow::Continue))?;
     let tokens = stats.generation_tokens.saturating_sub(1);
+    let metrics = spec.map(|s| s.metrics);
     Ok((stats.generation_time.as_secs_f64(), tokens, metrics))
 }

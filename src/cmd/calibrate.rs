@@ -12,12 +12,13 @@ use crate::engine::generate::GenerateConfig;
 use crate::engine::sample::{ProcessorConfig, SamplerConfig};
 use crate::engine::text::TextParams;
 use crate::spec::dspark::drafter::DsparkSource;
+use crate::spec::executor::Speculation;
 use crate::spec::source::VerifyMode;
 use crate::train::calibrate::{
     check_patchable, fit_temperatures, fit_thresholds, patch_config, position_stats,
     rounds_from_trace,
 };
-use crate::train::measure::{generate, stats_table, Drafting};
+use crate::train::measure::{generate, stats_table};
 use crate::train::prompts::PromptFile;
 use clap::Args;
 use std::path::PathBuf;
@@ -80,11 +81,7 @@ pub fn run(args: CalibrateArgs) -> anyhow::Result<()> {
     )?;
     let gamma = config.block_size;
     let in_force = config.sts_temperatures.clone().unwrap_or_default();
-    let mut drafting = Drafting {
-        source: &mut source,
-        num_draft_tokens: gamma,
-        verify: VerifyMode::Match,
-    };
+    let mut drafting = Speculation::new(Box::new(&mut source), gamma, VerifyMode::Match);
     let params = TextParams {
         sampler: SamplerConfig::default(),
         processors: ProcessorConfig::default(),

@@ -5,7 +5,9 @@ use crate::engine::generate::GenerateConfig;
 use crate::engine::sample::{ProcessorConfig, SamplerConfig};
 use crate::engine::text::TextParams;
 use crate::engine::tokenizer::Tokenizer;
-use crate::spec::source::{DraftKind, SpecOptions, VerifyMode};
+use crate::spec::dspark::drafter::PruneMode;
+use crate::spec::factory::{concrete_kind, draft_tokens, DraftKind, SpecOptions};
+use crate::spec::source::VerifyMode;
 use clap::Args;
 
 /// Resolves a `--model` value to a model directory: an MLX-format directory, a built-in model's
@@ -71,8 +73,8 @@ impl PromptArgs {
                 !self.ignore_chat_template,
             )
             .map_err(|e| match e {
-                EngineError::ChatTemplate(why) => EngineError::Input(format!(
-                    "{why}; pass --ignore-chat-template to feed the prompt as-is instead"
+                e @ EngineError::ChatTemplate { .. } => EngineError::Input(format!(
+                    "{e}; pass --ignore-chat-template to feed the prompt as-is instead"
                 ))
                 .into(),
                 other => other.into(),
@@ -163,15 +165,87 @@ impl SamplingArgs {
     }
 }
 
-/// Speculative-decoding flags (mlx-lm's `--draft-model/--num-draft-tokens` plus mlxb's drafters).
+/// A clap value enum standing for a library enum, so that clap stays in `cmd`: the variants'
+/// doc comments are the help text, and `From` maps each one to the library's value.
+macro_rules! value_enum {
+    ($(#[$meta:meta])* $name:ident => $target:ty {
+        $($(#[$vmeta:meta])* $variant:ident => $value:expr),+ $(,)?
+    }) => {
+        $(#[$meta])*
+        #[derive(Debug, Clone, Copy, PartialEq, Eq, clap::ValueEnum)]
+        pub enum $name {
+            $($(#[$vmeta])* $variant),+
+        }
+
+        impl From<$name> for $target {
+            fn from(v: $name) -> Self {
+                match v {
+                    $($name::$variant => $value),+
+                }
+            }
+        }
+    };
+}
+pub(crate) use value_enum;
+
+value_enum! {
+    /// `--draft-kind`.
+    DraftKindArg => DraftKind {
+        /// Chosen from what is given: --drafter → dspark; --draft-model → dspark, assistant or
+        /// model by what the directory holds; --draft-layers → self.
+        Auto => DraftKind::Auto,
+        /// A separate, smaller model sharing the target's tokenizer.
+        Model => DraftKind::Model,
+        /// Prompt lookup: continue the latest earlier occurrence of the current n-gram.
+        Ngram => DraftKind::Ngram,
+        /// Early exit: the target's own first K layers plus its final norm and LM head.
+        #[value(name = "self")]
+        SelfLayers => DraftKind::SelfLayers,
+        /// A DSpark (or DFlash) block drafter conditioned on the target's hidden states.
+        Dspark => DraftKind::Dspark,
+        /// Gemma 4's KV-borrowing MTP assistant (`gemma4_assistant`) for a gemma4_text target.
+        Assistant => DraftKind::Assistant,
+    }
+}
+
+value_enum! {
+    /// `--spec-verify`.
+    VerifyArg => VerifyMode {
+        /// Accept while the target's sampled token equals the draft (exact greedy at T=0;
+        /// distribution-exact at any temperature).
+        Match => VerifyMode::Match,
+        /// Standard rejection sampling with the draft's probabilities and residual resampling.
+        Reject => VerifyMode::Reject,
+    }
+}
+
+value_enum! {
+    /// `--dspark-prune`.
+    PruneArg => PruneMode {
+        /// Cut at the first position k >= 1 whose confidence is below the threshold; position 0
+        /// always survives.
+        KeepFirst => PruneMode::KeepFirst,
+        /// DeepSpec's released rule: cut at the first position k >= 0 below the threshold (a
+        /// zero-length proposal is a plain decode step).
+        #[value(name = "deepspec")]
+        DeepSpec => PruneMode::DeepSpec,
+        /// The paper's survival rule: keep position k while c_0 * ... * c_k is at least the
+        /// threshold.
+        Survival => PruneMode::Survival,
+    }
+}
+
+/// Speculative-decoding flags (mlx-lm's `--draft-model/--num-draft-tokens` plus mlxb's drafters),
+/// the same on every subcommand that takes a drafter.
 #[derive(Debug, Clone, Args)]
 pub struct SpecArgs {
-    /// Drafter kind; by default chosen from what is given (--drafter → dspark, --draft-model →
-    /// model or dspark by what the directory holds, --draft-layers → self).
+    /// Drafter kind [default: auto when a drafter flag is given].
+    // The bracket is clap's default-value convention in the help text, not a doc link.
+    #[allow(rustdoc::broken_intra_doc_links)]
     #[arg(long, value_enum)]
-    pub draft_kind: Option<DraftKind>,
-    /// Draft model directory (must share the target's tokenizer); a DSpark checkpoint given
-    /// here is detected and drafts as `dspark`.
+    pub draft_kind: Option<DraftKindArg>,
+    /// Draft model directory (must share the target's tokenizer); a DSpark checkpoint or a
+    /// Gemma 4 assistant given here drafts as what it is.
     #[arg(long)]
     pub draft_model: Option<std::path::PathBuf>,
     /// DSpark checkpoint directory (mlxb's `dspark.json` or DeepSpec's config.json format);
@@ -187,6 +261,10 @@ pub struct SpecArgs {
     /// (overrides the checkpoint's calibrated thresholds and MLXB_DSPARK_MINCONF).
     #[arg(long)]
     pub dspark_min_conf: Option<f64>,
+    /// DSpark draft-length pruning: `keep-first` (position 0 always survives), `deepspec`
+    /// (DeepSpec's released rule) or `survival` (the paper's survival product).
+    #[arg(long, value_enum, default_value_t = PruneArg::KeepFirst)]
+    pub dspark_prune: PruneArg,
     /// Layers of the target the `self` (early-exit) drafter runs.
     #[arg(long)]
     pub draft_layers: Option<usize>,
@@ -201,39 +279,41 @@ pub struct SpecArgs {
     // The bracket is clap's default-value convention in the help text, not a doc link.
     #[allow(rustdoc::broken_intra_doc_links)]
     #[arg(long, value_enum)]
-    pub spec_verify: Option<VerifyMode>,
+    pub spec_verify: Option<VerifyArg>,
 }
 
 impl SpecArgs {
     /// Refuses drafter flags that contradict each other (`--drafter D --draft-kind ngram`
     /// would otherwise drop one of them silently), naming both flags.
-    fn check(&self) -> Result<(), crate::engine::error::EngineError> {
-        let name = |k: DraftKind| {
-            clap::ValueEnum::to_possible_value(&k).map_or_else(String::new, |v| v.get_name().into())
-        };
-        let clash = match (self.draft_kind, &self.drafter, &self.draft_model) {
+    fn check(&self) -> Result<(), EngineError> {
+        let kind = self.draft_kind.map(DraftKind::from);
+        let clash = match (kind, &self.drafter, &self.draft_model) {
             (_, Some(_), Some(_)) => Some("--drafter and --draft-model both name a drafter".into()),
-            (Some(k), Some(_), None) if k != DraftKind::Dspark => Some(format!(
-                "--drafter is a DSpark drafter but --draft-kind {} asks for another kind",
-                name(k)
-            )),
+            (Some(k), Some(_), None) if !matches!(k, DraftKind::Dspark | DraftKind::Auto) => {
+                Some(format!(
+                    "--drafter is a DSpark drafter but --draft-kind {} asks for another kind",
+                    k.name()
+                ))
+            }
             (Some(k @ (DraftKind::Ngram | DraftKind::SelfLayers)), None, Some(_)) => Some(format!(
                 "--draft-model is not used by --draft-kind {}",
-                name(k)
+                k.name()
             )),
             _ => None,
         };
-        let kind = self.unchecked_options().map(|o| o.kind);
+        let kind = self
+            .unchecked_options()
+            .map(|o| concrete_kind(&o).unwrap_or(o.kind));
         let clash = clash.or_else(|| {
             (self.draft_layers.is_some() && kind != Some(DraftKind::SelfLayers)).then(|| {
                 format!(
                     "--draft-layers is only used by --draft-kind self, not by --draft-kind {}",
-                    kind.map_or_else(String::new, name)
+                    kind.map_or("", DraftKind::name)
                 )
             })
         });
         match clash {
-            Some(c) => Err(crate::engine::error::EngineError::Input(format!(
+            Some(c) => Err(EngineError::Input(format!(
                 "{c}; drop one of the two flags"
             ))),
             None => Ok(()),
@@ -242,38 +322,34 @@ impl SpecArgs {
 
     /// The drafter options, or `None` when no drafter was asked for; contradictory drafter
     /// flags are an input error (every command that takes them goes through here).
-    pub fn options(&self) -> Result<Option<SpecOptions>, crate::engine::error::EngineError> {
+    pub fn options(&self) -> Result<Option<SpecOptions>, EngineError> {
         self.check()?;
         Ok(self.unchecked_options())
     }
 
     fn unchecked_options(&self) -> Option<SpecOptions> {
-        let kind = self.draft_kind.or(if self.drafter.is_some() {
-            Some(DraftKind::Dspark)
-        } else if self.draft_model.is_some() {
-            Some(DraftKind::Model)
-        } else if self.draft_layers.is_some() {
-            Some(DraftKind::SelfLayers)
-        } else {
-            None
-        })?;
+        let asked = self.draft_kind.is_some()
+            || self.drafter.is_some()
+            || self.draft_model.is_some()
+            || self.draft_layers.is_some();
+        if !asked {
+            return None;
+        }
+        let kind = match (self.draft_kind.map(DraftKind::from), &self.drafter) {
+            (None | Some(DraftKind::Auto), Some(_)) => DraftKind::Dspark,
+            (kind, _) => kind.unwrap_or_default(),
+        };
+        let draft_model = self.drafter.clone().or_else(|| self.draft_model.clone());
         Some(SpecOptions {
             kind,
-            draft_model: self.drafter.clone().or_else(|| self.draft_model.clone()),
-            num_draft_tokens: match (&self.draft_model, kind) {
-                (Some(dir), DraftKind::Assistant | DraftKind::Model)
-                    if kind == DraftKind::Assistant
-                        || crate::spec::assistant::config::is_artifact(dir) =>
-                {
-                    crate::spec::assistant::config::draft_tokens(self.num_draft_tokens, dir)
-                }
-                _ => self.num_draft_tokens.unwrap_or(3),
-            },
+            num_draft_tokens: draft_tokens(kind, draft_model.as_deref(), self.num_draft_tokens),
+            draft_model,
             draft_layers: self.draft_layers,
             ngram_max: self.ngram_max,
             ngram_min: self.ngram_min,
-            verify: self.spec_verify.unwrap_or_default(),
+            verify: self.spec_verify.map(VerifyMode::from).unwrap_or_default(),
             dspark_min_conf: self.dspark_min_conf,
+            dspark_prune: self.dspark_prune.into(),
         })
     }
 }

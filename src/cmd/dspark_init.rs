@@ -1,7 +1,7 @@
 //! `mlxb dspark-init`: writes a randomly initialised DSpark drafter for a target (mlxb's
 //! `dspark.json` + `model.safetensors`), the starting point of training.
 
-use super::common::resolve_model;
+use super::common::{resolve_model, value_enum};
 use crate::engine::error::EngineError;
 use crate::engine::flags::Forks;
 use crate::engine::session::Session;
@@ -10,12 +10,26 @@ use crate::train::init::{init_for_session, InitOptions};
 use clap::Args;
 use std::path::PathBuf;
 
+value_enum! {
+    /// `--seq-head`.
+    SeqHeadArg => SeqHead {
+        /// No head: plain DFlash (the base logits alone).
+        None => SeqHead::None,
+        /// z_k = U_k + W2 W1[x_{k-1}] (the paper's Eq. 5; DeepSpec's "vanilla").
+        Markov => SeqHead::Markov,
+        /// The paper's gated recurrent cell over [s; W1[x]; h] (Eq. 6).
+        Rnn => SeqHead::Rnn,
+        /// DeepSpec's code-only variant: W2(sigmoid(gate([h; W1[x]])) * W1[x]).
+        Gated => SeqHead::Gated,
+    }
+}
+
 /// The shape of a new drafter (shared by `dspark-init` and `train-dspark`).
 #[derive(Debug, Args)]
 pub struct ShapeArgs {
     /// Sequential head.
-    #[arg(long, value_enum, default_value_t = SeqHead::Markov)]
-    pub seq_head: SeqHead,
+    #[arg(long, value_enum, default_value_t = SeqHeadArg::Markov)]
+    pub seq_head: SeqHeadArg,
     /// Backbone layers (shaped like the target's, qwen3-style attention).
     #[arg(long, default_value_t = 2)]
     pub layers: i32,
@@ -34,7 +48,7 @@ impl ShapeArgs {
     /// Init options with this shape and `seed` (everything else at its default).
     pub fn init_options(&self, seed: u64) -> InitOptions {
         InitOptions {
-            seq_head: self.seq_head,
+            seq_head: self.seq_head.into(),
             layers: self.layers,
             block_size: self.gamma,
             markov_rank: self.markov_rank,

@@ -4,13 +4,14 @@ use super::common::resolve_model;
 use super::common::{ModelArgs, PromptArgs, SamplingArgs, SpecArgs};
 use super::flags::{open_session, ForkArgs};
 use crate::engine::error::EngineError;
+use crate::engine::generate::Speculator;
 use crate::engine::generate::{Flow, GenerationStats};
 use crate::engine::session::{trace_startup, Session};
-use crate::engine::text::{generate_text_traced, DraftPlan, TextEvent};
-use crate::spec::dspark::drafter::PruneMode;
+use crate::engine::text::{generate_text, TextEvent};
+use crate::spec::executor::Speculation;
+use crate::spec::factory::open_source;
 use crate::spec::metrics::SpecMetrics;
-use crate::spec::source::open_source_pruned;
-use crate::spec::trace::{JsonlTrace, TraceSink};
+use crate::spec::trace::JsonlTrace;
 use clap::Args;
 use std::io::Write;
 
@@ -40,10 +41,6 @@ pub struct GenerateArgs {
     /// Write one JSON object per speculative round to FILE (JSONL; see `spec::trace`).
     #[arg(long, value_name = "FILE")]
     pub spec_trace: Option<std::path::PathBuf>,
-    /// DSpark draft-length pruning: `keep-first` (position 0 always survives), `deepspec`
-    /// (DeepSpec's rule, position 0 included) or `survival` (cumulative product).
-    #[arg(long, value_enum, default_value_t = PruneMode::KeepFirst)]
-    pub dspark_prune: PruneMode,
 }
 
 /// The prompt ids: `--prompt-ids` as given (each checked against the vocabulary), else the
@@ -101,38 +98,42 @@ pub fn run(args: GenerateArgs) -> anyhow::Result<()> {
     if args.verbose && stream {
         println!("==========");
     }
-    let draft = match spec_opts {
-        Some(opts) => Some(DraftPlan::new(
-            open_source_pruned(
-                &opts,
-                args.dspark_prune,
-                &session,
-                forks,
-                args.model.prefill_step_size,
-            )?,
-            &opts,
-        )),
+    let mut spec = match spec_opts {
+        Some(opts) => {
+            let source = open_source(&opts, &session, forks, args.model.prefill_step_size)?;
+            let spec = Speculation::with_options(source, &opts);
+            Some(match trace.as_mut() {
+                Some(t) => spec.with_trace(Box::new(t)),
+                None => spec,
+            })
+        }
         None => None,
     };
     let mut stdout = std::io::stdout();
     let params = args.sampling.text_params(&args.model);
-    let sink = trace
-        .as_mut()
-        .map(|t| -> Box<dyn TraceSink + '_> { Box::new(t) });
-    let outcome = generate_text_traced(&mut session, &prompt_ids, &params, draft, sink, |event| {
-        let seg = match event {
-            TextEvent::Token { text, .. } => text,
-            TextEvent::Tail(text) => text,
-        };
-        if stream && !seg.is_empty() {
-            if matches!(event, TextEvent::Token { step, .. } if step.index == 0) {
-                trace_startup("first token out");
+    let speculator = spec.as_mut().map(|s| -> &mut dyn Speculator { s });
+    let outcome = generate_text(
+        &mut session,
+        &prompt_ids,
+        &params,
+        speculator,
+        None,
+        |event| {
+            let seg = match event {
+                TextEvent::Token { text, .. } => text,
+                TextEvent::Tail(text) => text,
+            };
+            if stream && !seg.is_empty() {
+                if matches!(event, TextEvent::Token { step, .. } if step.index == 0) {
+                    trace_startup("first token out");
+                }
+                let _ = write!(stdout, "{seg}");
+                let _ = stdout.flush();
             }
-            let _ = write!(stdout, "{seg}");
-            let _ = stdout.flush();
-        }
-        Ok(Flow::Continue)
-    })?;
+            Ok(Flow::Continue)
+        },
+    )?;
+    let metrics = spec.map(|s| s.metrics);
     if let Some(t) = trace.as_mut() {
         t.flush()?;
     }
@@ -149,7 +150,7 @@ pub fn run(args: GenerateArgs) -> anyhow::Result<()> {
             "generation_tokens": s.generation_tokens,
             "generation_tps": s.generation_tps(),
             "peak_memory_gb": s.peak_memory as f64 / 1e9,
-            "speculative": outcome.spec.as_ref().map(SpecMetrics::to_json),
+            "speculative": metrics.as_ref().map(SpecMetrics::to_json),
         });
         println!("{obj}");
         return Ok(());
@@ -161,7 +162,7 @@ pub fn run(args: GenerateArgs) -> anyhow::Result<()> {
             println!("No text generated for this prompt");
         } else {
             println!("{}", footer(&outcome.stats));
-            if let Some(m) = &outcome.spec {
+            if let Some(m) = &metrics {
                 println!("{}", m.footer());
             }
         }

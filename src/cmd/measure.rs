@@ -7,10 +7,11 @@ use super::common::{ModelArgs, SamplingArgs, SpecArgs};
 use super::flags::{open_session, ForkArgs};
 use crate::engine::error::EngineError;
 use crate::spec::dspark::checkpoint;
-use crate::spec::dspark::drafter::PruneMode;
-use crate::spec::source::{open_source_pruned, DraftKind, SpecOptions, VerifyMode};
+use crate::spec::executor::Speculation;
+use crate::spec::factory::{concrete_kind, open_source, DraftKind, SpecOptions};
+use crate::spec::source::VerifyMode;
 use crate::spec::trace::{JsonlTrace, TraceSink};
-use crate::train::measure::{measure, Drafting};
+use crate::train::measure::measure;
 use crate::train::prompts::PromptFile;
 use clap::Args;
 use indicatif::{ProgressBar, ProgressStyle};
@@ -30,9 +31,6 @@ pub struct MeasureArgs {
     pub spec: SpecArgs,
     #[command(flatten)]
     pub forks: ForkArgs,
-    /// DSpark draft-length pruning: `keep-first`, `deepspec` or `survival`.
-    #[arg(long, value_enum, default_value_t = PruneMode::KeepFirst)]
-    pub dspark_prune: PruneMode,
     /// Print one JSON object instead of the summary.
     #[arg(long)]
     pub json: bool,
@@ -63,14 +61,15 @@ fn spec_options(args: &MeasureArgs) -> anyhow::Result<SpecOptions> {
             "measure compares a drafter with vanilla decoding; give one (--drafter, --draft-kind ngram|self|model, --draft-model, --draft-layers)".into(),
         )
     })?;
-    opts.verify = args
-        .spec
-        .spec_verify
-        .unwrap_or(if args.sampling.temp > 0.0 {
-            VerifyMode::Reject
-        } else {
-            VerifyMode::Match
-        });
+    opts.verify =
+        args.spec
+            .spec_verify
+            .map(VerifyMode::from)
+            .unwrap_or(if args.sampling.temp > 0.0 {
+                VerifyMode::Reject
+            } else {
+                VerifyMode::Match
+            });
     opts.validate()?;
     Ok(opts)
 }
@@ -81,9 +80,7 @@ fn dspark_temperatures(opts: &SpecOptions) -> anyhow::Result<Option<Vec<f64>>> {
     let Some(path) = opts.draft_model.as_deref() else {
         return Ok(None);
     };
-    let dspark = opts.kind == DraftKind::Dspark
-        || (opts.kind == DraftKind::Model && checkpoint::is_artifact(path));
-    if !dspark {
+    if concrete_kind(opts)? != DraftKind::Dspark {
         return Ok(None);
     }
     let (config, _) = checkpoint::read_config(path)?;
@@ -106,18 +103,8 @@ pub fn run(args: MeasureArgs) -> anyhow::Result<()> {
     let dir = resolve_model(args.model.model.as_deref())?;
     let (mut session, forks) = open_session(&dir, &args.forks)?;
     let ids = prompts.token_ids(&session)?;
-    let mut source = open_source_pruned(
-        &opts,
-        args.dspark_prune,
-        &session,
-        forks,
-        args.model.prefill_step_size,
-    )?;
-    let mut drafting = Drafting {
-        source: source.as_mut(),
-        num_draft_tokens: opts.num_draft_tokens,
-        verify: opts.verify,
-    };
+    let mut source = open_source(&opts, &session, forks, args.model.prefill_step_size)?;
+    let mut drafting = Speculation::with_options(Box::new(source.as_mut()), &opts);
     let params = args.sampling.text_params(&args.model);
     let bar = prompt_bar(ids.len(), "measuring");
     let report = measure(

@@ -88,9 +88,10 @@ impl ChatTemplate {
         let source = match &self.template {
             Template::Ready { source } => source,
             Template::Absent => {
-                return Err(EngineError::ChatTemplate(
-                    "this model has no chat template".into(),
-                ))
+                return Err(EngineError::ChatTemplate {
+                    path: None,
+                    reason: "this model has no chat template".into(),
+                })
             }
             Template::Broken { source, reason } => {
                 return Err(template_error(
@@ -108,10 +109,13 @@ impl ChatTemplate {
                 ))
             }
             Template::Custom(kind) => {
-                return Err(EngineError::ChatTemplate(format!(
-                    "this model uses mlx-lm's Python chat renderer '{kind}', which mlxb does not \
-                     support"
-                )))
+                return Err(EngineError::ChatTemplate {
+                    path: None,
+                    reason: format!(
+                        "this model uses mlx-lm's Python chat renderer '{kind}', which mlxb does \
+                         not support"
+                    ),
+                })
             }
         };
         if messages.is_empty() {
@@ -289,7 +293,10 @@ fn render_error(source: &Path, e: &minijinja::Error) -> EngineError {
 
 /// A [`EngineError::ChatTemplate`] about the template file `source`.
 fn template_error(source: &Path, reason: &str) -> EngineError {
-    EngineError::ChatTemplate(format!("{}: {reason}", source.display()))
+    EngineError::ChatTemplate {
+        path: Some(source.to_path_buf()),
+        reason: reason.to_owned(),
+    }
 }
 
 /// The environment transformers renders with: trim_blocks, lstrip_blocks, no trailing

@@ -11,8 +11,13 @@ pub enum EngineError {
     Input(String),
     /// The model's chat template is missing, broken or unsupported. The sentence names no
     /// flag: each front end adds the way around it that it offers (`--ignore-chat-template`).
-    #[error("{0}")]
-    ChatTemplate(String),
+    #[error("{}{reason}", path.as_ref().map(|p| format!("{}: ", p.display())).unwrap_or_default())]
+    ChatTemplate {
+        /// The file the template came from, when it is at fault.
+        path: Option<PathBuf>,
+        /// What is wrong.
+        reason: String,
+    },
     /// A file could not be read or parsed.
     #[error("{path}: {reason}")]
     File { path: PathBuf, reason: String },
@@ -44,7 +49,7 @@ impl EngineError {
         matches!(
             self,
             EngineError::Input(_)
-                | EngineError::ChatTemplate(_)
+                | EngineError::ChatTemplate { .. }
                 | EngineError::File { .. }
                 | EngineError::Runtime(_)
         )

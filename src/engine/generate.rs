@@ -8,9 +8,6 @@ use super::models::activations::CompiledOp;
 use super::models::{Caches, ForwardOpts, LanguageModel};
 use super::plan::ForkPlan;
 use super::sample::{LogitsProcessors, Sampler};
-use crate::spec::metrics::SpecMetrics;
-use crate::spec::source::{DraftSource, VerifyMode};
-use crate::spec::trace::TraceSink;
 use mlx_rs::ops::indexing::IndexOp;
 use mlx_rs::transforms::{async_eval, eval};
 use mlx_rs::{memory, ops, Array};
@@ -87,8 +84,8 @@ pub struct Generator<'a> {
     pub(crate) processors: &'a mut LogitsProcessors,
     /// Every token fed so far, for the logits processors (mlx-lm's `tokens`).
     pub(crate) history: Option<Array>,
-    /// The attached drafter and its settings, if decoding speculatively.
-    pub(crate) spec: Option<Speculation<'a>>,
+    /// What decodes after the first token when decoding speculatively.
+    spec: Option<&'a mut dyn Speculator>,
     /// Positions the target's caches hold.
     pub(crate) positions: usize,
     /// The forks this generation runs with (KV quantization, attention plan).
@@ -97,8 +94,6 @@ pub struct Generator<'a> {
     logprobs_op: Option<CompiledOp>,
     /// Tokens to feed instead of sampling (teacher forcing), in order.
     forced: Option<std::vec::IntoIter<u32>>,
-    /// Where speculative rounds are traced (`--spec-trace`), and the rounds traced so far.
-    pub(crate) trace: Option<(Box<dyn TraceSink + 'a>, usize)>,
     /// Where the caches go when the generation ends ([`Generator::with_carry`]).
     keep: Option<&'a mut Carry>,
 }
@@ -124,18 +119,32 @@ impl Drop for Generator<'_> {
     }
 }
 
-/// A drafter attached to a generation (see `crate::spec`).
-pub struct Speculation<'a> {
-    /// The drafter (owned by the generation it is attached to).
-    pub source: Box<dyn DraftSource + 'a>,
-    /// Tokens drafted per round.
-    pub num_draft_tokens: usize,
-    /// Verification rule.
-    pub verify: VerifyMode,
-    /// Sampling temperature (the rejection rule needs the target distribution).
-    pub temp: f64,
-    /// Acceptance counters, filled as rounds run.
-    pub metrics: SpecMetrics,
+/// Decoding that produces several tokens per target forward once the first token is out:
+/// speculative decoding (`crate::spec`) plugs in here, so the engine knows only this hook.
+pub trait Speculator {
+    /// Target layers whose outputs every target forward should hand to
+    /// [`Speculator::observe_taps`] (the prompt's included).
+    fn tap_layers(&self) -> Vec<usize>;
+
+    /// Receives the tapped layer outputs of one target forward whose first row is at
+    /// `first_position`.
+    fn observe_taps(&mut self, first_position: usize, taps: Vec<Array>) -> Result<()>;
+
+    /// Decodes after the prompt: `first` (sampled from the prompt exactly as the plain loop
+    /// does, with `first_logprobs`) and what follows, reporting each token to `on_token`, until
+    /// it returns [`Flow::Stop`] or `cfg.max_tokens` tokens are out. `stats` holds the prompt's
+    /// timings; the generation's are added.
+    #[allow(clippy::too_many_arguments)]
+    fn decode(
+        &mut self,
+        generator: Generator<'_>,
+        prompt: &[u32],
+        first: u32,
+        first_logprobs: Array,
+        cfg: &GenerateConfig,
+        stats: GenerationStats,
+        on_token: &mut dyn FnMut(&Step) -> Result<Flow>,
+    ) -> Result<GenerationStats>;
 }
 
 impl<'a> Generator<'a> {
@@ -157,7 +166,6 @@ impl<'a> Generator<'a> {
             plan: ForkPlan::default(),
             logprobs_op: None,
             forced: None,
-            trace: None,
             keep: None,
         }
     }
@@ -209,15 +217,9 @@ impl<'a> Generator<'a> {
         self
     }
 
-    /// Records every speculative round to `sink` (see [`crate::spec::trace`]); has no effect
-    /// without a drafter and never changes what is generated.
-    pub fn with_trace(mut self, sink: Box<dyn TraceSink + 'a>) -> Self {
-        self.trace = Some((sink, 0));
-        self
-    }
-
-    /// Attaches a drafter: decoding then runs in verify rounds (same prefill, same first step).
-    pub fn with_speculation(mut self, spec: Speculation<'a>) -> Self {
+    /// Decodes speculatively: `spec` takes over after the first token (same prefill, same
+    /// first step) and receives the tapped layers of every target forward.
+    pub fn with_speculation(mut self, spec: &'a mut dyn Speculator) -> Self {
         self.spec = Some(spec);
         self
     }
@@ -233,13 +235,30 @@ impl<'a> Generator<'a> {
         Ok(())
     }
 
-    /// Forwards `tokens` (`[L]`) through the target, handing tapped layers to the drafter.
+    /// Forwards `tokens` (`[L]`) through the target, handing tapped layers to the attached
+    /// [`Speculator`].
     pub(crate) fn forward_tokens(&mut self, tokens: &Array) -> Result<Array> {
-        let taps = self
+        let layers = self
             .spec
             .as_ref()
-            .map(|s| s.source.tap_layers())
+            .map(|s| s.tap_layers())
             .unwrap_or_default();
+        let (logits, first, taps) = self.forward_tapped(tokens, layers)?;
+        if let Some(spec) = self.spec.as_mut() {
+            if !taps.is_empty() {
+                spec.observe_taps(first, taps)?;
+            }
+        }
+        Ok(logits)
+    }
+
+    /// Forwards `tokens` (`[L]`) through the target, returning the logits, the position of the
+    /// first row and the outputs of the layers `taps` asks for.
+    pub(crate) fn forward_tapped(
+        &mut self,
+        tokens: &Array,
+        taps: Vec<usize>,
+    ) -> Result<(Array, usize, Vec<Array>)> {
         let opts = ForwardOpts {
             exit_after: None,
             taps,
@@ -249,12 +268,7 @@ impl<'a> Generator<'a> {
             .forward_ext(&tokens.expand_dims(0)?, &mut self.caches, &opts)?;
         let first = self.positions;
         self.positions += tokens.size();
-        if let Some(spec) = self.spec.as_mut() {
-            if !opts.taps.is_empty() {
-                spec.source.observe_taps(first, out.taps)?;
-            }
-        }
-        Ok(out.logits)
+        Ok((out.logits, first, out.taps))
     }
 
     /// mlx-lm's logits → processors → logprobs for one row `[1, V]` whose input token was
@@ -293,14 +307,14 @@ impl<'a> Generator<'a> {
     }
 
     /// Runs the prompt then generates, calling `on_token` for each token until it returns
-    /// [`Flow::Stop`] or `max_tokens` tokens were produced. Returns the timings and, with a
-    /// drafter attached, its acceptance metrics.
+    /// [`Flow::Stop`] or `max_tokens` tokens were produced. Returns the timings (an attached
+    /// [`Speculator`] keeps its own counters).
     pub fn run(
         mut self,
         prompt: &[u32],
         cfg: &GenerateConfig,
         mut on_token: impl FnMut(&Step) -> Result<Flow>,
-    ) -> Result<(GenerationStats, Option<SpecMetrics>)> {
+    ) -> Result<GenerationStats> {
         if prompt.is_empty() {
             return Err(EngineError::Input(
                 "the prompt is empty; give at least one token".into(),
@@ -333,11 +347,11 @@ impl<'a> Generator<'a> {
             prompt_tokens: prompt.len(),
             ..Default::default()
         };
-        if self.spec.is_some() {
+        if let Some(spec) = self.spec.take() {
             eval([&y])?;
             stats.prompt_time = start.elapsed();
             let first = y.try_item_cast::<u32>()?;
-            return self.run_speculative(prompt, first, logprobs, cfg, stats, &mut on_token);
+            return spec.decode(self, prompt, first, logprobs, cfg, stats, &mut on_token);
         }
         eval([&y])?;
         super::session::trace_startup("first token computed");
@@ -379,7 +393,7 @@ impl<'a> Generator<'a> {
         // (exiting with MLX still running it aborted the process now and then).
         super::runtime::synchronize()?;
         stats.peak_memory = memory::peak_memory()?;
-        Ok((stats, None))
+        Ok(stats)
     }
 
     /// One forward over `prompt` with fresh caches, returning all positions' logits `[L, V]`

@@ -235,6 +235,8 @@ enum SamplerKind {
 /// Build it once per generation; its compiled stages are reused across steps.
 pub struct Sampler {
     kind: SamplerKind,
+    /// The temperature it samples at (0 = greedy).
+    temp: f64,
 }
 
 impl Sampler {
@@ -280,6 +282,7 @@ impl Sampler {
         if cfg.temp == 0.0 {
             return Ok(Self {
                 kind: SamplerKind::Greedy,
+                temp: 0.0,
             });
         }
         let mut filters = Vec::new();
@@ -301,12 +304,19 @@ impl Sampler {
                 top_k,
                 categorical: categorical_stage(cfg.temp),
             },
+            temp: cfg.temp,
         })
     }
 
     /// Whether this sampler is plain argmax (it then draws no random numbers).
     pub fn is_greedy(&self) -> bool {
         matches!(self.kind, SamplerKind::Greedy)
+    }
+
+    /// The temperature it samples at (0 = greedy): rejection sampling needs the target
+    /// distribution it draws from.
+    pub fn temp(&self) -> f64 {
+        self.temp
     }
 
     /// Samples from `logprobs` (`[1, vocab]`, the model dtype), returning the lazy uint32

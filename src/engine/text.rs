@@ -1,17 +1,15 @@
 //! Text generation on top of the token loop: seeding, the sampler and logits processors,
-//! EOS handling, streaming detokenization and an optional drafter. `mlxb generate` and
-//! `mlxb serve` both drive their generations through [`generate_text`], so the CLI and the
-//! server produce the same tokens and the same text for the same settings.
+//! EOS handling, streaming detokenization and an optional [`Speculator`] (a drafter from
+//! `crate::spec`). `mlxb generate`, `mlxb serve` and `mlxb measure` all drive their generations
+//! through [`generate_text`], so they produce the same tokens and the same text for the same
+//! settings.
 
 use super::error::Result;
-use super::generate::{Carry, Flow, GenerateConfig, GenerationStats, Generator, Speculation, Step};
+use super::generate::{Carry, Flow, GenerateConfig, GenerationStats, Generator, Speculator, Step};
 use super::runtime;
 use super::sample::{self, LogitsProcessors, ProcessorConfig, Sampler, SamplerConfig};
 use super::session::Session;
 use super::tokenizer::StreamingDetokenizer;
-use crate::spec::metrics::SpecMetrics;
-use crate::spec::source::{DraftSource, SpecOptions, VerifyMode};
-use crate::spec::trace::TraceSink;
 
 /// Everything one text generation needs besides the prompt and the drafter.
 #[derive(Debug, Clone)]
@@ -25,27 +23,6 @@ pub struct TextParams {
     pub generate: GenerateConfig,
     /// PRNG seed (like `mx.random.seed`), applied before the generation starts.
     pub seed: Option<u64>,
-}
-
-/// A drafter to attach to one generation.
-pub struct DraftPlan<'a> {
-    /// The drafter.
-    pub source: Box<dyn DraftSource + 'a>,
-    /// Tokens drafted per verify round.
-    pub num_draft_tokens: usize,
-    /// Verification rule.
-    pub verify: VerifyMode,
-}
-
-impl<'a> DraftPlan<'a> {
-    /// Attaches `source` with the round size and verification rule of `opts`.
-    pub fn new(source: Box<dyn DraftSource + 'a>, opts: &SpecOptions) -> Self {
-        Self {
-            source,
-            num_draft_tokens: opts.num_draft_tokens,
-            verify: opts.verify,
-        }
-    }
 }
 
 /// What the consumer of a generation is told.
@@ -93,62 +70,18 @@ pub struct Outcome {
     pub finish_reason: FinishReason,
     /// Timings and memory.
     pub stats: GenerationStats,
-    /// Acceptance metrics when a drafter was attached.
-    pub spec: Option<SpecMetrics>,
 }
 
-/// Generates from `prompt_ids` with `params` (and `draft`, when given), reporting each token
-/// and the text it completes to `on_event` until EOS, the token budget, or `on_event`
-/// returning [`Flow::Stop`].
+/// Generates from `prompt_ids` with `params`, reporting each token and the text it completes
+/// to `on_event` until EOS, the token budget, or `on_event` returning [`Flow::Stop`]. With
+/// `speculator` decoding runs in its rounds after the first token (it keeps its own counters);
+/// with `carry` the generation starts from (and leaves its caches in) it: the server's
+/// prompt-prefix reuse (see [`Carry`]).
 pub fn generate_text(
     session: &mut Session,
     prompt_ids: &[u32],
     params: &TextParams,
-    draft: Option<DraftPlan<'_>>,
-    on_event: impl FnMut(TextEvent<'_>) -> Result<Flow>,
-) -> Result<Outcome> {
-    generate_text_traced(session, prompt_ids, params, draft, None, on_event)
-}
-
-/// [`generate_text`] recording every speculative round to `trace` (`--spec-trace`).
-pub fn generate_text_traced(
-    session: &mut Session,
-    prompt_ids: &[u32],
-    params: &TextParams,
-    draft: Option<DraftPlan<'_>>,
-    trace: Option<Box<dyn TraceSink + '_>>,
-    on_event: impl FnMut(TextEvent<'_>) -> Result<Flow>,
-) -> Result<Outcome> {
-    generate_text_with(session, prompt_ids, params, draft, trace, None, on_event)
-}
-
-/// [`generate_text`] starting from (and leaving its caches in) `carry`: the server's
-/// prompt-prefix reuse (see [`Carry`]).
-pub fn generate_text_carried(
-    session: &mut Session,
-    prompt_ids: &[u32],
-    params: &TextParams,
-    draft: Option<DraftPlan<'_>>,
-    carry: &mut Carry,
-    on_event: impl FnMut(TextEvent<'_>) -> Result<Flow>,
-) -> Result<Outcome> {
-    generate_text_with(
-        session,
-        prompt_ids,
-        params,
-        draft,
-        None,
-        Some(carry),
-        on_event,
-    )
-}
-
-fn generate_text_with(
-    session: &mut Session,
-    prompt_ids: &[u32],
-    params: &TextParams,
-    draft: Option<DraftPlan<'_>>,
-    trace: Option<Box<dyn TraceSink + '_>>,
+    speculator: Option<&mut dyn Speculator>,
     carry: Option<&mut Carry>,
     mut on_event: impl FnMut(TextEvent<'_>) -> Result<Flow>,
 ) -> Result<Outcome> {
@@ -173,17 +106,8 @@ fn generate_text_with(
         generator = generator.with_carry(carry, prompt_ids)?;
     }
     let mut generator = generator.with_plan(&plan);
-    if let Some(plan) = draft {
-        generator = generator.with_speculation(Speculation {
-            source: plan.source,
-            num_draft_tokens: plan.num_draft_tokens,
-            verify: plan.verify,
-            temp: params.sampler.temp,
-            metrics: SpecMetrics::default(),
-        });
-    }
-    if let Some(sink) = trace {
-        generator = generator.with_trace(sink);
+    if let Some(spec) = speculator {
+        generator = generator.with_speculation(spec);
     }
     let result = generator.run(prompt_ids, &params.generate, |step| {
         ids.push(step.token);
@@ -202,7 +126,7 @@ fn generate_text_with(
     });
     // Let the step queued ahead finish before anyone (a CLI about to exit) moves on.
     let synced = runtime::synchronize();
-    let (stats, spec) = result?;
+    let stats = result?;
     synced?;
     detok.finalize();
     let seg = detok.last_segment();
@@ -215,6 +139,5 @@ fn generate_text_with(
         token_ids: ids,
         finish_reason,
         stats,
-        spec,
     })
 }

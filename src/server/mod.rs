@@ -27,7 +27,7 @@ pub mod types;
 pub mod worker;
 
 use crate::engine::tokenizer::Tokenizer;
-use crate::spec::source::SpecOptions;
+use crate::spec::factory::SpecOptions;
 use anyhow::Context;
 use axum::serve::ListenerExt;
 use std::io::Write;

@@ -10,11 +10,14 @@ use super::stop::StopMatcher;
 use super::types::{Timings, Usage};
 use crate::engine::error::{EngineError, Result};
 use crate::engine::flags::Forks;
+use crate::engine::generate::Speculator;
 use crate::engine::generate::{Flow, GenerateConfig, Step};
 use crate::engine::runtime;
 use crate::engine::session::Session;
-use crate::engine::text::{generate_text, generate_text_carried, DraftPlan, TextEvent, TextParams};
-use crate::spec::source::{open_source, DraftSource, SpecOptions};
+use crate::engine::text::{generate_text, TextEvent, TextParams};
+use crate::spec::executor::Speculation;
+use crate::spec::factory::{open_source, SpecOptions};
+use crate::spec::source::DraftSource;
 use mlx_rs::Dtype;
 use std::panic::{catch_unwind, AssertUnwindSafe};
 use std::path::PathBuf;
@@ -225,13 +228,19 @@ impl State {
             },
             seed: None,
         };
-        let draft = self
+        let mut spec = self
             .drafter
             .as_mut()
-            .map(|(source, opts)| DraftPlan::new(Box::new(&mut **source), opts));
-        generate_text(&mut self.session, &prompt, &params, draft, |_| {
-            Ok(Flow::Continue)
-        })?;
+            .map(|(source, opts)| Speculation::with_options(Box::new(&mut **source), opts));
+        let speculator = spec.as_mut().map(|s| -> &mut dyn Speculator { s });
+        generate_text(
+            &mut self.session,
+            &prompt,
+            &params,
+            speculator,
+            None,
+            |_| Ok(Flow::Continue),
+        )?;
         Ok(())
     }
 
@@ -284,12 +293,9 @@ impl State {
             return cancelled();
         }
         let req = &job.request;
-        let draft = self.drafter.as_mut().and_then(|(source, opts)| {
+        let mut spec = self.drafter.as_mut().and_then(|(source, opts)| {
             let k = req.num_draft_tokens.unwrap_or(opts.num_draft_tokens);
-            (k > 0).then(|| DraftPlan {
-                num_draft_tokens: k,
-                ..DraftPlan::new(Box::new(&mut **source), opts)
-            })
+            (k > 0).then(|| Speculation::new(Box::new(&mut **source), k, opts.verify))
         });
         let mut stopper = StopMatcher::new(req.stop.clone());
         let mut last_token: Option<Instant> = None;
@@ -297,12 +303,12 @@ impl State {
         let send = |event: Event| job.events.send(event).is_ok();
         let carry = self.prefix.prepare(&job.prompt_ids);
         let cached_tokens = carry.reused;
-        let outcome = generate_text_carried(
+        let outcome = generate_text(
             &mut self.session,
             &job.prompt_ids,
             &req.params,
-            draft,
-            carry,
+            spec.as_mut().map(|s| -> &mut dyn Speculator { s }),
+            Some(carry),
             |event| {
                 let (text, step) = match event {
                     TextEvent::Token { step, text } => (text, Some(step)),
@@ -353,7 +359,8 @@ impl State {
             outcome.finish_reason.as_str()
         };
         let stats = &outcome.stats;
-        let spec = outcome.spec.as_ref();
+        let metrics_of_drafter = spec.map(|s| s.metrics);
+        let spec = metrics_of_drafter.as_ref();
         metrics.finished(&Finished {
             finish_reason,
             prompt_tokens: stats.prompt_tokens,

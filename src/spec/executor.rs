@@ -1,16 +1,17 @@
-//! The verify/accept/rollback round, run by the engine's generation loop when a drafter is
-//! attached. Each round: the drafter proposes up to K tokens after the anchor; the target
+//! The verify/accept/rollback round: [`Speculation`] is the engine's
+//! [`Speculator`], so the generation loop hands decoding over to it after the first token. Each round: the drafter proposes up to K tokens after the anchor; the target
 //! verifies `[anchor, d1..dm]` in one forward; rows are accepted in order by the verify
 //! policy; every emitted token comes from the target's own distribution; caches roll back
 //! exactly to the kept positions; the drafter is told what was committed.
 
+use super::factory::SpecOptions;
 use super::rollback::{rewind, Checkpoint, Rewind};
-use super::source::{Draft, TargetView, VerifyMode};
+use super::source::{Draft, DraftSource, TargetView, VerifyMode};
 use super::verify::{reject_step, target_distribution, Decision};
 use crate::engine::error::{EngineError, Result};
-use crate::engine::generate::{Flow, GenerateConfig, GenerationStats, Generator, Step};
+use crate::engine::generate::{Flow, GenerateConfig, GenerationStats, Generator, Speculator, Step};
 use crate::spec::metrics::SpecMetrics;
-use crate::spec::trace::RoundTrace;
+use crate::spec::trace::{RoundTrace, TraceSink};
 use mlx_rs::ops::indexing::{argmax_axis, IndexOp};
 use mlx_rs::transforms::eval;
 use mlx_rs::{memory, ops, Array};
@@ -21,15 +22,64 @@ fn ids(tokens: &[u32]) -> Array {
     Array::from_slice(&v, &[v.len() as i32])
 }
 
+/// A drafter attached to one generation, with its round size, verification rule, acceptance
+/// counters and optional trace.
+pub struct Speculation<'a> {
+    /// The drafter.
+    pub source: Box<dyn DraftSource + 'a>,
+    /// Tokens drafted per round (a drafter's own block size replaces it when decoding starts).
+    pub num_draft_tokens: usize,
+    /// Verification rule.
+    pub verify: VerifyMode,
+    /// Acceptance counters, filled as rounds run.
+    pub metrics: SpecMetrics,
+    /// Where rounds are traced (`--spec-trace`), and the rounds traced so far.
+    trace: Option<(Box<dyn TraceSink + 'a>, usize)>,
+}
+
+impl<'a> Speculation<'a> {
+    /// Attaches `source`, drafting `num_draft_tokens` per round verified by `verify`.
+    pub fn new(
+        source: Box<dyn DraftSource + 'a>,
+        num_draft_tokens: usize,
+        verify: VerifyMode,
+    ) -> Self {
+        Self {
+            source,
+            num_draft_tokens,
+            verify,
+            metrics: SpecMetrics::default(),
+            trace: None,
+        }
+    }
+
+    /// Attaches `source` with the round size and verification rule of `opts`.
+    pub fn with_options(source: Box<dyn DraftSource + 'a>, opts: &SpecOptions) -> Self {
+        Self::new(source, opts.num_draft_tokens, opts.verify)
+    }
+
+    /// Records every round to `sink`; never changes what is generated.
+    pub fn with_trace(mut self, sink: Box<dyn TraceSink + 'a>) -> Self {
+        self.set_trace(Some(sink));
+        self
+    }
+
+    /// Records the rounds of the generations that follow to `sink` (none: stop recording),
+    /// numbering them from 0.
+    pub fn set_trace(&mut self, sink: Option<Box<dyn TraceSink + 'a>>) {
+        self.trace = sink.map(|s| (s, 0));
+    }
+}
+
 /// Emits tokens to the consumer and counts them.
-struct Emitter<'f, F: FnMut(&Step) -> Result<Flow>> {
-    on_token: &'f mut F,
+struct Emitter<'f> {
+    on_token: &'f mut dyn FnMut(&Step) -> Result<Flow>,
     emitted: usize,
     stopped: bool,
     last: Option<u32>,
 }
 
-impl<F: FnMut(&Step) -> Result<Flow>> Emitter<'_, F> {
+impl Emitter<'_> {
     fn emit(&mut self, token: u32, logprobs: Array) -> Result<()> {
         let flow = (self.on_token)(&Step {
             index: self.emitted,
@@ -43,18 +93,26 @@ impl<F: FnMut(&Step) -> Result<Flow>> Emitter<'_, F> {
     }
 }
 
-impl Generator<'_> {
-    /// Decodes in verify rounds after the first token (`first`, already sampled from the
-    /// prompt exactly as the vanilla loop does).
-    pub(crate) fn run_speculative<F: FnMut(&Step) -> Result<Flow>>(
-        mut self,
+impl Speculator for Speculation<'_> {
+    fn tap_layers(&self) -> Vec<usize> {
+        self.source.tap_layers()
+    }
+
+    fn observe_taps(&mut self, first_position: usize, taps: Vec<Array>) -> Result<()> {
+        self.source.observe_taps(first_position, taps)
+    }
+
+    /// Decodes in verify rounds after the first token.
+    fn decode(
+        &mut self,
+        mut gen: Generator<'_>,
         prompt: &[u32],
         first: u32,
         first_logprobs: Array,
         cfg: &GenerateConfig,
         mut stats: GenerationStats,
-        on_token: &mut F,
-    ) -> Result<(GenerationStats, Option<SpecMetrics>)> {
+        on_token: &mut dyn FnMut(&Step) -> Result<Flow>,
+    ) -> Result<GenerationStats> {
         let started = Instant::now();
         let mut out = Emitter {
             on_token,
@@ -67,27 +125,22 @@ impl Generator<'_> {
             out.emit(first, first_logprobs)?;
             seq.push(first);
         }
-        {
-            let spec = self
-                .spec
-                .as_mut()
-                .ok_or_else(|| EngineError::Runtime("no drafter attached".into()))?;
-            spec.metrics.drafter = spec.source.name().to_owned();
-            if let Some(block) = spec.source.block_size() {
-                spec.num_draft_tokens = block;
-            }
-            spec.source.configure_sampling(spec.temp, spec.verify);
-            spec.source.begin(
-                TargetView {
-                    model: &mut *self.model,
-                    caches: &self.caches,
-                },
-                prompt,
-            )?;
+        self.metrics.drafter = self.source.name().to_owned();
+        if let Some(block) = self.source.block_size() {
+            self.num_draft_tokens = block;
         }
+        self.source
+            .configure_sampling(gen.sampler.temp(), self.verify);
+        self.source.begin(
+            TargetView {
+                model: &mut *gen.model,
+                caches: &gen.caches,
+            },
+            prompt,
+        )?;
         while !out.stopped && out.emitted < cfg.max_tokens {
             let before = out.emitted;
-            self.round(&mut seq, cfg.max_tokens - out.emitted, &mut out)?;
+            self.round(&mut gen, &mut seq, cfg.max_tokens - out.emitted, &mut out)?;
             if before / 256 != out.emitted / 256 {
                 memory::clear_cache()?;
             }
@@ -95,34 +148,33 @@ impl Generator<'_> {
         stats.generation_tokens = out.emitted;
         stats.generation_time = started.elapsed();
         stats.peak_memory = memory::peak_memory()?;
-        Ok((stats, self.spec.take().map(|s| s.metrics)))
+        Ok(stats)
     }
+}
 
+impl Speculation<'_> {
     /// One round emitting between 1 and `remaining` tokens.
-    fn round<F: FnMut(&Step) -> Result<Flow>>(
+    fn round(
         &mut self,
+        gen: &mut Generator<'_>,
         seq: &mut Vec<u32>,
         remaining: usize,
-        out: &mut Emitter<'_, F>,
+        out: &mut Emitter<'_>,
     ) -> Result<()> {
-        let spec = self
-            .spec
-            .as_mut()
-            .ok_or_else(|| EngineError::Runtime("no drafter attached".into()))?;
         // A block must not straddle the switch to quantized KV caches (see `max_draft`).
-        let k = spec
+        let k = self
             .num_draft_tokens
             .min(remaining.saturating_sub(1))
-            .min(self.plan.max_draft(self.positions).unwrap_or(usize::MAX));
+            .min(gen.plan.max_draft(gen.positions).unwrap_or(usize::MAX));
         let anchor = *seq
             .last()
             .ok_or_else(|| EngineError::Runtime("empty sequence".into()))?;
         let emitted_before = out.emitted;
         let mut draft = if k > 0 {
-            spec.source.draft(
+            self.source.draft(
                 TargetView {
-                    model: &mut *self.model,
-                    caches: &self.caches,
+                    model: &mut *gen.model,
+                    caches: &gen.caches,
                 },
                 seq,
                 k,
@@ -132,42 +184,40 @@ impl Generator<'_> {
         };
         draft.tokens.truncate(k);
         let m = draft.tokens.len();
-        let (verify, temp) = (spec.verify, spec.temp);
 
-        let base = self.positions;
-        let checkpoint = Checkpoint::take(&self.caches, base);
+        let base = gen.positions;
+        let checkpoint = Checkpoint::take(&gen.caches, base);
         let mut input = vec![anchor];
         input.extend_from_slice(&draft.tokens);
-        let logits = self.forward_tokens(&ids(&input))?;
+        let (logits, first, taps) = gen.forward_tapped(&ids(&input), self.source.tap_layers())?;
+        if !taps.is_empty() {
+            self.source.observe_taps(first, taps)?;
+        }
 
-        let accepted = match verify {
-            VerifyMode::Match if self.sampler.is_greedy() && self.processors.is_empty() => {
-                self.accept_greedy(&logits, &draft.tokens, out)?
+        let accepted = match self.verify {
+            VerifyMode::Match if gen.sampler.is_greedy() && gen.processors.is_empty() => {
+                accept_greedy(gen, &logits, &draft.tokens, out)?
             }
-            VerifyMode::Match => self.accept_matching(&logits, &input, out)?,
-            VerifyMode::Reject => self.accept_rejecting(&logits, &input, &draft, temp, out)?,
+            VerifyMode::Match => accept_matching(gen, &logits, &input, out)?,
+            VerifyMode::Reject => accept_rejecting(gen, &logits, &input, &draft, out)?,
         };
         seq.extend_from_slice(&draft.tokens[..accepted]);
 
         let keep = base + accepted + 1;
-        let model = &mut *self.model;
+        let model = &mut *gen.model;
         let how = rewind(
-            &mut self.caches,
+            &mut gen.caches,
             checkpoint,
-            self.positions,
+            gen.positions,
             keep,
             &input[..accepted + 1],
             |t, caches| model.forward(&ids(t).expand_dims(0)?, caches).map(|_| ()),
         )?;
-        self.positions = keep;
-        self.plan.quantize(&mut self.caches)?;
-        let spec = self
-            .spec
-            .as_mut()
-            .ok_or_else(|| EngineError::Runtime("no drafter attached".into()))?;
-        spec.metrics.record(m, accepted);
+        gen.positions = keep;
+        gen.plan.quantize(&mut gen.caches)?;
+        self.metrics.record(m, accepted);
         if how == Rewind::Replayed {
-            spec.metrics.replays += 1;
+            self.metrics.replays += 1;
         }
         if let Some((sink, rounds)) = self.trace.as_mut() {
             let emitted = out.emitted - emitted_before;
@@ -182,17 +232,17 @@ impl Generator<'_> {
             };
             // Without a draft call this round (k = 0) the drafter's note is stale.
             let note = if k > 0 {
-                spec.source.round_note()
+                self.source.round_note()
             } else {
                 None
             };
             sink.record(&trace.with_note(note))?;
             *rounds += 1;
         }
-        spec.source.commit(
+        self.source.commit(
             TargetView {
-                model: &mut *self.model,
-                caches: &self.caches,
+                model: &mut *gen.model,
+                caches: &gen.caches,
             },
             keep,
         )?;
@@ -202,93 +252,93 @@ impl Generator<'_> {
         }
         Ok(())
     }
+}
 
-    /// Greedy with no logits processors: all rows' argmaxes in one evaluation.
-    fn accept_greedy<F: FnMut(&Step) -> Result<Flow>>(
-        &mut self,
-        logits: &Array,
-        drafts: &[u32],
-        out: &mut Emitter<'_, F>,
-    ) -> Result<usize> {
-        let mut rows = Vec::with_capacity(drafts.len() + 1);
-        let mut picks = Vec::with_capacity(drafts.len() + 1);
-        for i in 0..=drafts.len() {
-            let lp = self.logprobs_row(
-                logits.index((.., i as i32, ..)),
-                &Array::from_slice::<i32>(&[], &[0]),
-            )?;
-            picks.push(argmax_axis(&lp, -1, false)?);
-            rows.push(lp.squeeze_axes(&[0])?);
-        }
-        let picks = ops::concatenate(&picks, 0)?;
-        eval([&picks])?;
-        let picks: Vec<u32> = picks.as_slice::<u32>().to_vec();
-        let mut accepted = 0;
-        for (i, (t, lp)) in picks.into_iter().zip(rows).enumerate() {
-            out.emit(t, lp)?;
-            if out.stopped || i == drafts.len() || t != drafts[i] {
-                break;
-            }
-            accepted += 1;
-        }
-        Ok(accepted)
+/// Greedy with no logits processors: all rows' argmaxes in one evaluation.
+fn accept_greedy(
+    gen: &mut Generator<'_>,
+    logits: &Array,
+    drafts: &[u32],
+    out: &mut Emitter<'_>,
+) -> Result<usize> {
+    let mut rows = Vec::with_capacity(drafts.len() + 1);
+    let mut picks = Vec::with_capacity(drafts.len() + 1);
+    for i in 0..=drafts.len() {
+        let lp = gen.logprobs_row(
+            logits.index((.., i as i32, ..)),
+            &Array::from_slice::<i32>(&[], &[0]),
+        )?;
+        picks.push(argmax_axis(&lp, -1, false)?);
+        rows.push(lp.squeeze_axes(&[0])?);
     }
+    let picks = ops::concatenate(&picks, 0)?;
+    eval([&picks])?;
+    let picks: Vec<u32> = picks.as_slice::<u32>().to_vec();
+    let mut accepted = 0;
+    for (i, (t, lp)) in picks.into_iter().zip(rows).enumerate() {
+        out.emit(t, lp)?;
+        if out.stopped || i == drafts.len() || t != drafts[i] {
+            break;
+        }
+        accepted += 1;
+    }
+    Ok(accepted)
+}
 
-    /// Token match with the full sampler and processors, row by row (each row's history
-    /// includes the tokens fed before it, exactly as the vanilla loop builds it).
-    fn accept_matching<F: FnMut(&Step) -> Result<Flow>>(
-        &mut self,
-        logits: &Array,
-        input: &[u32],
-        out: &mut Emitter<'_, F>,
-    ) -> Result<usize> {
-        let mut accepted = 0;
-        for i in 0..input.len() {
-            let lp = self.logprobs_row(logits.index((.., i as i32, ..)), &ids(&input[i..=i]))?;
-            let t = self.sampler.sample(&lp)?.try_item_cast::<u32>()?;
+/// Token match with the full sampler and processors, row by row (each row's history
+/// includes the tokens fed before it, exactly as the vanilla loop builds it).
+fn accept_matching(
+    gen: &mut Generator<'_>,
+    logits: &Array,
+    input: &[u32],
+    out: &mut Emitter<'_>,
+) -> Result<usize> {
+    let mut accepted = 0;
+    for i in 0..input.len() {
+        let lp = gen.logprobs_row(logits.index((.., i as i32, ..)), &ids(&input[i..=i]))?;
+        let t = gen.sampler.sample(&lp)?.try_item_cast::<u32>()?;
+        out.emit(t, lp.squeeze_axes(&[0])?)?;
+        if out.stopped || i + 1 == input.len() || t != input[i + 1] {
+            break;
+        }
+        accepted += 1;
+    }
+    Ok(accepted)
+}
+
+/// Rejection sampling with the drafter's probabilities (one-hot when deterministic).
+fn accept_rejecting(
+    gen: &mut Generator<'_>,
+    logits: &Array,
+    input: &[u32],
+    draft: &Draft,
+    out: &mut Emitter<'_>,
+) -> Result<usize> {
+    let temp = gen.sampler.temp();
+    let mut accepted = 0;
+    for i in 0..input.len() {
+        let lp = gen.logprobs_row(logits.index((.., i as i32, ..)), &ids(&input[i..=i]))?;
+        if i + 1 == input.len() {
+            let t = gen.sampler.sample(&lp)?.try_item_cast::<u32>()?;
             out.emit(t, lp.squeeze_axes(&[0])?)?;
-            if out.stopped || i + 1 == input.len() || t != input[i + 1] {
-                break;
-            }
-            accepted += 1;
+            break;
         }
-        Ok(accepted)
-    }
-
-    /// Rejection sampling with the drafter's probabilities (one-hot when deterministic).
-    fn accept_rejecting<F: FnMut(&Step) -> Result<Flow>>(
-        &mut self,
-        logits: &Array,
-        input: &[u32],
-        draft: &Draft,
-        temp: f64,
-        out: &mut Emitter<'_, F>,
-    ) -> Result<usize> {
-        let mut accepted = 0;
-        for i in 0..input.len() {
-            let lp = self.logprobs_row(logits.index((.., i as i32, ..)), &ids(&input[i..=i]))?;
-            if i + 1 == input.len() {
-                let t = self.sampler.sample(&lp)?.try_item_cast::<u32>()?;
-                out.emit(t, lp.squeeze_axes(&[0])?)?;
-                break;
-            }
-            let p = target_distribution(self.sampler, &lp, temp)?;
-            let q = draft.probs.as_ref().map(|q| q.index(i as i32));
-            let d = input[i + 1];
-            match reject_step(&p, q.as_ref(), d)? {
-                Decision::Accept => {
-                    out.emit(d, lp.squeeze_axes(&[0])?)?;
-                    accepted += 1;
-                    if out.stopped {
-                        break;
-                    }
-                }
-                Decision::Replace(t) => {
-                    out.emit(t, lp.squeeze_axes(&[0])?)?;
+        let p = target_distribution(gen.sampler, &lp, temp)?;
+        let q = draft.probs.as_ref().map(|q| q.index(i as i32));
+        let d = input[i + 1];
+        match reject_step(&p, q.as_ref(), d)? {
+            Decision::Accept => {
+                out.emit(d, lp.squeeze_axes(&[0])?)?;
+                accepted += 1;
+                if out.stopped {
                     break;
                 }
             }
+            Decision::Replace(t) => {
+                out.emit(t, lp.squeeze_axes(&[0])?)?;
+                break;
+            }
         }
-        Ok(accepted)
     }
+    Ok(accepted)
 }

@@ -2,15 +2,18 @@
 //! executor ([`executor`]) that drafts, verifies the block in one target forward, accepts,
 //! rolls every cache back exactly and emits — driven by the engine's single generation loop.
 //!
-//! Roles are split by file: `source` (the seam and provider options), `executor` (the round
-//! driver), `verify` (acceptance policies), `rollback` (exact cache rewind), `metrics`
-//! (vLLM-style acceptance counters), `trace` (per-round JSONL traces), and one file per drafter (`dspark/` is a directory).
+//! Roles are split by file: `source` (the seam: what a drafter is, proposes and sees),
+//! `factory` (drafter options and the one function that opens any drafter), `executor` (the
+//! round driver), `verify` (acceptance policies), `rollback` (exact cache rewind), `metrics`
+//! (vLLM-style acceptance counters), `trace` (per-round JSONL traces), and one file per drafter
+//! (`dspark/` and `assistant/` are directories).
 
 pub mod assistant;
 pub mod autoregressive;
 pub mod dspark;
 pub mod early_exit;
 pub mod executor;
+pub mod factory;
 pub mod metrics;
 pub mod ngram;
 pub mod rollback;

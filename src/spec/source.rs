@@ -1,10 +1,11 @@
-//! The seam between drafters and the executor.
+//! The seam between drafters and the executor: what a drafter is ([`DraftSource`]), what it
+//! proposes ([`Draft`]), what it may see of the target ([`TargetView`]) and how its proposals
+//! are verified ([`VerifyMode`]). It depends on nothing else in `spec`: drafters and the
+//! executor depend on it, and [`super::factory`] opens drafters.
 
-use crate::engine::error::{EngineError, Result};
+use crate::engine::error::Result;
 use crate::engine::models::{Caches, LanguageModel};
-use crate::spec::dspark::drafter::PruneMode;
 use mlx_rs::Array;
-use std::path::PathBuf;
 
 /// What a drafter proposes for the positions after the anchor.
 #[derive(Debug, Clone, Default)]
@@ -69,7 +70,7 @@ pub trait DraftSource {
 
     /// What this drafter adds to the trace of its latest [`Self::draft`] call (confidences,
     /// threshold, pruning mode); `None` = nothing beyond the tokens.
-    fn round_note(&self) -> Option<super::trace::RoundNote> {
+    fn round_note(&self) -> Option<RoundNote> {
         None
     }
 }
@@ -102,29 +103,13 @@ impl<T: DraftSource + ?Sized> DraftSource for &mut T {
     fn configure_sampling(&mut self, temp: f64, verify: VerifyMode) {
         (**self).configure_sampling(temp, verify)
     }
-    fn round_note(&self) -> Option<super::trace::RoundNote> {
+    fn round_note(&self) -> Option<RoundNote> {
         (**self).round_note()
     }
 }
 
-/// Which drafter to use.
-#[derive(Debug, Clone, Copy, PartialEq, Eq, clap::ValueEnum)]
-pub enum DraftKind {
-    /// A separate, smaller model sharing the target's tokenizer.
-    Model,
-    /// Prompt lookup: continue the latest earlier occurrence of the current n-gram.
-    Ngram,
-    /// Early exit: the target's own first K layers plus its final norm and LM head.
-    #[value(name = "self")]
-    SelfLayers,
-    /// A DSpark (or DFlash) block drafter conditioned on the target's hidden states.
-    Dspark,
-    /// Gemma 4's KV-borrowing MTP assistant (`gemma4_assistant`) for a gemma4_text target.
-    Assistant,
-}
-
 /// How drafted tokens are verified.
-#[derive(Debug, Clone, Copy, PartialEq, Eq, Default, clap::ValueEnum)]
+#[derive(Debug, Clone, Copy, PartialEq, Eq, Default)]
 pub enum VerifyMode {
     /// Accept while the target's sampled token equals the draft (exact greedy at T=0;
     /// distribution-exact at any temperature).
@@ -134,169 +119,17 @@ pub enum VerifyMode {
     Reject,
 }
 
-/// Everything needed to open a drafter.
-#[derive(Debug, Clone)]
-pub struct SpecOptions {
-    /// The drafter kind.
-    pub kind: DraftKind,
-    /// Draft model directory (for `model`), or DSpark checkpoint directory (for `dspark`).
-    pub draft_model: Option<PathBuf>,
-    /// Tokens drafted per round.
-    pub num_draft_tokens: usize,
-    /// Layers the `self` drafter runs.
-    pub draft_layers: Option<usize>,
-    /// Longest n-gram the `ngram` drafter matches.
-    pub ngram_max: usize,
-    /// Shortest n-gram the `ngram` drafter matches.
-    pub ngram_min: usize,
-    /// Verification rule.
-    pub verify: VerifyMode,
-    /// DSpark: one confidence threshold for every draft position past the first (overrides
-    /// the checkpoint's calibrated table and `MLXB_DSPARK_MINCONF`).
-    pub dspark_min_conf: Option<f64>,
-}
-
-impl SpecOptions {
-    /// Checks option combinations before anything is loaded.
-    pub fn validate(&self) -> Result<()> {
-        if self.num_draft_tokens == 0 {
-            return Err(EngineError::Input(
-                "--num-draft-tokens must be at least 1".into(),
-            ));
-        }
-        match self.kind {
-            DraftKind::Model if self.draft_model.is_none() => Err(EngineError::Input(
-                "--draft-kind model needs --draft-model DIR".into(),
-            )),
-            DraftKind::Dspark if self.draft_model.is_none() => Err(EngineError::Input(
-                "--draft-kind dspark needs --drafter DIR (a DSpark checkpoint)".into(),
-            )),
-            DraftKind::Assistant if self.draft_model.is_none() => Err(EngineError::Input(
-                "--draft-kind assistant needs --draft-model DIR (a gemma4_assistant checkpoint)"
-                    .into(),
-            )),
-            _ if self
-                .dspark_min_conf
-                .is_some_and(|c| !(0.0..=1.0).contains(&c)) =>
-            {
-                Err(EngineError::Input(format!(
-                    "--dspark-min-conf {:?} is out of range; give a confidence between 0 and 1",
-                    self.dspark_min_conf.unwrap_or_default()
-                )))
-            }
-            DraftKind::SelfLayers if self.draft_layers.is_none() => Err(EngineError::Input(
-                "--draft-kind self needs --draft-layers K (layers of the target to run)".into(),
-            )),
-            DraftKind::Ngram if self.ngram_min == 0 || self.ngram_min > self.ngram_max => {
-                Err(EngineError::Input(format!(
-                    "--ngram-min {} / --ngram-max {}: need 1 <= min <= max",
-                    self.ngram_min, self.ngram_max
-                )))
-            }
-            _ => Ok(()),
-        }
-    }
-}
-
-/// Opens the drafter `opts` describes for a target opened as `session`.
-pub fn open_source(
-    opts: &SpecOptions,
-    session: &crate::engine::session::Session,
-    forks: crate::engine::flags::Forks,
-    prefill_step: usize,
-) -> Result<Box<dyn DraftSource>> {
-    open_source_pruned(opts, PruneMode::default(), session, forks, prefill_step)
-}
-
-/// [`open_source`] with a DSpark pruning rule (`--dspark-prune`; other drafters ignore it).
-pub fn open_source_pruned(
-    opts: &SpecOptions,
-    prune: PruneMode,
-    session: &crate::engine::session::Session,
-    forks: crate::engine::flags::Forks,
-    prefill_step: usize,
-) -> Result<Box<dyn DraftSource>> {
-    opts.validate()?;
-    Ok(match opts.kind {
-        DraftKind::Ngram => Box::new(super::ngram::NgramSource::new(
-            opts.ngram_min,
-            opts.ngram_max,
-        )),
-        DraftKind::SelfLayers => Box::new(super::early_exit::EarlyExitSource::new(
-            opts.draft_layers.unwrap_or(0),
-        )),
-        DraftKind::Dspark => open_dspark(opts, prune, session, forks)?,
-        DraftKind::Assistant => open_assistant(opts, session, forks)?,
-        DraftKind::Model
-            if opts
-                .draft_model
-                .as_deref()
-                .is_some_and(super::assistant::config::is_artifact) =>
-        {
-            open_assistant(opts, session, forks)?
-        }
-        DraftKind::Model
-            if opts
-                .draft_model
-                .as_deref()
-                .is_some_and(super::dspark::checkpoint::is_artifact) =>
-        {
-            open_dspark(opts, prune, session, forks)?
-        }
-        DraftKind::Model => {
-            let dir = opts.draft_model.as_deref().ok_or_else(|| {
-                EngineError::Input("--draft-kind model needs --draft-model DIR".into())
-            })?;
-            Box::new(super::two_model::TwoModelSource::open(
-                dir,
-                &session.tokenizer,
-                session.model.model.vocab_size(),
-                forks,
-                prefill_step,
-            )?)
-        }
-    })
-}
-
-/// Opens the DSpark drafter at `opts.draft_model` for the session's target.
-fn open_dspark(
-    opts: &SpecOptions,
-    prune: PruneMode,
-    session: &crate::engine::session::Session,
-    forks: crate::engine::flags::Forks,
-) -> Result<Box<dyn DraftSource>> {
-    let dir = opts.draft_model.as_deref().ok_or_else(|| {
-        EngineError::Input("--draft-kind dspark needs --drafter DIR (a DSpark checkpoint)".into())
-    })?;
-    let min_conf = match opts.dspark_min_conf {
-        Some(c) => Some(c),
-        None => super::dspark::drafter::min_conf_from_env()?,
-    };
-    Ok(Box::new(
-        super::dspark::drafter::DsparkSource::open(
-            dir,
-            session.model.model.as_ref(),
-            min_conf,
-            forks,
-        )?
-        .with_prune(prune),
-    ))
-}
-
-/// Opens the Gemma 4 assistant at `opts.draft_model` for the session's (gemma4_text) target.
-fn open_assistant(
-    opts: &SpecOptions,
-    session: &crate::engine::session::Session,
-    forks: crate::engine::flags::Forks,
-) -> Result<Box<dyn DraftSource>> {
-    let dir = opts.draft_model.as_deref().ok_or_else(|| {
-        EngineError::Input(
-            "--draft-kind assistant needs --draft-model DIR (a gemma4_assistant checkpoint)".into(),
-        )
-    })?;
-    Ok(Box::new(super::assistant::drafter::AssistantSource::open(
-        dir,
-        &session.dir,
-        forks,
-    )?))
+/// What a drafter adds to the trace of its latest round.
+#[derive(Debug, Clone, Default, PartialEq)]
+pub struct RoundNote {
+    /// Sigmoid confidence of each proposed position (after pruning; DSpark only).
+    pub confidence: Vec<f64>,
+    /// Confidence of every position of the unpruned block.
+    pub block_confidence: Vec<f64>,
+    /// The global threshold in force (`None` = a per-position table or no pruning).
+    pub threshold: Option<f64>,
+    /// Per-position thresholds in force, when they are not all one value.
+    pub thresholds: Option<Vec<f64>>,
+    /// The pruning rule (`keep-first`, `deepspec`, `survival`).
+    pub prune: Option<String>,
 }

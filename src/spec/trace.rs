@@ -7,27 +7,13 @@
 //! (confidences, threshold, pruning mode), and hands it to a [`TraceSink`]. Recording reads
 //! only host values the round has already computed, so it cannot change what is emitted.
 
+pub use super::source::RoundNote;
 use crate::engine::error::{EngineError, Result};
 use serde::{Deserialize, Serialize};
 use std::cell::RefCell;
 use std::io::Write;
 use std::path::Path;
 use std::rc::Rc;
-
-/// What a drafter adds to the trace of its latest round.
-#[derive(Debug, Clone, Default, PartialEq)]
-pub struct RoundNote {
-    /// Sigmoid confidence of each proposed position (after pruning; DSpark only).
-    pub confidence: Vec<f64>,
-    /// Confidence of every position of the unpruned block.
-    pub block_confidence: Vec<f64>,
-    /// The global threshold in force (`None` = a per-position table or no pruning).
-    pub threshold: Option<f64>,
-    /// Per-position thresholds in force, when they are not all one value.
-    pub thresholds: Option<Vec<f64>>,
-    /// The pruning rule (`keep-first`, `deepspec`, `survival`).
-    pub prune: Option<String>,
-}
 
 /// One verify round, as written to the trace (one JSON object per line).
 #[derive(Debug, Clone, Default, PartialEq, Serialize, Deserialize)]

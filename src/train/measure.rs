@@ -7,26 +7,18 @@
 
 use super::calibrate::{position_stats, rounds_from_trace, PositionStats, Round};
 use crate::engine::error::{EngineError, Result};
+use crate::engine::generate::Speculator;
 use crate::engine::generate::{Flow, GenerationStats};
 use crate::engine::session::Session;
-use crate::engine::text::{generate_text_traced, DraftPlan, TextParams};
+use crate::engine::text::{generate_text, TextParams};
+use crate::spec::executor::Speculation;
 use crate::spec::metrics::SpecMetrics;
-use crate::spec::source::{DraftSource, VerifyMode};
-use crate::spec::trace::{RoundTrace, TraceSink};
+use crate::spec::source::VerifyMode;
+use crate::spec::trace::RoundTrace;
 use serde::Serialize;
 use std::cell::RefCell;
 use std::rc::Rc;
 use std::time::Duration;
-
-/// A drafter lent to a series of generations (each one starts it afresh).
-pub struct Drafting<'d> {
-    /// The drafter.
-    pub source: &'d mut dyn DraftSource,
-    /// Tokens drafted per round (a DSpark drafter uses its block size instead).
-    pub num_draft_tokens: usize,
-    /// Verification rule.
-    pub verify: VerifyMode,
-}
 
 /// What one generation produced.
 pub struct Run {
@@ -40,32 +32,33 @@ pub struct Run {
     pub rounds: Vec<RoundTrace>,
 }
 
-/// Generates from `prompt` with `params`, speculatively when `drafting` is given, recording
-/// the rounds in memory (after the run, so tracing costs the timed loop nothing extra).
+/// Generates from `prompt` with `params`, speculatively when `spec` is given (its counters are
+/// this run's afterwards), recording the rounds in memory (after the run, so tracing costs the
+/// timed loop nothing extra).
 pub fn generate(
     session: &mut Session,
     prompt: &[u32],
     params: &TextParams,
-    drafting: Option<&mut Drafting<'_>>,
+    mut spec: Option<&mut Speculation<'_>>,
 ) -> Result<Run> {
     let rounds: Rc<RefCell<Vec<RoundTrace>>> = Rc::default();
-    let (draft, sink) = match drafting {
-        Some(d) => (
-            Some(DraftPlan {
-                source: Box::new(&mut *d.source),
-                num_draft_tokens: d.num_draft_tokens,
-                verify: d.verify,
-            }),
-            Some(Box::new(rounds.clone()) as Box<dyn TraceSink>),
-        ),
-        None => (None, None),
-    };
-    let out = generate_text_traced(session, prompt, params, draft, sink, |_| Ok(Flow::Continue))?;
+    if let Some(s) = spec.as_deref_mut() {
+        s.metrics = SpecMetrics::default();
+        s.set_trace(Some(Box::new(rounds.clone())));
+    }
+    let speculator = spec.as_deref_mut().map(|s| -> &mut dyn Speculator { s });
+    let out = generate_text(session, prompt, params, speculator, None, |_| {
+        Ok(Flow::Continue)
+    })?;
+    let metrics = spec.map(|s| {
+        s.set_trace(None);
+        std::mem::take(&mut s.metrics)
+    });
     let rounds = rounds.take();
     Ok(Run {
         token_ids: out.token_ids,
         stats: out.stats,
-        spec: out.spec,
+        spec: metrics,
         rounds,
     })
 }
@@ -175,7 +168,7 @@ pub fn measure(
     session: &mut Session,
     prompts: &[Vec<u32>],
     params: &TextParams,
-    drafting: &mut Drafting<'_>,
+    drafting: &mut Speculation<'_>,
     temps: Option<&[f64]>,
     mut after_prompt: impl FnMut(usize, &Run) -> Result<()>,
 ) -> Result<MeasureReport> {

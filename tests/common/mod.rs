@@ -104,31 +104,28 @@ pub fn greedy_ids(
     k: usize,
     max_tokens: usize,
 ) -> (Vec<i32>, Option<mlxb::spec::metrics::SpecMetrics>) {
-    use mlxb::engine::generate::{Flow, GenerateConfig, Generator, Speculation};
+    use mlxb::engine::generate::{Flow, GenerateConfig, Generator};
     use mlxb::engine::sample::{LogitsProcessors, ProcessorConfig, Sampler, SamplerConfig};
+    use mlxb::spec::executor::Speculation;
     let mut sampler = Sampler::new(&SamplerConfig::default()).unwrap();
     let mut processors = LogitsProcessors::new(&ProcessorConfig::default()).unwrap();
+    let mut spec =
+        source.map(|source| Speculation::new(source, k, mlxb::spec::source::VerifyMode::Match));
     let mut g = Generator::new(model, &mut sampler, &mut processors);
-    if let Some(source) = source {
-        g = g.with_speculation(Speculation {
-            source,
-            num_draft_tokens: k,
-            verify: mlxb::spec::source::VerifyMode::Match,
-            temp: 0.0,
-            metrics: Default::default(),
-        });
+    if let Some(spec) = spec.as_mut() {
+        g = g.with_speculation(spec);
     }
     let mut ids = vec![];
     let cfg = GenerateConfig {
         max_tokens,
         prefill_step_size: 2048,
     };
-    let (_, metrics) = g
-        .run(prompt, &cfg, |s| {
-            ids.push(s.token as i32);
-            Ok(Flow::Continue)
-        })
-        .unwrap();
+    g.run(prompt, &cfg, |s| {
+        ids.push(s.token as i32);
+        Ok(Flow::Continue)
+    })
+    .unwrap();
+    let metrics = spec.map(|s| s.metrics);
     (ids, metrics)
 }
 

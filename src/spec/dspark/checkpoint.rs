@@ -30,7 +30,7 @@ const REMEDY: &str =
     "use a drafter made for this target (`mlxb dspark-init --model TARGET --out DIR` creates one)";
 
 /// The sequential head that adds a prefix-dependent bias to the backbone's logits.
-#[derive(Debug, Clone, Copy, PartialEq, Eq, Default, Serialize, Deserialize, clap::ValueEnum)]
+#[derive(Debug, Clone, Copy, PartialEq, Eq, Default, Serialize, Deserialize)]
 #[serde(rename_all = "lowercase")]
 pub enum SeqHead {
     /// No head: plain DFlash (the base logits alone).

@@ -46,17 +46,7 @@ pub fn min_conf_from_env() -> Result<Option<f64>> {
 }
 
 /// How a block's draft length is pruned by its confidences.
-#[derive(
-    Debug,
-    Clone,
-    Copy,
-    PartialEq,
-    Eq,
-    Default,
-    serde::Serialize,
-    serde::Deserialize,
-    clap::ValueEnum,
-)]
+#[derive(Debug, Clone, Copy, PartialEq, Eq, Default, serde::Serialize, serde::Deserialize)]
 #[serde(rename_all = "kebab-case")]
 pub enum PruneMode {
     /// Cut at the first position k >= 1 whose own confidence is below the threshold; position
@@ -65,7 +55,6 @@ pub enum PruneMode {
     KeepFirst,
     /// DeepSpec's released rule: cut at the first position k >= 0 whose own confidence is below
     /// the threshold; a zero-length proposal is a plain decode step.
-    #[value(name = "deepspec")]
     #[serde(rename = "deepspec")]
     DeepSpec,
     /// The paper's survival rule: keep position k while `c_0 * ... * c_k` is at least the

@@ -1,0 +1,203 @@
+//! Opening drafters: the one place that turns drafter options into a [`DraftSource`], choosing
+//! the drafter by the kind of artifact it is given when the kind is `auto` (a DSpark checkpoint
+//! drafts as DSpark, a Gemma 4 assistant as the assistant, any other model as a two-model
+//! drafter).
+
+use super::dspark::drafter::PruneMode;
+use super::source::{DraftSource, VerifyMode};
+use crate::engine::error::{EngineError, Result};
+use crate::engine::flags::Forks;
+use crate::engine::session::Session;
+use std::path::PathBuf;
+
+/// Which drafter to use.
+#[derive(Debug, Clone, Copy, PartialEq, Eq, Default)]
+pub enum DraftKind {
+    /// Chosen from what is given: a drafter directory by its artifact kind (see
+    /// [`concrete_kind`]), else `--draft-layers` means `self`.
+    #[default]
+    Auto,
+    /// A separate, smaller model sharing the target's tokenizer (a DSpark checkpoint or a Gemma 4
+    /// assistant given here drafts as what it is).
+    Model,
+    /// Prompt lookup: continue the latest earlier occurrence of the current n-gram.
+    Ngram,
+    /// Early exit: the target's own first K layers plus its final norm and LM head.
+    SelfLayers,
+    /// A DSpark (or DFlash) block drafter conditioned on the target's hidden states.
+    Dspark,
+    /// Gemma 4's KV-borrowing MTP assistant (`gemma4_assistant`) for a gemma4_text target.
+    Assistant,
+}
+
+impl DraftKind {
+    /// The flag spelling (`--draft-kind NAME`).
+    pub fn name(self) -> &'static str {
+        match self {
+            DraftKind::Auto => "auto",
+            DraftKind::Model => "model",
+            DraftKind::Ngram => "ngram",
+            DraftKind::SelfLayers => "self",
+            DraftKind::Dspark => "dspark",
+            DraftKind::Assistant => "assistant",
+        }
+    }
+}
+
+/// Everything needed to open a drafter, per-kind options included.
+#[derive(Debug, Clone)]
+pub struct SpecOptions {
+    /// The drafter kind.
+    pub kind: DraftKind,
+    /// Draft model directory (for `model`), DSpark checkpoint directory (for `dspark`) or
+    /// assistant checkpoint (for `assistant`).
+    pub draft_model: Option<PathBuf>,
+    /// Tokens drafted per round.
+    pub num_draft_tokens: usize,
+    /// Layers the `self` drafter runs.
+    pub draft_layers: Option<usize>,
+    /// Longest n-gram the `ngram` drafter matches.
+    pub ngram_max: usize,
+    /// Shortest n-gram the `ngram` drafter matches.
+    pub ngram_min: usize,
+    /// Verification rule.
+    pub verify: VerifyMode,
+    /// DSpark: one confidence threshold for every draft position past the first (overrides
+    /// the checkpoint's calibrated table and `MLXB_DSPARK_MINCONF`).
+    pub dspark_min_conf: Option<f64>,
+    /// DSpark: how each block's draft length is pruned by its confidences.
+    pub dspark_prune: PruneMode,
+}
+
+/// The drafter `opts` opens: `auto` and `model` resolved by what their directory holds.
+pub fn concrete_kind(opts: &SpecOptions) -> Result<DraftKind> {
+    let by_artifact = |dir: &std::path::Path| {
+        if super::assistant::config::is_artifact(dir) {
+            DraftKind::Assistant
+        } else if super::dspark::checkpoint::is_artifact(dir) {
+            DraftKind::Dspark
+        } else {
+            DraftKind::Model
+        }
+    };
+    Ok(match (opts.kind, opts.draft_model.as_deref()) {
+        (DraftKind::Auto | DraftKind::Model, Some(dir)) => by_artifact(dir),
+        (DraftKind::Auto, None) if opts.draft_layers.is_some() => DraftKind::SelfLayers,
+        (DraftKind::Auto, None) => {
+            return Err(EngineError::Input(
+                "--draft-kind auto needs a drafter: --drafter DIR, --draft-model DIR or \
+                 --draft-layers K"
+                    .into(),
+            ))
+        }
+        (kind, _) => kind,
+    })
+}
+
+/// Tokens per round when `--num-draft-tokens` is `given` (or not): a Gemma 4 assistant's own
+/// `num_assistant_tokens` where it has one, else 3.
+pub fn draft_tokens(
+    kind: DraftKind,
+    draft_model: Option<&std::path::Path>,
+    given: Option<usize>,
+) -> usize {
+    match draft_model {
+        Some(dir)
+            if kind == DraftKind::Assistant
+                || (matches!(kind, DraftKind::Auto | DraftKind::Model)
+                    && super::assistant::config::is_artifact(dir)) =>
+        {
+            super::assistant::config::draft_tokens(given, dir)
+        }
+        _ => given.unwrap_or(3),
+    }
+}
+
+impl SpecOptions {
+    /// Checks option combinations before anything is loaded.
+    pub fn validate(&self) -> Result<()> {
+        if self.num_draft_tokens == 0 {
+            return Err(EngineError::Input(
+                "--num-draft-tokens must be at least 1".into(),
+            ));
+        }
+        if let Some(c) = self.dspark_min_conf.filter(|c| !(0.0..=1.0).contains(c)) {
+            return Err(EngineError::Input(format!(
+                "--dspark-min-conf {c:?} is out of range; give a confidence between 0 and 1"
+            )));
+        }
+        match concrete_kind(self)? {
+            DraftKind::Model if self.draft_model.is_none() => Err(EngineError::Input(
+                "--draft-kind model needs --draft-model DIR".into(),
+            )),
+            DraftKind::Dspark if self.draft_model.is_none() => Err(EngineError::Input(
+                "--draft-kind dspark needs --drafter DIR (a DSpark checkpoint)".into(),
+            )),
+            DraftKind::Assistant if self.draft_model.is_none() => Err(EngineError::Input(
+                "--draft-kind assistant needs --draft-model DIR (a gemma4_assistant checkpoint)"
+                    .into(),
+            )),
+            DraftKind::SelfLayers if self.draft_layers.is_none() => Err(EngineError::Input(
+                "--draft-kind self needs --draft-layers K (layers of the target to run)".into(),
+            )),
+            DraftKind::Ngram if self.ngram_min == 0 || self.ngram_min > self.ngram_max => {
+                Err(EngineError::Input(format!(
+                    "--ngram-min {} / --ngram-max {}: need 1 <= min <= max",
+                    self.ngram_min, self.ngram_max
+                )))
+            }
+            _ => Ok(()),
+        }
+    }
+}
+
+/// Opens the drafter `opts` describes for a target opened as `session`.
+pub fn open_source(
+    opts: &SpecOptions,
+    session: &Session,
+    forks: Forks,
+    prefill_step: usize,
+) -> Result<Box<dyn DraftSource>> {
+    opts.validate()?;
+    let dir = || {
+        opts.draft_model.as_deref().ok_or_else(|| {
+            EngineError::Input("this drafter needs a directory (--drafter or --draft-model)".into())
+        })
+    };
+    Ok(match concrete_kind(opts)? {
+        DraftKind::Ngram => Box::new(super::ngram::NgramSource::new(
+            opts.ngram_min,
+            opts.ngram_max,
+        )),
+        DraftKind::SelfLayers => Box::new(super::early_exit::EarlyExitSource::new(
+            opts.draft_layers.unwrap_or(0),
+        )),
+        DraftKind::Dspark => {
+            let min_conf = match opts.dspark_min_conf {
+                Some(c) => Some(c),
+                None => super::dspark::drafter::min_conf_from_env()?,
+            };
+            Box::new(
+                super::dspark::drafter::DsparkSource::open(
+                    dir()?,
+                    session.model.model.as_ref(),
+                    min_conf,
+                    forks,
+                )?
+                .with_prune(opts.dspark_prune),
+            )
+        }
+        DraftKind::Assistant => Box::new(super::assistant::drafter::AssistantSource::open(
+            dir()?,
+            &session.dir,
+            forks,
+        )?),
+        DraftKind::Model | DraftKind::Auto => Box::new(super::two_model::TwoModelSource::open(
+            dir()?,
+            &session.tokenizer,
+            session.model.model.vocab_size(),
+            forks,
+            prefill_step,
+        )?),
+    })
+}
