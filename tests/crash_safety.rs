@@ -13,7 +13,7 @@ mod dspark_cli;
 
 use mlx_rs::Array;
 use mlxb::spec::dspark::checkpoint;
-use mlxb::train::trainer::SplitMix;
+use mlxb::train::example::SplitMix;
 use serde_json::{json, Value};
 use std::io::{Read, Seek, SeekFrom};
 use std::path::{Path, PathBuf};
@@ -349,7 +349,7 @@ fn assert_train_files_complete(out: &Path) {
     if out.join(checkpoint::MLXB_CONFIG).exists() {
         checkpoint::load(out).unwrap_or_else(|e| panic!("{} is torn: {e}", out.display()));
     }
-    let state = out.join(mlxb::train::trainer::STATE_FILE);
+    let state = out.join(mlxb::train::state::STATE_FILE);
     if state.exists() {
         let (_, meta) = Array::load_safetensors_with_metadata(&state).unwrap();
         assert!(meta.contains_key("step"));
@@ -418,10 +418,10 @@ fn train_dspark_survives_kill_9_and_resumes_to_the_same_drafter() {
             killed += 1;
             assert_train_files_complete(&out);
             let resume = out.join(checkpoint::MLXB_CONFIG).exists()
-                && out.join(mlxb::train::trainer::STATE_FILE).exists();
+                && out.join(mlxb::train::state::STATE_FILE).exists();
             complete(&strs(&args(&out, resume)), &[]);
         }
-        for f in [checkpoint::WEIGHTS_FILE, mlxb::train::trainer::STATE_FILE] {
+        for f in [checkpoint::WEIGHTS_FILE, mlxb::train::state::STATE_FILE] {
             assert_same_safetensors(&out.join(f), &reference.join(f));
         }
         assert_eq!(

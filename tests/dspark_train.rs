@@ -12,11 +12,13 @@ use mlxb::engine::flags::Forks;
 use mlxb::engine::models::{self, LanguageModel};
 use mlxb::spec::dspark::checkpoint::{self, DsparkConfig, SeqHead};
 use mlxb::spec::dspark::module::DsparkModule;
+use mlxb::train::example::{anchor_batch, extract_example, sample_anchors, Example, SplitMix};
+use mlxb::train::forward::{Frozen, Params};
 use mlxb::train::init::{init, InitOptions};
-use mlxb::train::trainer::{
-    anchor_batch, extract_example, load_state, loss_sums, sample_anchors, step_loss, total_loss,
-    AdamW, Example, Frozen, Params, SplitMix, TrainOptions, Trainer,
-};
+use mlxb::train::loss::{loss_sums, total_loss};
+use mlxb::train::optim::{AdamW, TrainOptions};
+use mlxb::train::state::load_state;
+use mlxb::train::trainer::{step_loss, Trainer};
 use serde_json::json;
 use std::collections::HashMap;
 use std::path::Path;

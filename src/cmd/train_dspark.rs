@@ -12,8 +12,11 @@ use crate::engine::flags::Forks;
 use crate::engine::session::Session;
 use crate::spec::dspark::checkpoint::{self, DsparkConfig, TargetFacts};
 use crate::train::data::{build_cache, read_prompts, RegenOptions};
+use crate::train::forward::{Frozen, Params};
 use crate::train::init::init_for_session;
-use crate::train::trainer::{load_state, AdamW, Frozen, Params, TrainOptions, Trainer};
+use crate::train::optim::{AdamW, TrainOptions};
+use crate::train::state::{load_state, STATE_FILE};
+use crate::train::trainer::Trainer;
 use clap::Args;
 use mlx_rs::{Array, Dtype};
 use std::collections::HashMap;
@@ -112,7 +115,7 @@ pub fn run(args: TrainDsparkArgs) -> anyhow::Result<()> {
         )
         .into());
     }
-    if args.resume && !args.out.join(crate::train::trainer::STATE_FILE).is_file() {
+    if args.resume && !args.out.join(STATE_FILE).is_file() {
         return Err(EngineError::file(
             &args.out,
             "holds no training state to resume; run without --resume",

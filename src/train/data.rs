@@ -10,7 +10,7 @@
 //!   mask, tapped hidden states and final hidden states in bf16), each written atomically, so
 //!   an interrupted run resumes at the first missing shard.
 
-use super::trainer::{extract_example, Example};
+use super::example::{extract_example, Example};
 use crate::engine::chat_template::ChatMessage;
 use crate::engine::error::{EngineError, Result};
 use crate::engine::generate::{Flow, GenerateConfig, Generator};

@@ -3,13 +3,20 @@
 //! never used at inference time.
 //!
 //! Files: `prompts` (prompt files), `data` (target-regenerated training data and its hidden-state
-//! cache), `init` (randomly initialised drafters), `trainer` (training forward, loss, optimizer,
-//! resumable state), `calibrate` (STS and per-position thresholds), `measure` (vanilla vs
-//! speculative over a prompt file).
+//! cache), `init` (randomly initialised drafters), `example` (training examples, anchors and the
+//! seeded stream), `forward` (trainable parameters and the differentiable drafter forward), `loss`
+//! (DeepSpec's loss), `optim` (training options, learning-rate schedule, AdamW with clipping),
+//! `state` (resumable training state), `trainer` (the training step and run), `calibrate` (STS
+//! and per-position thresholds), `measure` (vanilla vs speculative over a prompt file).
 
 pub mod calibrate;
 pub mod data;
+pub mod example;
+pub mod forward;
 pub mod init;
+pub mod loss;
 pub mod measure;
+pub mod optim;
 pub mod prompts;
+pub mod state;
 pub mod trainer;
