@@ -3,43 +3,21 @@
 
 mod common;
 
-use serde_json::{json, Value};
+use serde_json::json;
 use std::path::Path;
-use std::process::Command;
-
-fn tiny() -> Value {
-    json!({
-        "model_type": "llama", "hidden_size": 64, "num_hidden_layers": 1, "intermediate_size": 128,
-        "num_attention_heads": 4, "num_key_value_heads": 2, "rms_norm_eps": 1e-5,
-        "vocab_size": 384, "tie_word_embeddings": true
-    })
-}
 
 /// Runs `mlxb generate` on `dir` and returns (exit code, stderr).
 fn generate(dir: &Path) -> (i32, String) {
-    let out = Command::new(common::mlxb())
-        .args([
-            "generate",
-            "--model",
-            dir.to_str().unwrap(),
-            "--prompt",
-            "hi",
-            "--max-tokens",
-            "2",
-        ])
-        .output()
-        .unwrap();
-    (
-        out.status.code().unwrap_or(-1),
-        String::from_utf8_lossy(&out.stderr).into_owned(),
-    )
-}
-
-fn edit_config(dir: &Path, f: impl FnOnce(&mut Value)) {
-    let p = dir.join("config.json");
-    let mut c: Value = serde_json::from_str(&std::fs::read_to_string(&p).unwrap()).unwrap();
-    f(&mut c);
-    std::fs::write(p, c.to_string()).unwrap();
+    let (code, _, err) = common::run_mlxb(&[
+        "generate",
+        "--model",
+        dir.to_str().unwrap(),
+        "--prompt",
+        "hi",
+        "--max-tokens",
+        "2",
+    ]);
+    (code, err)
 }
 
 fn expect_error(dir: &Path, needles: &[&str]) {
@@ -63,40 +41,41 @@ fn expect_error(dir: &Path, needles: &[&str]) {
 fn bad_model_directories_are_clear_errors() {
     let base = tempfile::tempdir().unwrap();
     let good = base.path().join("good");
-    common::make_model(&good, &tiny(), "bf16", None);
+    common::make_model(
+        &good,
+        &common::tiny_llama(json!({"num_hidden_layers": 1})),
+        "bf16",
+        None,
+    );
     let (code, err) = generate(&good);
     assert_eq!(code, 0, "the untouched model must work: {err}");
 
     let copy = |name: &str| {
         let d = base.path().join(name);
-        std::fs::create_dir_all(&d).unwrap();
-        for e in std::fs::read_dir(&good).unwrap() {
-            let e = e.unwrap();
-            std::fs::copy(e.path(), d.join(e.file_name())).unwrap();
-        }
+        common::copy_dir(&good, &d);
         d
     };
 
     let d = copy("unknown_type");
-    edit_config(&d, |c| c["model_type"] = json!("nonesuch"));
+    common::edit_config(&d, |c| c["model_type"] = json!("nonesuch"));
     expect_error(&d, &["config.json", "nonesuch", "not supported"]);
 
     let d = copy("bad_heads");
-    edit_config(&d, |c| c["num_key_value_heads"] = json!(3));
+    common::edit_config(&d, |c| c["num_key_value_heads"] = json!(3));
     expect_error(&d, &["config.json", "num_key_value_heads"]);
 
     let d = copy("missing_field");
-    edit_config(&d, |c| {
+    common::edit_config(&d, |c| {
         c.as_object_mut().unwrap().remove("hidden_size");
     });
     expect_error(&d, &["config.json", "hidden_size"]);
 
     let d = copy("misshaped");
-    edit_config(&d, |c| c["intermediate_size"] = json!(96));
+    common::edit_config(&d, |c| c["intermediate_size"] = json!(96));
     expect_error(&d, &["mlp.gate_proj.weight", "shape"]);
 
     let d = copy("missing_tensor");
-    edit_config(&d, |c| c["tie_word_embeddings"] = json!(false));
+    common::edit_config(&d, |c| c["tie_word_embeddings"] = json!(false));
     expect_error(&d, &["lm_head.weight", "missing"]);
 
     let d = copy("extra_tensor");
@@ -110,13 +89,13 @@ fn bad_model_directories_are_clear_errors() {
     expect_error(&d, &["unexpected tensor", "model.stray.weight"]);
 
     let d = copy("bad_bits");
-    edit_config(&d, |c| {
+    common::edit_config(&d, |c| {
         c["quantization"] = json!({"group_size": 64, "bits": 7})
     });
     expect_error(&d, &["config.json", "bits"]);
 
     let d = copy("bad_group");
-    edit_config(&d, |c| {
+    common::edit_config(&d, |c| {
         c["quantization"] = json!({"group_size": 48, "bits": 4})
     });
     expect_error(&d, &["config.json", "group_size"]);

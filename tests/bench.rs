@@ -9,7 +9,6 @@ use mlxb::bench::report::{self, Row};
 use mlxb::engine::flags::{Domain, Forks, Output, Tier, FORKS};
 use serde_json::json;
 use std::path::Path;
-use std::process::{Command, Output as Ran};
 
 /// A tiny random llama with head dim 64, so that KV group sizes 32 and 64 apply (128 does
 /// not divide it: the matrix must list that value as skipped with the engine's reason).
@@ -23,16 +22,9 @@ fn tiny_model(dir: &Path) {
     );
 }
 
-fn bench(model: &Path, args: &[&str]) -> Ran {
-    Command::new(common::mlxb())
-        .args(["bench", "--model", model.to_str().unwrap()])
-        .args(args)
-        .output()
-        .unwrap()
-}
-
-fn stderr(out: &Ran) -> String {
-    String::from_utf8_lossy(&out.stderr).into_owned()
+/// `mlxb bench --model MODEL ARGS...`: (exit code, stdout, stderr).
+fn bench(model: &Path, args: &[&str]) -> (i32, String, String) {
+    common::run_mlxb(&[&["bench", "--model", model.to_str().unwrap()], args].concat())
 }
 
 #[test]
@@ -47,18 +39,10 @@ fn bench_rows_parse_back_and_results_refuse_other_setups() {
         )
     };
     // --tui without a terminal on stdout falls back to plain output and says so.
-    let out = run(&["-o", "json", "--draft-kind", "ngram", "--tui"]);
-    assert!(
-        stderr(&out).contains("--tui needs a terminal"),
-        "{}",
-        stderr(&out)
-    );
-    assert!(
-        out.status.success(),
-        "{}",
-        String::from_utf8_lossy(&out.stderr)
-    );
-    let rows: Vec<Row> = serde_json::from_slice(&out.stdout).unwrap();
+    let (code, out, err) = run(&["-o", "json", "--draft-kind", "ngram", "--tui"]);
+    assert!(err.contains("--tui needs a terminal"), "{err}");
+    assert_eq!(code, 0, "{err}");
+    let rows: Vec<Row> = serde_json::from_str(&out).unwrap();
     let tests: Vec<&str> = rows.iter().map(|r| r.test.as_str()).collect();
     assert_eq!(
         tests,
@@ -80,13 +64,10 @@ fn bench_rows_parse_back_and_results_refuse_other_setups() {
     }
 
     let results = dir.path().join("results.jsonl");
-    assert!(run(&["--results", results.to_str().unwrap()])
-        .status
-        .success());
-    assert!(
-        run(&["--results", results.to_str().unwrap()])
-            .status
-            .success(),
+    assert_eq!(run(&["--results", results.to_str().unwrap()]).0, 0);
+    assert_eq!(
+        run(&["--results", results.to_str().unwrap()]).0,
+        0,
         "same setup must append"
     );
     let lines = std::fs::read_to_string(&results).unwrap().lines().count();
@@ -106,14 +87,9 @@ fn bench_rows_parse_back_and_results_refuse_other_setups() {
         format!("{}\n", serde_json::to_string(&foreign).unwrap()),
     )
     .unwrap();
-    let out = run(&["--results", other.to_str().unwrap()]);
-    assert_eq!(
-        out.status.code(),
-        Some(2),
-        "{}",
-        String::from_utf8_lossy(&out.stderr)
-    );
-    assert!(String::from_utf8_lossy(&out.stderr).contains("another setup"));
+    let (code, _, err) = run(&["--results", other.to_str().unwrap()]);
+    assert_eq!(code, 2, "{err}");
+    assert!(err.contains("another setup"));
     assert_eq!(
         std::fs::read_to_string(&other).unwrap().lines().count(),
         1,
@@ -123,12 +99,9 @@ fn bench_rows_parse_back_and_results_refuse_other_setups() {
 
 #[test]
 fn bad_test_specs_are_clear_errors() {
-    let out = Command::new(common::mlxb())
-        .args(["bench", "--model", "/nonexistent", "-p", "0", "-n", "0"])
-        .output()
-        .unwrap();
-    assert_eq!(out.status.code(), Some(2));
-    assert!(String::from_utf8_lossy(&out.stderr).contains("no tests selected"));
+    let (code, _, err) = bench(Path::new("/nonexistent"), &["-p", "0", "-n", "0"]);
+    assert_eq!(code, 2);
+    assert!(err.contains("no tests selected"));
 }
 
 /// The fork table's non-default values, computed here independently of the matrix code.
@@ -213,12 +186,12 @@ fn matrix_runs_every_fork_with_kl_for_output_changing_ones() {
     let dir = tempfile::tempdir().unwrap();
     let model = dir.path().join("m");
     tiny_model(&model);
-    let out = bench(
+    let (code, out, err) = bench(
         &model,
         &["--matrix", "-p", "16", "-n", "8", "-r", "1", "-o", "json"],
     );
-    assert!(out.status.success(), "{}", stderr(&out));
-    let rows: Vec<Row> = serde_json::from_slice(&out.stdout).unwrap();
+    assert_eq!(code, 0, "{err}");
+    let rows: Vec<Row> = serde_json::from_str(&out).unwrap();
     let mut warned = false;
     let loaded = mlxb::engine::models::load(&model, Forks::default()).unwrap();
     for e in matrix::plan_for(&loaded, &model) {
@@ -268,7 +241,7 @@ fn matrix_runs_every_fork_with_kl_for_output_changing_ones() {
         g128.skipped.as_deref().unwrap().contains("head dim 64"),
         "{g128:?}"
     );
-    assert_eq!(stderr(&out).contains("WARN"), warned, "{}", stderr(&out));
+    assert_eq!(err.contains("WARN"), warned, "{err}");
     let back: Vec<Row> = serde_json::from_str(&serde_json::to_string(&rows).unwrap()).unwrap();
     assert_eq!(back, rows);
     assert_eq!(report::parse_csv(&report::csv(&rows)).unwrap(), rows);
@@ -282,7 +255,7 @@ fn bench_takes_the_fork_flags() {
     let model = dir.path().join("m");
     tiny_model(&model);
     let small = ["-p", "8", "-n", "4", "-r", "1", "-o", "json"];
-    let out = bench(
+    let (code, out, err) = bench(
         &model,
         &[
             &small[..],
@@ -290,13 +263,13 @@ fn bench_takes_the_fork_flags() {
         ]
         .concat(),
     );
-    assert!(out.status.success(), "{}", stderr(&out));
-    let rows: Vec<Row> = serde_json::from_slice(&out.stdout).unwrap();
+    assert_eq!(code, 0, "{err}");
+    let rows: Vec<Row> = serde_json::from_str(&out).unwrap();
     assert_eq!(rows.len(), 2);
-    let out = bench(&model, &[&small[..], &["--fused-gelu", "on"]].concat());
-    assert_eq!(out.status.code(), Some(2), "{}", stderr(&out));
-    assert!(stderr(&out).contains("--fused-gelu on"));
-    let out = bench(&model, &[&small[..], &["--matrix", "--l3"]].concat());
-    assert_eq!(out.status.code(), Some(2), "{}", stderr(&out));
-    assert!(stderr(&out).contains("drop the fork and tier flags"));
+    let (code, _, err) = bench(&model, &[&small[..], &["--fused-gelu", "on"]].concat());
+    assert_eq!(code, 2, "{err}");
+    assert!(err.contains("--fused-gelu on"));
+    let (code, _, err) = bench(&model, &[&small[..], &["--matrix", "--l3"]].concat());
+    assert_eq!(code, 2, "{err}");
+    assert!(err.contains("drop the fork and tier flags"));
 }

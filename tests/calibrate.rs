@@ -8,7 +8,7 @@ mod common;
 #[path = "common/dspark_cli.rs"]
 mod dspark_cli;
 
-use dspark_cli::{mlxb_json, s, Fixture, GAMMA};
+use dspark_cli::{s, Fixture, GAMMA};
 use mlxb::spec::dspark::checkpoint;
 use serde_json::Value;
 use std::path::Path;
@@ -74,7 +74,7 @@ fn calibration_patches_a_config_that_round_trips_and_prunes_losslessly() {
     let mut args = fx.args("calibrate", &data, "24");
     args.extend(["--drafter", s(&fx.drafter), "--json"]);
     args.extend(["--min-samples", "3", "--target-rate", "0.3"]);
-    let (code, v, err) = mlxb_json(&args);
+    let (code, v, err) = common::run_mlxb_json(&args, &[]);
     assert_eq!(code, 0, "{err}");
     let (th, temps) = (floats(&v["thresholds"]), floats(&v["temperatures"]));
     assert_eq!((th.len(), temps.len()), (GAMMA, GAMMA));
@@ -128,7 +128,7 @@ fn calibration_patches_a_config_that_round_trips_and_prunes_losslessly() {
             s(&trace),
         ];
         args.extend(&prompt);
-        let (code, _, err) = mlxb_json(&args);
+        let (code, _, err) = common::run_mlxb_json(&args, &[]);
         assert_eq!(code, 0, "{err}");
         let t: Vec<Value> = std::fs::read_to_string(&trace)
             .unwrap()
@@ -168,7 +168,7 @@ fn calibration_patches_a_config_that_round_trips_and_prunes_losslessly() {
         if drafter {
             args.extend(["--drafter", s(&fx.drafter), "--spec-trace", s(&trace)]);
         }
-        let (code, v, err) = mlxb_json(&args);
+        let (code, v, err) = common::run_mlxb_json(&args, &[]);
         assert_eq!(code, 0, "{err}");
         v
     };

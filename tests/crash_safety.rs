@@ -25,9 +25,8 @@ const RUNS: usize = 5;
 
 /// `mlxb args` with `env` set and output discarded.
 fn command(args: &[&str], env: &[(&str, &Path)]) -> Command {
-    let mut cmd = Command::new(common::mlxb());
-    cmd.args(args)
-        .env("HF_HUB_OFFLINE", "1")
+    let mut cmd = common::mlxb_command(args);
+    cmd.env("HF_HUB_OFFLINE", "1")
         .stdin(Stdio::null())
         .stdout(Stdio::null())
         .stderr(Stdio::piped());

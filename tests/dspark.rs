@@ -28,24 +28,6 @@ use std::rc::Rc;
 
 const GEN: usize = 40;
 
-fn qwen3() -> Value {
-    json!({
-        "model_type": "qwen3", "hidden_size": 64, "num_hidden_layers": 4, "intermediate_size": 128,
-        "num_attention_heads": 4, "num_key_value_heads": 2, "head_dim": 16, "rms_norm_eps": 1e-6,
-        "vocab_size": 384, "max_position_embeddings": 512, "rope_theta": 10000.0,
-        "tie_word_embeddings": false
-    })
-}
-
-fn gemma3() -> Value {
-    json!({
-        "model_type": "gemma3_text", "hidden_size": 64, "num_hidden_layers": 4, "intermediate_size": 128,
-        "num_attention_heads": 2, "num_key_value_heads": 1, "head_dim": 32, "rms_norm_eps": 1e-6,
-        "vocab_size": 384, "sliding_window": 8, "sliding_window_pattern": 2, "query_pre_attn_scalar": 32,
-        "rope_theta": 10000.0, "rope_local_base_freq": 10000.0, "max_position_embeddings": 512
-    })
-}
-
 /// A tiny random target saved by mlx-lm in f32.
 fn target(config: &Value) -> tempfile::TempDir {
     let dir = tempfile::tempdir().unwrap();
@@ -161,7 +143,7 @@ fn lossless_full_cache_llama() {
 
 #[test]
 fn lossless_full_cache_qwen3() {
-    check_lossless(&qwen3(), false);
+    check_lossless(&common::tiny_qwen3(json!({})), false);
 }
 
 #[test]
@@ -177,7 +159,7 @@ fn lossless_sliding_window_llama() {
 
 #[test]
 fn lossless_sliding_window_gemma3() {
-    check_lossless(&gemma3(), true);
+    check_lossless(&common::tiny_gemma3(), true);
 }
 
 /// Delegates to a DSpark drafter and records what it proposed (and its unpruned block).
@@ -341,7 +323,7 @@ fn pruning_keeps_a_prefix_and_never_redrafts() {
 /// same backbone), token for token. With W2 non-zero the Markov head does change proposals.
 #[test]
 fn zero_w2_heads_equal_plain_dflash() {
-    let dir = target(&qwen3());
+    let dir = target(&common::tiny_qwen3(json!({})));
     let prompt = prompt(384);
     let mut session = Session::open(dir.path(), Forks::default()).unwrap();
     let dflash = drafter(
@@ -510,15 +492,18 @@ fn loader_refuses_malformed_checkpoints() {
     // The command line turns it into one line and exit code 2.
     let ck = fresh();
     edit_json(ck.path(), |v| v["hidden_size"] = json!(128));
-    let out = std::process::Command::new(common::mlxb())
-        .args(["generate", "--model"])
-        .arg(dir.path())
-        .args(["--prompt", "hi", "--max-tokens", "4", "--drafter"])
-        .arg(ck.path())
-        .output()
-        .unwrap();
-    let stderr = String::from_utf8_lossy(&out.stderr);
-    assert_eq!(out.status.code(), Some(2), "{stderr}");
+    let (code, _, stderr) = common::run_mlxb(&[
+        "generate",
+        "--model",
+        dir.path().to_str().unwrap(),
+        "--prompt",
+        "hi",
+        "--max-tokens",
+        "4",
+        "--drafter",
+        ck.path().to_str().unwrap(),
+    ]);
+    assert_eq!(code, 2, "{stderr}");
     assert_eq!(stderr.trim().lines().count(), 1, "{stderr}");
     assert!(stderr.contains("mlxb dspark-init"), "{stderr}");
 }
@@ -663,7 +648,7 @@ fn deepspec_drafts(target_config: &Value, extra: Value, gemma: bool) {
 #[test]
 fn deepspec_qwen3_checkpoint_loads_and_drafts() {
     deepspec_drafts(
-        &qwen3(),
+        &common::tiny_qwen3(json!({})),
         json!({
             "architectures": ["Qwen3DSparkModel"], "num_target_layers": 4, "num_hidden_layers": 2,
             "block_size": 4, "tie_word_embeddings": false, "layer_types": ["full_attention", "full_attention"],
@@ -678,7 +663,7 @@ fn deepspec_qwen3_checkpoint_loads_and_drafts() {
 #[test]
 fn deepspec_gemma4_checkpoint_loads_and_drafts() {
     deepspec_drafts(
-        &gemma3(),
+        &common::tiny_gemma3(),
         json!({
             "architectures": ["Gemma4DSparkModel"], "model_type": "gemma4_text",
             "target_model_type": "gemma3_text", "num_target_layers": 4, "num_hidden_layers": 2,
@@ -784,21 +769,6 @@ fn one_forward_matches_the_spec_reference() {
     }
 }
 
-fn mlxb_json(args: &[&str], env: &[(&str, &str)]) -> (Option<i32>, Value, String) {
-    let out = std::process::Command::new(common::mlxb())
-        .args(args)
-        .envs(env.iter().copied())
-        .output()
-        .unwrap();
-    let stdout = String::from_utf8_lossy(&out.stdout);
-    let v = serde_json::from_str(stdout.trim()).unwrap_or(Value::Null);
-    (
-        out.status.code(),
-        v,
-        String::from_utf8_lossy(&out.stderr).into_owned(),
-    )
-}
-
 /// `mlxb dspark-init` writes a drafter `mlxb generate --drafter` serves losslessly; the global
 /// threshold comes from `--dspark-min-conf` or `MLXB_DSPARK_MINCONF`; bad values are refused.
 #[test]
@@ -823,15 +793,14 @@ fn cli_init_and_generate() {
         "--seq-head",
         "gated",
     ];
-    let (code, _, err) = mlxb_json(&init_args, &[]);
-    assert_eq!(code, Some(0), "{err}");
+    let (code, _, err) = common::run_mlxb_json(&init_args, &[]);
+    assert_eq!(code, 0, "{err}");
     let (config, _) = checkpoint::read_config(ck.path()).unwrap();
     assert_eq!((config.block_size, config.seq_head), (4, SeqHead::Gated));
     assert_eq!(config.target_layer_ids, vec![0, 2]);
-    let (code, _, err) = mlxb_json(&init_args, &[]);
+    let (code, _, err) = common::run_mlxb_json(&init_args, &[]);
     assert_eq!(
-        code,
-        Some(2),
+        code, 2,
         "an existing checkpoint was overwritten without --force: {err}"
     );
 
@@ -845,16 +814,16 @@ fn cli_init_and_generate() {
         "24",
         "--json",
     ];
-    let (code, plain, err) = mlxb_json(&gen, &[]);
-    assert_eq!(code, Some(0), "{err}");
+    let (code, plain, err) = common::run_mlxb_json(&gen, &[]);
+    assert_eq!(code, 0, "{err}");
     let mut with = gen.to_vec();
     with.extend(["--drafter", c]);
-    let (code, spec, err) = mlxb_json(&with, &[]);
-    assert_eq!(code, Some(0), "{err}");
+    let (code, spec, err) = common::run_mlxb_json(&with, &[]);
+    assert_eq!(code, 0, "{err}");
     assert_eq!(spec["token_ids"], plain["token_ids"]);
     assert_eq!(spec["speculative"]["drafter"], "dspark");
     let full = spec["speculative"]["drafted_tokens"].as_u64().unwrap();
-    let (_, env, err) = mlxb_json(&with, &[("MLXB_DSPARK_MINCONF", "0.6")]);
+    let (_, env, err) = common::run_mlxb_json(&with, &[("MLXB_DSPARK_MINCONF", "0.6")]);
     assert_eq!(env["token_ids"], plain["token_ids"], "{err}");
     let pruned = env["speculative"]["drafted_tokens"].as_u64().unwrap();
     assert!(
@@ -863,7 +832,7 @@ fn cli_init_and_generate() {
     );
     let mut flag = with.clone();
     flag.extend(["--dspark-min-conf", "0.6"]);
-    let (_, by_flag, _) = mlxb_json(&flag, &[("MLXB_DSPARK_MINCONF", "0")]);
+    let (_, by_flag, _) = common::run_mlxb_json(&flag, &[("MLXB_DSPARK_MINCONF", "0")]);
     assert_eq!(
         by_flag["speculative"], env["speculative"],
         "the flag must override the variable"
@@ -871,8 +840,8 @@ fn cli_init_and_generate() {
     let mut bad_flag = with.clone();
     bad_flag.extend(["--dspark-min-conf", "1.5"]);
     for (args, env) in [(bad_flag, "0"), (with.clone(), "lots")] {
-        let (code, _, err) = mlxb_json(&args, &[("MLXB_DSPARK_MINCONF", env)]);
-        assert_eq!(code, Some(2), "{err}");
+        let (code, _, err) = common::run_mlxb_json(&args, &[("MLXB_DSPARK_MINCONF", env)]);
+        assert_eq!(code, 2, "{err}");
         assert_eq!(err.trim().lines().count(), 1, "{err}");
     }
 }

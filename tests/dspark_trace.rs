@@ -24,12 +24,8 @@ const TAPS: [usize; 2] = [0, 2];
 /// tied embeddings (no `lm_head.weight`), HF's config fields.
 fn hf_qwen3_target() -> tempfile::TempDir {
     let dir = tempfile::tempdir().unwrap();
-    let config = json!({
-        "model_type": "qwen3", "hidden_size": 64, "num_hidden_layers": 4, "intermediate_size": 128,
-        "num_attention_heads": 4, "num_key_value_heads": 2, "head_dim": 16, "rms_norm_eps": 1e-6,
-        "vocab_size": VOCAB, "max_position_embeddings": 512, "rope_theta": 10000.0,
-        "tie_word_embeddings": true
-    });
+    let config = common::tiny_qwen3(json!({"tie_word_embeddings": true}));
+    assert_eq!(config["vocab_size"], VOCAB);
     common::make_model(dir.path(), &config, "f32", None);
     common::edit_config(dir.path(), |c| {
         let extra = json!({
@@ -38,9 +34,7 @@ fn hf_qwen3_target() -> tempfile::TempDir {
             "use_sliding_window": false, "sliding_window": null, "max_window_layers": 4,
             "bos_token_id": 1, "transformers_version": "4.51.0", "use_cache": true
         });
-        c.as_object_mut()
-            .unwrap()
-            .extend(extra.as_object().unwrap().clone());
+        *c = common::with(c.take(), extra);
     });
     let names = Array::load_safetensors(dir.path().join("model.safetensors")).unwrap();
     assert!(names.contains_key("model.embed_tokens.weight"));

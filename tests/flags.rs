@@ -166,16 +166,16 @@ fn tiers_are_pure_aliases_and_flags_override() {
     assert_eq!(r.leaving()[0].fork.name, "kv-quant");
 }
 
+/// The shared tiny llama at width 128 (head dim 64) with 2 layers and an explicit rope theta,
+/// plus `extra`.
 fn llama(extra: Value) -> Value {
-    let mut c = json!({
-        "model_type": "llama", "hidden_size": 128, "num_hidden_layers": 2, "intermediate_size": 256,
-        "num_attention_heads": 4, "num_key_value_heads": 2, "head_dim": 64, "rms_norm_eps": 1e-5,
-        "vocab_size": 384, "tie_word_embeddings": true, "rope_theta": 10000.0
-    });
-    c.as_object_mut()
-        .unwrap()
-        .extend(extra.as_object().unwrap().clone());
-    c
+    common::with(
+        common::tiny_llama(json!({
+            "hidden_size": 128, "num_hidden_layers": 2, "intermediate_size": 256, "head_dim": 64,
+            "rope_theta": 10000.0
+        })),
+        extra,
+    )
 }
 
 /// Greedy steps with `forks`: ids and logprobs.
@@ -456,15 +456,9 @@ fn l1_forks_keep_mlx_lm_parity_qwen3_5_mixed_caches() {
     check_l1_forks(qwen3_5(), "bf16", None, 16, "32");
 }
 
+/// The shared tiny qwen3_5 with head dim 32.
 fn qwen3_5() -> Value {
-    json!({
-        "model_type": "qwen3_5", "hidden_size": 64, "num_hidden_layers": 4, "intermediate_size": 128,
-        "num_attention_heads": 4, "num_key_value_heads": 2, "head_dim": 32, "rms_norm_eps": 1e-6,
-        "vocab_size": 384, "linear_num_value_heads": 4, "linear_num_key_heads": 2,
-        "linear_key_head_dim": 16, "linear_value_head_dim": 16, "linear_conv_kernel_dim": 4,
-        "full_attention_interval": 2, "max_position_embeddings": 4096,
-        "rope_parameters": {"rope_type": "default", "rope_theta": 10000.0, "partial_rotary_factor": 0.5}
-    })
+    common::tiny_qwen3_5(json!({"head_dim": 32}))
 }
 
 type DraftSpec = (DraftKind, Option<std::path::PathBuf>, Option<usize>);

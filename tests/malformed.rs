@@ -10,9 +10,7 @@ mod common;
 
 use serde_json::{json, Value};
 use std::collections::BTreeMap;
-use std::io::Write;
 use std::path::{Path, PathBuf};
-use std::process::{Command, Stdio};
 use std::sync::OnceLock;
 
 /// Inputs every case starts from: a tiny llama, a DSpark drafter for it, a good prompt file.
@@ -154,24 +152,14 @@ impl Suite {
     fn refuse(&mut self, dir: &Path, args: &[&str], stdin: &[u8], needles: &[&str]) {
         let fx = fixture();
         let before = (snapshot(dir), snapshot(&fx.model), snapshot(&fx.drafter));
-        let mut child = Command::new(common::mlxb())
-            .args(args)
-            .current_dir(dir)
-            .env("HF_HUB_OFFLINE", "1")
-            .stdin(Stdio::piped())
-            .stdout(Stdio::piped())
-            .stderr(Stdio::piped())
-            .spawn()
-            .unwrap();
-        child.stdin.take().unwrap().write_all(stdin).unwrap();
-        let out = child.wait_with_output().unwrap();
-        let err = String::from_utf8_lossy(&out.stderr);
-        let what = format!("`mlxb {}` in {}", args.join(" "), dir.display());
-        assert_eq!(
-            out.status.code(),
-            Some(2),
-            "{what}: exit code; stderr: {err}"
+        let (code, _, err) = common::run(
+            common::mlxb_command(args)
+                .current_dir(dir)
+                .env("HF_HUB_OFFLINE", "1"),
+            stdin,
         );
+        let what = format!("`mlxb {}` in {}", args.join(" "), dir.display());
+        assert_eq!(code, 2, "{what}: exit code; stderr: {err}");
         assert!(!err.contains("panicked"), "{what}: panic: {err}");
         assert_eq!(err.trim().lines().count(), 1, "{what}: not one line: {err}");
         for n in needles {

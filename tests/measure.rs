@@ -7,7 +7,7 @@ mod common;
 #[path = "common/dspark_cli.rs"]
 mod dspark_cli;
 
-use dspark_cli::{mlxb_json, s, Fixture, MIXED};
+use dspark_cli::{s, Fixture, MIXED};
 use serde_json::Value;
 use std::collections::BTreeSet;
 use std::path::Path;
@@ -100,16 +100,19 @@ fn greedy_reports_match_the_trace_and_vanilla() {
     let mut base = fx.args("measure", &data, "20");
     base.extend(["--json", "--spec-trace", s(&trace_path)]);
     // The vanilla ids of the `prompt_ids` line, from `generate`.
-    let (code, vanilla, err) = mlxb_json(&[
-        "generate",
-        "--model",
-        s(&fx.target),
-        "--prompt-ids",
-        "5,17,99,250,17,99",
-        "--max-tokens",
-        "20",
-        "--json",
-    ]);
+    let (code, vanilla, err) = common::run_mlxb_json(
+        &[
+            "generate",
+            "--model",
+            s(&fx.target),
+            "--prompt-ids",
+            "5,17,99,250,17,99",
+            "--max-tokens",
+            "20",
+            "--json",
+        ],
+        &[],
+    );
     assert_eq!(code, 0, "{err}");
     let vanilla: Vec<u64> = vanilla["token_ids"]
         .as_array()
@@ -123,7 +126,7 @@ fn greedy_reports_match_the_trace_and_vanilla() {
     ] {
         let mut args = base.clone();
         args.extend(&drafter);
-        let (code, v, err) = mlxb_json(&args);
+        let (code, v, err) = common::run_mlxb_json(&args, &[]);
         assert_eq!(code, 0, "{drafter:?}: {err}");
         for k in FIELDS {
             assert!(v.get(k).is_some(), "{drafter:?}: no `{k}` in {v}");
@@ -201,21 +204,21 @@ fn sampling_uses_rejection_and_bad_input_exits_2() {
         "--seed",
         "3",
     ]);
-    let (code, v, err) = mlxb_json(&base);
+    let (code, v, err) = common::run_mlxb_json(&base, &[]);
     assert_eq!(code, 0, "{err}");
     assert_eq!(v["verify"], "reject");
     assert_eq!(v["lossless_checked"], false);
     assert!(v["drafts"].as_u64().unwrap() > 0, "{v}");
     let mut matching = base.clone();
     matching.extend(["--spec-verify", "match"]);
-    let (code, v, err) = mlxb_json(&matching);
+    let (code, v, err) = common::run_mlxb_json(&matching, &[]);
     assert_eq!(code, 0, "{err}");
     assert_eq!(v["verify"], "match");
 
     let run = |data: &Path, extra: &[&str]| {
         let mut a = fx.args("measure", data, "8");
         a.extend(extra);
-        mlxb_json(&a)
+        common::run_mlxb_json(&a, &[])
     };
     let ngram = ["--draft-kind", "ngram"];
     for (name, text, want) in [

@@ -4,6 +4,7 @@
 
 mod common;
 
+use common::{tiny_qwen3_5, with};
 use mlxb::engine::flags::Forks;
 use mlxb::engine::generate::{Flow, GenerateConfig, Generator};
 use mlxb::engine::models;
@@ -71,16 +72,12 @@ fn check(config: serde_json::Value, dtype: &str, quant_bits: Option<u32>, prefil
 
 use mlx_rs::ops::indexing::IndexOp;
 
+/// The shared tiny llama with 2 layers and an explicit rope theta, plus `extra`.
 fn llama(extra: serde_json::Value) -> serde_json::Value {
-    let mut c = json!({
-        "model_type": "llama", "hidden_size": 64, "num_hidden_layers": 2, "intermediate_size": 128,
-        "num_attention_heads": 4, "num_key_value_heads": 2, "rms_norm_eps": 1e-5,
-        "vocab_size": 384, "tie_word_embeddings": true, "rope_theta": 10000.0
-    });
-    c.as_object_mut()
-        .unwrap()
-        .extend(extra.as_object().unwrap().clone());
-    c
+    with(
+        common::tiny_llama(json!({"num_hidden_layers": 2, "rope_theta": 10000.0})),
+        extra,
+    )
 }
 
 #[test]
@@ -119,14 +116,6 @@ fn llama_sliding_window_layers() {
         None,
         2048,
     );
-}
-
-fn with(base: serde_json::Value, extra: serde_json::Value) -> serde_json::Value {
-    let mut c = base;
-    c.as_object_mut()
-        .unwrap()
-        .extend(extra.as_object().unwrap().clone());
-    c
 }
 
 fn qwen2(extra: serde_json::Value) -> serde_json::Value {
@@ -442,24 +431,10 @@ fn qwen3_moe_4bit_quantized_down_proj() {
     );
 }
 
-fn qwen3_5(extra: serde_json::Value) -> serde_json::Value {
-    with(
-        json!({
-            "model_type": "qwen3_5", "hidden_size": 64, "num_hidden_layers": 4, "intermediate_size": 128,
-            "num_attention_heads": 4, "num_key_value_heads": 2, "head_dim": 16, "rms_norm_eps": 1e-6,
-            "vocab_size": 384, "linear_num_value_heads": 4, "linear_num_key_heads": 2,
-            "linear_key_head_dim": 16, "linear_value_head_dim": 16, "linear_conv_kernel_dim": 4,
-            "full_attention_interval": 2, "max_position_embeddings": 4096,
-            "rope_parameters": {"rope_type": "default", "rope_theta": 10000.0, "partial_rotary_factor": 0.5}
-        }),
-        extra,
-    )
-}
-
 #[test]
 fn qwen3_5_bf16() {
     // Layers: linear, full, linear, full. Gated delta state repeated over 2 value heads per key head.
-    check(qwen3_5(json!({})), "bf16", None, 2048);
+    check(tiny_qwen3_5(json!({})), "bf16", None, 2048);
 }
 
 #[test]
@@ -467,7 +442,7 @@ fn qwen3_5_bf16_chunked_prefill() {
     // 3 linear layers then 1 full; 1 key head shared by 4 value heads of another width; conv
     // kernel 3; mrope with mlx-lm's default partial rotary factor; tied head.
     check(
-        qwen3_5(
+        tiny_qwen3_5(
             json!({"full_attention_interval": 4, "linear_num_key_heads": 1,
             "linear_key_head_dim": 32, "linear_value_head_dim": 8, "linear_conv_kernel_dim": 3,
             "num_key_value_heads": 1, "head_dim": 32, "tie_word_embeddings": true,
@@ -483,7 +458,7 @@ fn qwen3_5_bf16_chunked_prefill() {
 fn qwen3_5_4bit_text_config() {
     // Nested `text_config` (as Qwen3.5 checkpoints ship it); out_proj input (4 x 16) is quantized,
     // o_proj's (2 x 48 = 96) is not a multiple of the group size and stays dense.
-    let text = qwen3_5(
+    let text = tiny_qwen3_5(
         json!({"hidden_size": 128, "intermediate_size": 256, "num_attention_heads": 2,
         "num_key_value_heads": 2, "head_dim": 48, "linear_num_value_heads": 4, "linear_num_key_heads": 4,
         "full_attention_interval": 3, "num_hidden_layers": 3}),
@@ -494,7 +469,7 @@ fn qwen3_5_4bit_text_config() {
 
 fn qwen3_5_moe(extra: serde_json::Value) -> serde_json::Value {
     with(
-        qwen3_5(
+        tiny_qwen3_5(
             json!({"model_type": "qwen3_5_moe", "num_experts": 4, "num_experts_per_tok": 2,
             "moe_intermediate_size": 32, "shared_expert_intermediate_size": 48}),
         ),
@@ -636,7 +611,7 @@ fn gemma4_text_moe_4bit() {
 fn hf_layout_checkpoints_are_sanitized() {
     let hf = json!({"_hf_layout": true});
     check(with(qwen3_moe(json!({})), hf.clone()), "f32", None, 2048);
-    check(with(qwen3_5(json!({})), hf.clone()), "bf16", None, 16);
+    check(with(tiny_qwen3_5(json!({})), hf.clone()), "bf16", None, 16);
     check(with(qwen3_5_moe(json!({})), hf.clone()), "f32", None, 2048);
     check(
         with(gemma4_moe(json!({"num_kv_shared_layers": 1})), hf),
@@ -653,7 +628,7 @@ fn qwen3_5_cache_snapshot_restore_is_exact() {
     let dir = tempfile::tempdir().unwrap();
     common::make_model_with(
         dir.path(),
-        &qwen3_5(json!({})),
+        &tiny_qwen3_5(json!({})),
         "bf16",
         None,
         &["--no-tokenizer"],

@@ -222,13 +222,6 @@ fn logprobs(logits: &Array) -> Vec<f32> {
     lp.as_slice::<f32>().to_vec()
 }
 
-fn kl(p: &[f32], q: &[f32]) -> f64 {
-    p.iter()
-        .zip(q)
-        .map(|(a, b)| f64::from(a.exp()) * f64::from(a - b))
-        .sum()
-}
-
 #[test]
 fn tiny_4bit_model_decodes_with_the_host_kernel_close_to_l1() {
     let dir = tempfile::tempdir().unwrap();
@@ -240,21 +233,21 @@ fn tiny_4bit_model_decodes_with_the_host_kernel_close_to_l1() {
     // The 12-token prefill runs on the host step too (two sub-blocks): close, not identical.
     let mut t = common::Twins::prefill(dir.path(), Forks::default(), on, 12, 1);
     let (la, lb) = t.prefill.clone();
-    let d = kl(&logprobs(&la), &logprobs(&lb));
+    let d = common::kl(&logprobs(&la), &logprobs(&lb));
     assert!(d.is_finite() && d < 1e-4, "prefill: KL(L1 || kernel) = {d}");
     let before = host_calls();
     let mut worst = 0.0f64;
-    let mut tok = argmax(&logprobs(&la));
+    let mut tok = common::argmax(&logprobs(&la));
     for step in 0..16 {
         let (ya, yb) = t.step(tok as i32);
         let (pa, pb) = (logprobs(&ya), logprobs(&yb));
-        let d = kl(&pa, &pb);
+        let d = common::kl(&pa, &pb);
         assert!(
             d.is_finite() && d < 1e-4,
             "step {step}: KL(L1 || kernel) = {d}"
         );
         worst = worst.max(d);
-        tok = argmax(&pa);
+        tok = common::argmax(&pa);
     }
     // 4 layers x 7 projections + the tied 4-bit head, per step.
     let calls = host_calls() - before;
@@ -263,13 +256,6 @@ fn tiny_4bit_model_decodes_with_the_host_kernel_close_to_l1() {
         "the host kernel ran {calls} times in 16 steps"
     );
     eprintln!("tiny 4-bit llama, 16 decode steps: max KL(L1 || perf-kernel) = {worst:.3e}");
-}
-
-fn argmax(v: &[f32]) -> usize {
-    v.iter()
-        .enumerate()
-        .fold((0, f32::MIN), |b, (i, &x)| if x > b.1 { (i, x) } else { b })
-        .0
 }
 
 #[test]
@@ -319,14 +305,21 @@ fn generate_with_perf_kernel_on_alone_produces_tokens() {
 fn a_bad_forced_kernel_is_one_sentence_and_exit_2() {
     let dir = tempfile::tempdir().unwrap();
     common::make_model(dir.path(), &common::tiny_llama(json!({})), "f32", Some(4));
-    let out = std::process::Command::new(common::mlxb())
-        .args(["generate", "--model", dir.path().to_str().unwrap()])
-        .args(["--prompt", "hi", "-m", "2", "--perf-kernel", "on"])
-        .env("MLXB_Q4_KERNEL", "neon")
-        .output()
-        .unwrap();
-    let err = String::from_utf8_lossy(&out.stderr);
-    assert_eq!(out.status.code(), Some(2), "{err}");
+    let (code, _, err) = common::run_mlxb_env(
+        &[
+            "generate",
+            "--model",
+            dir.path().to_str().unwrap(),
+            "--prompt",
+            "hi",
+            "-m",
+            "2",
+            "--perf-kernel",
+            "on",
+        ],
+        &[("MLXB_Q4_KERNEL", "neon")],
+    );
+    assert_eq!(code, 2, "{err}");
     assert!(
         err.contains("MLXB_Q4_KERNEL") && err.contains("avx2"),
         "{err}"

@@ -6,17 +6,15 @@ use std::process::Command;
 
 #[test]
 fn binary_runs_without_environment_from_any_directory() {
-    let out = Command::new(common::mlxb())
-        .arg("--version")
-        .env_clear()
-        .current_dir("/")
-        .output()
-        .unwrap();
-    let text = String::from_utf8_lossy(&out.stdout);
-    assert!(
-        out.status.success(),
-        "mlxb --version failed with no environment (would it need LD_LIBRARY_PATH?): {}",
-        String::from_utf8_lossy(&out.stderr)
+    let (code, text, err) = common::run(
+        common::mlxb_command(&["--version"])
+            .env_clear()
+            .current_dir("/"),
+        &[],
+    );
+    assert_eq!(
+        code, 0,
+        "mlxb --version failed with no environment (would it need LD_LIBRARY_PATH?): {err}"
     );
     assert!(
         text.contains("MLX 0.32.4"),
@@ -27,11 +25,7 @@ fn binary_runs_without_environment_from_any_directory() {
 
 #[test]
 fn mlxb_and_oracle_load_the_same_libmlx_and_openblas() {
-    let report = Command::new(common::mlxb())
-        .arg("--version")
-        .output()
-        .unwrap();
-    let report = String::from_utf8_lossy(&report.stdout);
+    let (_, report, _) = common::run_mlxb(&["--version"]);
     assert!(
         report.contains("BLAS OpenBLAS"),
         "mlxb is not on OpenBLAS: {report}"
@@ -119,15 +113,9 @@ fn fake_runtime_dir(base: &std::path::Path, len: usize) -> String {
     fake
 }
 
-fn run_relocated(mlxb: &std::path::Path) -> (Option<i32>, String) {
-    let out = Command::new(mlxb)
-        .args(["generate", "--prompt", "hi"])
-        .output()
-        .unwrap();
-    (
-        out.status.code(),
-        String::from_utf8_lossy(&out.stderr).into_owned(),
-    )
+fn run_relocated(mlxb: &std::path::Path) -> (i32, String) {
+    let (code, _, err) = common::run(Command::new(mlxb).args(["generate", "--prompt", "hi"]), &[]);
+    (code, err)
 }
 
 #[test]
@@ -145,7 +133,7 @@ fn missing_runtime_is_one_sentence_not_a_loader_crash() {
 
     // No libmlx at all.
     let (code, err) = run_relocated(&mlxb);
-    assert_eq!(code, Some(2), "stderr: {err}");
+    assert_eq!(code, 2, "stderr: {err}");
     assert!(
         err.starts_with("mlxb: error: the MLX runtime") && err.contains("libmlx.so"),
         "unexpected message: {err}"
@@ -163,7 +151,7 @@ fn missing_runtime_is_one_sentence_not_a_loader_crash() {
     )
     .unwrap();
     let (code, err) = run_relocated(&mlxb);
-    assert_eq!(code, Some(2), "stderr: {err}");
+    assert_eq!(code, 2, "stderr: {err}");
     assert!(
         err.contains("cannot be loaded") && (err.contains("blas") || err.contains("lapack")),
         "the missing BLAS/LAPACK is not named: {err}"

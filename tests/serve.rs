@@ -10,7 +10,7 @@ mod serve_harness;
 use serde_json::{json, Value};
 use serve_harness::{chat_body, generate, ids, model, stream_text, Server, PROMPT};
 use std::io::{BufRead, BufReader};
-use std::process::{Command, Stdio};
+use std::process::Stdio;
 use std::time::{Duration, Instant};
 
 /// A two-character stop string whose first occurrence in `text` comes after at least four
@@ -564,15 +564,20 @@ fn security_defaults_and_limits() {
         assert_eq!(err.trim().lines().count(), 1, "{err}");
     }
     // With --allow-remote and no key it warns on stderr (checked before anything binds).
-    let mut child = Command::new(common::mlxb())
-        .args([
-            "serve", "--model", &model, "--host", "0.0.0.0", "--port", "0",
-        ])
-        .arg("--allow-remote")
-        .stdout(Stdio::null())
-        .stderr(Stdio::piped())
-        .spawn()
-        .unwrap();
+    let mut child = common::mlxb_command(&[
+        "serve",
+        "--model",
+        &model,
+        "--host",
+        "0.0.0.0",
+        "--port",
+        "0",
+        "--allow-remote",
+    ])
+    .stdout(Stdio::null())
+    .stderr(Stdio::piped())
+    .spawn()
+    .unwrap();
     let mut first = String::new();
     BufReader::new(child.stderr.take().unwrap())
         .read_line(&mut first)

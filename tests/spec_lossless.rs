@@ -145,12 +145,7 @@ fn rotating_cache_all_drafters_match_mlx_lm() {
 #[test]
 fn gemma3_sliding_window_all_drafters_match_mlx_lm() {
     let dir = tempfile::tempdir().unwrap();
-    let config = json!({
-        "model_type": "gemma3_text", "hidden_size": 64, "num_hidden_layers": 4, "intermediate_size": 128,
-        "num_attention_heads": 2, "num_key_value_heads": 1, "head_dim": 32, "rms_norm_eps": 1e-6,
-        "vocab_size": 384, "sliding_window": 8, "sliding_window_pattern": 2, "query_pre_attn_scalar": 32,
-        "rope_theta": 10000.0, "rope_local_base_freq": 10000.0, "max_position_embeddings": 512
-    });
+    let config = common::tiny_gemma3();
     common::make_model(dir.path(), &config, "f32", None);
     check_all_drafters(dir.path(), &config, 2, true);
 }
@@ -161,11 +156,10 @@ fn gemma3_sliding_window_all_drafters_match_mlx_lm() {
 #[test]
 fn rejection_sampling_is_lossless_in_distribution() {
     let dir = tempfile::tempdir().unwrap();
-    let config = json!({
-        "model_type": "llama", "hidden_size": 32, "num_hidden_layers": 1, "intermediate_size": 64,
-        "num_attention_heads": 2, "num_key_value_heads": 1, "rms_norm_eps": 1e-5,
-        "vocab_size": 12, "tie_word_embeddings": true
-    });
+    let config = common::tiny_llama(json!({
+        "hidden_size": 32, "num_hidden_layers": 1, "intermediate_size": 64,
+        "num_attention_heads": 2, "num_key_value_heads": 1, "vocab_size": 12
+    }));
     common::make_model_with(dir.path(), &config, "f32", None, &["--no-tokenizer"]);
     let mut loaded = models::load(dir.path(), Forks::default()).unwrap();
     let prompt = [1u32, 5, 7, 2, 9];

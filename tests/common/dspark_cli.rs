@@ -3,7 +3,7 @@
 #![allow(dead_code)]
 
 use super::common;
-use serde_json::{json, Value};
+use serde_json::json;
 use std::path::{Path, PathBuf};
 
 /// Draft block size of the fixture drafter.
@@ -73,16 +73,6 @@ impl Fixture {
 /// A path as a CLI argument.
 pub fn s(p: &Path) -> &str {
     p.to_str().unwrap()
-}
-
-/// Runs mlxb; returns the exit code, stdout parsed as JSON (`Null` if it is not) and stderr.
-pub fn mlxb_json(args: &[&str]) -> (i32, Value, String) {
-    let (code, out, err) = common::run_mlxb(args);
-    (
-        code,
-        serde_json::from_str(out.trim()).unwrap_or(Value::Null),
-        err,
-    )
 }
 
 /// One prompt of each kind: a `prompt` string, a `messages` list and `prompt_ids`.

@@ -1,8 +1,9 @@
 //! Shared helpers for integration tests: locating the oracle env and running its Python.
 #![allow(dead_code)]
 
+use std::io::Write;
 use std::path::{Path, PathBuf};
-use std::process::Command;
+use std::process::{Command, Stdio};
 
 /// Repository root (tests run with the package root as the working directory).
 pub fn root() -> PathBuf {
@@ -129,13 +130,49 @@ pub fn greedy_ids(
     (ids, metrics)
 }
 
-/// Runs the `mlxb` binary with `args`; returns (exit code, stdout, stderr).
-pub fn run_mlxb(args: &[&str]) -> (i32, String, String) {
-    let out = Command::new(mlxb()).args(args).output().unwrap();
+/// The `mlxb` binary under test with `args`, to add environment, a working directory or pipes
+/// to before running or spawning it.
+pub fn mlxb_command(args: &[&str]) -> Command {
+    let mut cmd = Command::new(mlxb());
+    cmd.args(args);
+    cmd
+}
+
+/// Runs `cmd` to completion with `stdin` as its whole input; returns (exit code, -1 when a
+/// signal ended it; stdout; stderr).
+pub fn run(cmd: &mut Command, stdin: &[u8]) -> (i32, String, String) {
+    let mut child = cmd
+        .stdin(Stdio::piped())
+        .stdout(Stdio::piped())
+        .stderr(Stdio::piped())
+        .spawn()
+        .unwrap_or_else(|e| panic!("cannot start {cmd:?}: {e}"));
+    child.stdin.take().unwrap().write_all(stdin).unwrap();
+    let out = child.wait_with_output().unwrap();
     (
         out.status.code().unwrap_or(-1),
         String::from_utf8_lossy(&out.stdout).into_owned(),
         String::from_utf8_lossy(&out.stderr).into_owned(),
+    )
+}
+
+/// Runs the `mlxb` binary with `args`; returns (exit code, stdout, stderr).
+pub fn run_mlxb(args: &[&str]) -> (i32, String, String) {
+    run_mlxb_env(args, &[])
+}
+
+/// [`run_mlxb`] with the variables of `env` set.
+pub fn run_mlxb_env(args: &[&str], env: &[(&str, &str)]) -> (i32, String, String) {
+    run(mlxb_command(args).envs(env.iter().copied()), &[])
+}
+
+/// [`run_mlxb_env`] with stdout parsed as JSON (`Null` if it is not).
+pub fn run_mlxb_json(args: &[&str], env: &[(&str, &str)]) -> (i32, serde_json::Value, String) {
+    let (code, out, err) = run_mlxb_env(args, env);
+    (
+        code,
+        serde_json::from_str(out.trim()).unwrap_or(serde_json::Value::Null),
+        err,
     )
 }
 
@@ -152,18 +189,84 @@ pub fn edit_config(dir: &Path, f: impl FnOnce(&mut serde_json::Value)) {
 /// rank 16).
 pub const TINY_DRAFTER: [&str; 6] = ["--layers", "1", "--gamma", "4", "--markov-rank", "16"];
 
-/// The tiny llama config the speculative tests share (4 layers, width 64, vocabulary 384, tied
-/// head), with `extra` fields added or replaced.
-pub fn tiny_llama(extra: serde_json::Value) -> serde_json::Value {
-    let mut c = serde_json::json!({
-        "model_type": "llama", "hidden_size": 64, "num_hidden_layers": 4, "intermediate_size": 128,
-        "num_attention_heads": 4, "num_key_value_heads": 2, "rms_norm_eps": 1e-5,
-        "vocab_size": 384, "tie_word_embeddings": true
-    });
-    if let (Some(c), Some(extra)) = (c.as_object_mut(), extra.as_object()) {
-        c.extend(extra.clone());
-    }
+/// `base` (a JSON object) with the fields of `extra` (another) added or replaced.
+pub fn with(base: serde_json::Value, extra: serde_json::Value) -> serde_json::Value {
+    let mut c = base;
+    c.as_object_mut()
+        .expect("a config object")
+        .extend(extra.as_object().expect("an object of fields").clone());
     c
+}
+
+/// The tiny llama config most tests build (4 layers, width 64, vocabulary 384, tied head), with
+/// `extra` fields added or replaced.
+pub fn tiny_llama(extra: serde_json::Value) -> serde_json::Value {
+    with(
+        serde_json::json!({
+            "model_type": "llama", "hidden_size": 64, "num_hidden_layers": 4, "intermediate_size": 128,
+            "num_attention_heads": 4, "num_key_value_heads": 2, "rms_norm_eps": 1e-5,
+            "vocab_size": 384, "tie_word_embeddings": true
+        }),
+        extra,
+    )
+}
+
+/// A tiny qwen3 config (4 layers, width 64, head dim 16, vocabulary 384, untied head), with
+/// `extra` fields added or replaced.
+pub fn tiny_qwen3(extra: serde_json::Value) -> serde_json::Value {
+    with(
+        serde_json::json!({
+            "model_type": "qwen3", "hidden_size": 64, "num_hidden_layers": 4, "intermediate_size": 128,
+            "num_attention_heads": 4, "num_key_value_heads": 2, "head_dim": 16, "rms_norm_eps": 1e-6,
+            "vocab_size": 384, "max_position_embeddings": 512, "rope_theta": 10000.0,
+            "tie_word_embeddings": false
+        }),
+        extra,
+    )
+}
+
+/// A tiny gemma3_text config with a sliding window of 8 on every other layer (4 layers, width
+/// 64, vocabulary 384).
+pub fn tiny_gemma3() -> serde_json::Value {
+    serde_json::json!({
+        "model_type": "gemma3_text", "hidden_size": 64, "num_hidden_layers": 4, "intermediate_size": 128,
+        "num_attention_heads": 2, "num_key_value_heads": 1, "head_dim": 32, "rms_norm_eps": 1e-6,
+        "vocab_size": 384, "sliding_window": 8, "sliding_window_pattern": 2, "query_pre_attn_scalar": 32,
+        "rope_theta": 10000.0, "rope_local_base_freq": 10000.0, "max_position_embeddings": 512
+    })
+}
+
+/// A tiny qwen3_5 config: linear-attention and full-attention layers alternating (4 layers,
+/// width 64, head dim 16, partial rotary factor 0.5, vocabulary 384), with `extra` fields added
+/// or replaced.
+pub fn tiny_qwen3_5(extra: serde_json::Value) -> serde_json::Value {
+    with(
+        serde_json::json!({
+            "model_type": "qwen3_5", "hidden_size": 64, "num_hidden_layers": 4, "intermediate_size": 128,
+            "num_attention_heads": 4, "num_key_value_heads": 2, "head_dim": 16, "rms_norm_eps": 1e-6,
+            "vocab_size": 384, "linear_num_value_heads": 4, "linear_num_key_heads": 2,
+            "linear_key_head_dim": 16, "linear_value_head_dim": 16, "linear_conv_kernel_dim": 4,
+            "full_attention_interval": 2, "max_position_embeddings": 4096,
+            "rope_parameters": {"rope_type": "default", "rope_theta": 10000.0, "partial_rotary_factor": 0.5}
+        }),
+        extra,
+    )
+}
+
+/// Kullback-Leibler divergence `KL(p || q)` of two log-probability vectors, in f64.
+pub fn kl(p: &[f32], q: &[f32]) -> f64 {
+    p.iter()
+        .zip(q)
+        .map(|(a, b)| f64::from(a.exp()) * f64::from(a - b))
+        .sum()
+}
+
+/// Index of the largest value (the first of equal ones).
+pub fn argmax(v: &[f32]) -> usize {
+    v.iter()
+        .enumerate()
+        .fold((0, f32::MIN), |b, (i, &x)| if x > b.1 { (i, x) } else { b })
+        .0
 }
 
 /// With a wrapped sliding window (`wraps`), rollback must have gone through snapshot + replay;

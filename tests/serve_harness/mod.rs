@@ -7,7 +7,7 @@ use super::common;
 use serde_json::{json, Value};
 use std::io::{BufRead, BufReader};
 use std::path::{Path, PathBuf};
-use std::process::{Child, Command, Stdio};
+use std::process::{Child, Stdio};
 use std::sync::mpsc;
 use std::sync::OnceLock;
 use std::time::{Duration, Instant};
@@ -22,11 +22,7 @@ pub fn model() -> &'static Path {
         let dir = PathBuf::from(env!("CARGO_TARGET_TMPDIR"))
             .join(env!("CARGO_CRATE_NAME"))
             .join("serve-tiny-llama");
-        let config = json!({
-            "model_type": "llama", "hidden_size": 64, "num_hidden_layers": 2,
-            "intermediate_size": 128, "num_attention_heads": 4, "num_key_value_heads": 2,
-            "rms_norm_eps": 1e-5, "vocab_size": 384, "tie_word_embeddings": true
-        });
+        let config = common::tiny_llama(json!({"num_hidden_layers": 2}));
         common::make_model(&dir, &config, "bf16", None);
         dir
     })
@@ -52,21 +48,20 @@ impl Server {
     /// Starts the server on a free port and waits (bounded) until /health answers.
     pub fn start(extra: &[&str]) -> Server {
         let model = model().to_str().unwrap().to_owned();
-        let mut child = Command::new(common::mlxb())
-            .args([
-                "serve",
-                "--model",
-                &model,
-                "--host",
-                "127.0.0.1",
-                "--port",
-                "0",
-            ])
-            .args(extra)
-            .stdout(Stdio::piped())
-            .stderr(Stdio::inherit())
-            .spawn()
-            .expect("cannot start mlxb serve");
+        let mut child = common::mlxb_command(&[
+            "serve",
+            "--model",
+            &model,
+            "--host",
+            "127.0.0.1",
+            "--port",
+            "0",
+        ])
+        .args(extra)
+        .stdout(Stdio::piped())
+        .stderr(Stdio::inherit())
+        .spawn()
+        .expect("cannot start mlxb serve");
         let stdout = child.stdout.take().unwrap();
         let mut server = Server {
             child,
@@ -196,24 +191,20 @@ impl Server {
 
 /// `mlxb generate --json` for the same settings.
 pub fn generate(prompt: &str, max_tokens: usize, extra: &[&str]) -> Value {
-    let out = Command::new(common::mlxb())
-        .args([
-            "generate",
-            "--model",
-            model().to_str().unwrap(),
-            "--prompt",
-            prompt,
-        ])
-        .args(["--max-tokens", &max_tokens.to_string(), "--json"])
-        .args(extra)
-        .output()
-        .unwrap();
-    assert!(
-        out.status.success(),
-        "{}",
-        String::from_utf8_lossy(&out.stderr)
-    );
-    serde_json::from_slice(&out.stdout).unwrap()
+    let max_tokens = max_tokens.to_string();
+    let args = [
+        "generate",
+        "--model",
+        model().to_str().unwrap(),
+        "--prompt",
+        prompt,
+        "--max-tokens",
+        &max_tokens,
+        "--json",
+    ];
+    let (code, out, err) = common::run_mlxb(&[&args[..], extra].concat());
+    assert_eq!(code, 0, "{err}");
+    serde_json::from_str(&out).unwrap()
 }
 
 pub fn ids(v: &Value) -> Vec<u64> {
