@@ -41,6 +41,18 @@ fn check(what: &str, wq: &Array, scales: &Array, biases: &Array, spec: QuantSpec
     // product by sum_k s_k q_k (x_k - x̂_k), bounded by sum_k |s_k q_k| |x_k - x̂_k|.
     let rounding = input_rounding_bound(wq, scales, biases, spec, x);
     let host = HostQuant::new(wq, scales, biases, spec).unwrap();
+    // A path this CPU lacks must be refused, never run.
+    for path in KernelPath::ALL.into_iter().filter(|p| !p.available()) {
+        let err = host
+            .forward_with(x, Selection { path, threads: 1 })
+            .unwrap_err()
+            .to_string();
+        assert!(
+            err.contains(&format!("cannot run the {} kernel", path.name())),
+            "{what} {}: {err}",
+            path.name()
+        );
+    }
     for path in paths() {
         for threads in [1, 2] {
             let got = host.forward_with(x, Selection { path, threads }).unwrap();
