@@ -73,191 +73,18 @@ impl Tokenizer {
     /// Loads the tokenizer of a model directory the way `mlx_lm.utils.load` does.
     pub fn load(model_dir: &Path) -> Result<Tokenizer> {
         let tok_path = model_dir.join("tokenizer.json");
-        let bytes = match std::fs::read(&tok_path) {
-            Ok(b) => b,
-            Err(e) if e.kind() == std::io::ErrorKind::NotFound => {
-                return Err(EngineError::file(
-                    &tok_path,
-                    "is missing; mlxb needs the fast-tokenizer file, so download the full model \
-                     repository (including tokenizer.json)",
-                ))
-            }
-            Err(e) => {
-                return Err(EngineError::file(
-                    &tok_path,
-                    format!("could not be read ({e}); check the file's permissions"),
-                ))
-            }
-        };
-        // Both parses of the file are the longest step of start-up once weights load fast,
-        // so they run side by side; a JSON error is reported first (it names the real fault).
-        // The tokenizers crate panics on some malformed files instead of returning an error;
-        // `contain` turns that into one (reported after a JSON error, if any).
-        let (tok_json, inner) = std::thread::scope(|s| {
-            let json = s.spawn(|| serde_json::from_slice::<TokenizerFile>(&bytes));
-            let inner = super::contain::contain_fallible("its parser failed", || {
-                tokenizers::Tokenizer::from_bytes(&bytes)
-            });
-            (json.join(), inner)
-        });
-        let tok_file: TokenizerFile = tok_json
-            .map_err(|_| EngineError::Runtime("the tokenizer.json parser thread panicked".into()))?
-            .map_err(|e| {
-                EngineError::file(
-                    &tok_path,
-                    format!("is not valid JSON ({e}); re-download the model's tokenizer files"),
-                )
-            })?;
-        let mut inner = inner.map_err(|e| {
-            EngineError::file(
-                &tok_path,
-                format!(
-                    "is not a tokenizer the tokenizers library can load ({e}); re-download it or \
-                     re-save it with a current transformers"
-                ),
-            )
-        })?;
-        // transformers encodes with truncation and padding switched off whatever the file says.
-        inner.with_truncation(None).map_err(|e| {
-            EngineError::file(&tok_path, format!("has unusable truncation settings ({e})"))
-        })?;
-        inner.with_padding(None);
-        // Some files make the tokenizers crate panic only when it encodes (found by fuzzing: a
-        // TemplateProcessing special token whose map key differs from its `id`); one encode
-        // with special tokens here refuses such a file at load, naming it.
-        if let Err(panic) = super::contain::contain(|| inner.encode("a", true)) {
-            return Err(EngineError::file(
-                &tok_path,
-                format!(
-                    "is not a tokenizer the tokenizers library can run (it failed encoding a \
-                     test text: {panic}); re-download it or re-save it with a current \
-                     transformers"
-                ),
-            ));
-        }
+        let (tok_file, mut inner) = read_tokenizer_json(&tok_path)?;
 
         let cfg_path = model_dir.join("tokenizer_config.json");
-        let mut init = match read_json(&cfg_path)? {
-            Some(Json::Object(m)) => m,
-            Some(_) => {
-                return Err(EngineError::file(
-                    &cfg_path,
-                    "is not a JSON object; re-download the model's tokenizer files",
-                ))
-            }
-            None => Map::new(),
-        };
+        let mut init = read_tokenizer_config(&cfg_path)?;
         let chat_template_type = init
             .get("chat_template_type")
             .and_then(Json::as_str)
             .map(str::to_owned);
+        merge_legacy_special_tokens(model_dir, &mut init)?;
 
-        // Legacy layout: special_tokens_map.json overrides the config when the config does not
-        // carry added_tokens_decoder (transformers' `_from_pretrained`).
-        if !init.contains_key("added_tokens_decoder") {
-            let map_path = model_dir.join("special_tokens_map.json");
-            if let Some(Json::Object(map)) = read_json(&map_path)? {
-                for (key, value) in map {
-                    if key == "extra_special_tokens" {
-                        if let Json::Array(list) = value {
-                            let mut existing = match init.get(&key) {
-                                Some(Json::Array(a)) => a.clone(),
-                                _ => Vec::new(),
-                            };
-                            for tok in list {
-                                if !existing.contains(&tok) {
-                                    existing.push(tok);
-                                }
-                            }
-                            init.insert(key, Json::Array(existing));
-                        } else {
-                            init.insert(key, value);
-                        }
-                    } else if let Json::Object(mut obj) = value {
-                        // transformers turns these into AddedToken(..., special=True).
-                        obj.insert("special".into(), Json::Bool(true));
-                        obj.insert("__type".into(), Json::from("AddedToken"));
-                        init.insert(key, Json::Object(obj));
-                    } else {
-                        init.insert(key, value);
-                    }
-                }
-            }
-        }
-        if init.contains_key("additional_special_tokens")
-            && !init.contains_key("extra_special_tokens")
-        {
-            if let Some(v) = init.remove("additional_special_tokens") {
-                init.insert("extra_special_tokens".into(), v);
-            }
-        }
-
-        // Named special tokens: the standard seven, then `*_token` keys, then a dict of
-        // `extra_special_tokens` (transformers' model-specific special tokens).
-        let mut named: Vec<(String, AddedToken)> = Vec::new();
-        for attr in SPECIAL_TOKEN_ATTRIBUTES {
-            if let Some(tok) = init.get(attr).and_then(|v| added_token(v, true)) {
-                named.push((attr.to_owned(), tok));
-            }
-        }
-        for (key, value) in &init {
-            let is_token = value.is_string()
-                || value.get("__type").and_then(Json::as_str) == Some("AddedToken");
-            if key.ends_with("_token")
-                && !SPECIAL_TOKEN_ATTRIBUTES.contains(&key.as_str())
-                && is_token
-            {
-                if let Some(tok) = added_token(value, true) {
-                    named.push((key.clone(), tok));
-                }
-            }
-        }
-        let mut extras: Vec<AddedToken> = Vec::new();
-        match init.get("extra_special_tokens") {
-            Some(Json::Object(map)) => {
-                for (key, value) in map {
-                    if let Some(tok) = added_token(value, true) {
-                        named.retain(|(k, _)| k != key);
-                        named.push((key.clone(), tok));
-                    }
-                }
-            }
-            Some(Json::Array(list)) => {
-                extras.extend(list.iter().filter_map(|v| added_token(v, true)))
-            }
-            _ => {}
-        }
-
-        // Tokens transformers adds to the backend at init: config-declared added tokens that the
-        // backend does not have as such, then special tokens it does not know at all.
-        let existing: Vec<AddedToken> = inner
-            .get_added_tokens_decoder()
-            .into_values()
-            .collect::<Vec<_>>();
-        let mut to_add: Vec<AddedToken> = Vec::new();
-        if let Some(Json::Object(decoder)) = init.get("added_tokens_decoder") {
-            let mut entries: Vec<(i64, AddedToken)> = decoder
-                .iter()
-                .filter_map(|(id, v)| Some((id.parse::<i64>().ok()?, added_token(v, false)?)))
-                .collect();
-            entries.sort_by_key(|(id, _)| *id);
-            for (_, tok) in entries {
-                if !existing.contains(&tok) {
-                    to_add.push(tok);
-                }
-            }
-        }
-        let mut known: BTreeSet<String> = existing.iter().map(|t| t.content.clone()).collect();
-        known.extend(to_add.iter().map(|t| t.content.clone()));
-        for tok in named.iter().map(|(_, t)| t).chain(extras.iter()) {
-            if !known.contains(&tok.content) {
-                known.insert(tok.content.clone());
-                to_add.push(tok.clone());
-            }
-        }
-        if !to_add.is_empty() {
-            inner.add_tokens(&to_add);
-        }
+        let (named, extras) = named_special_tokens(&init);
+        add_missing_tokens(&mut inner, &init, &named, &extras);
 
         let template_vars: BTreeMap<String, String> = named
             .iter()
@@ -266,29 +93,10 @@ impl Tokenizer {
         let eos_token_id = template_vars
             .get("eos_token")
             .and_then(|t| inner.token_to_id(t));
-
-        let is_bpe = matches!(inner.get_model(), ModelWrapper::BPE(_));
-        let clean_flag = init
-            .get("clean_up_tokenization_spaces")
-            .is_some_and(json_truthy);
-        let force_bpe = init
-            .get("clean_up_tokenization_spaces_for_bpe_even_though_it_will_corrupt_output")
-            .is_some_and(json_truthy);
-        let clean_up_spaces = clean_flag && (!is_bpe || force_bpe);
+        let clean_up_spaces = cleans_up_spaces(&init, &inner);
 
         let template = ChatTemplate::load(model_dir, &cfg_path, &init, chat_template_type)?;
-
-        let has_thinking = [
-            ["<think>", "</think>"],
-            ["<longcat_think>", "</longcat_think>"],
-            ["<|think:start|>", "<|think:end|>"],
-            ["<|channel>", "<channel|>"],
-        ]
-        .iter()
-        .any(|pair| pair.iter().all(|t| inner.token_to_id(t).is_some()))
-            || ["<|open|>", "<|close|>", "<|sep|>", "<|end_of_msg|>"]
-                .iter()
-                .all(|t| inner.token_to_id(t).is_some());
+        let has_thinking = has_thinking_tokens(&inner);
 
         let mut eos_token_ids = model_eos_ids(model_dir)?;
         eos_token_ids.extend(eos_token_id);
@@ -442,6 +250,237 @@ impl Tokenizer {
     pub(crate) fn detok(&self) -> &DetokKind {
         &self.detok
     }
+}
+
+/// Reads and parses `tokenizer.json` (the part mlxb reads itself and the tokenizers crate's
+/// backend), then readies the backend with [`ready_backend`].
+fn read_tokenizer_json(tok_path: &Path) -> Result<(TokenizerFile, tokenizers::Tokenizer)> {
+    let bytes = match std::fs::read(tok_path) {
+        Ok(b) => b,
+        Err(e) if e.kind() == std::io::ErrorKind::NotFound => {
+            return Err(EngineError::file(
+                tok_path,
+                "is missing; mlxb needs the fast-tokenizer file, so download the full model \
+                 repository (including tokenizer.json)",
+            ))
+        }
+        Err(e) => {
+            return Err(EngineError::file(
+                tok_path,
+                format!("could not be read ({e}); check the file's permissions"),
+            ))
+        }
+    };
+    // Both parses of the file are the longest step of start-up once weights load fast,
+    // so they run side by side; a JSON error is reported first (it names the real fault).
+    // The tokenizers crate panics on some malformed files instead of returning an error;
+    // `contain` turns that into one (reported after a JSON error, if any).
+    let (tok_json, inner) = std::thread::scope(|s| {
+        let json = s.spawn(|| serde_json::from_slice::<TokenizerFile>(&bytes));
+        let inner = super::contain::contain_fallible("its parser failed", || {
+            tokenizers::Tokenizer::from_bytes(&bytes)
+        });
+        (json.join(), inner)
+    });
+    let tok_file: TokenizerFile = tok_json
+        .map_err(|_| EngineError::Runtime("the tokenizer.json parser thread panicked".into()))?
+        .map_err(|e| {
+            EngineError::file(
+                tok_path,
+                format!("is not valid JSON ({e}); re-download the model's tokenizer files"),
+            )
+        })?;
+    let mut inner = inner.map_err(|e| {
+        EngineError::file(
+            tok_path,
+            format!(
+                "is not a tokenizer the tokenizers library can load ({e}); re-download it or \
+                 re-save it with a current transformers"
+            ),
+        )
+    })?;
+    ready_backend(tok_path, &mut inner)?;
+    Ok((tok_file, inner))
+}
+
+/// Switches truncation and padding off and refuses a backend that cannot encode.
+fn ready_backend(tok_path: &Path, inner: &mut tokenizers::Tokenizer) -> Result<()> {
+    // transformers encodes with truncation and padding switched off whatever the file says.
+    inner.with_truncation(None).map_err(|e| {
+        EngineError::file(tok_path, format!("has unusable truncation settings ({e})"))
+    })?;
+    inner.with_padding(None);
+    // Some files make the tokenizers crate panic only when it encodes (found by fuzzing: a
+    // TemplateProcessing special token whose map key differs from its `id`); one encode
+    // with special tokens here refuses such a file at load, naming it.
+    if let Err(panic) = super::contain::contain(|| inner.encode("a", true)) {
+        return Err(EngineError::file(
+            tok_path,
+            format!(
+                "is not a tokenizer the tokenizers library can run (it failed encoding a \
+                 test text: {panic}); re-download it or re-save it with a current \
+                 transformers"
+            ),
+        ));
+    }
+    Ok(())
+}
+
+/// `tokenizer_config.json` as a JSON object; an absent file is an empty one.
+fn read_tokenizer_config(cfg_path: &Path) -> Result<Map<String, Json>> {
+    match read_json(cfg_path)? {
+        Some(Json::Object(m)) => Ok(m),
+        Some(_) => Err(EngineError::file(
+            cfg_path,
+            "is not a JSON object; re-download the model's tokenizer files",
+        )),
+        None => Ok(Map::new()),
+    }
+}
+
+/// Legacy layout: special_tokens_map.json overrides the config when the config does not
+/// carry added_tokens_decoder (transformers' `_from_pretrained`); then
+/// `additional_special_tokens` becomes `extra_special_tokens`.
+fn merge_legacy_special_tokens(model_dir: &Path, init: &mut Map<String, Json>) -> Result<()> {
+    if !init.contains_key("added_tokens_decoder") {
+        let map_path = model_dir.join("special_tokens_map.json");
+        if let Some(Json::Object(map)) = read_json(&map_path)? {
+            for (key, value) in map {
+                if key == "extra_special_tokens" {
+                    if let Json::Array(list) = value {
+                        let mut existing = match init.get(&key) {
+                            Some(Json::Array(a)) => a.clone(),
+                            _ => Vec::new(),
+                        };
+                        for tok in list {
+                            if !existing.contains(&tok) {
+                                existing.push(tok);
+                            }
+                        }
+                        init.insert(key, Json::Array(existing));
+                    } else {
+                        init.insert(key, value);
+                    }
+                } else if let Json::Object(mut obj) = value {
+                    // transformers turns these into AddedToken(..., special=True).
+                    obj.insert("special".into(), Json::Bool(true));
+                    obj.insert("__type".into(), Json::from("AddedToken"));
+                    init.insert(key, Json::Object(obj));
+                } else {
+                    init.insert(key, value);
+                }
+            }
+        }
+    }
+    if init.contains_key("additional_special_tokens") && !init.contains_key("extra_special_tokens")
+    {
+        if let Some(v) = init.remove("additional_special_tokens") {
+            init.insert("extra_special_tokens".into(), v);
+        }
+    }
+    Ok(())
+}
+
+/// Named special tokens and unnamed extras: the standard seven, then `*_token` keys, then a
+/// dict of `extra_special_tokens` (transformers' model-specific special tokens), or a list of
+/// them as unnamed extras.
+fn named_special_tokens(init: &Map<String, Json>) -> (Vec<(String, AddedToken)>, Vec<AddedToken>) {
+    let mut named: Vec<(String, AddedToken)> = Vec::new();
+    for attr in SPECIAL_TOKEN_ATTRIBUTES {
+        if let Some(tok) = init.get(attr).and_then(|v| added_token(v, true)) {
+            named.push((attr.to_owned(), tok));
+        }
+    }
+    for (key, value) in init {
+        let is_token =
+            value.is_string() || value.get("__type").and_then(Json::as_str) == Some("AddedToken");
+        if key.ends_with("_token") && !SPECIAL_TOKEN_ATTRIBUTES.contains(&key.as_str()) && is_token
+        {
+            if let Some(tok) = added_token(value, true) {
+                named.push((key.clone(), tok));
+            }
+        }
+    }
+    let mut extras: Vec<AddedToken> = Vec::new();
+    match init.get("extra_special_tokens") {
+        Some(Json::Object(map)) => {
+            for (key, value) in map {
+                if let Some(tok) = added_token(value, true) {
+                    named.retain(|(k, _)| k != key);
+                    named.push((key.clone(), tok));
+                }
+            }
+        }
+        Some(Json::Array(list)) => extras.extend(list.iter().filter_map(|v| added_token(v, true))),
+        _ => {}
+    }
+    (named, extras)
+}
+
+/// Adds the tokens transformers adds to the backend at init: config-declared added tokens that
+/// the backend does not have as such, then special tokens it does not know at all.
+fn add_missing_tokens(
+    inner: &mut tokenizers::Tokenizer,
+    init: &Map<String, Json>,
+    named: &[(String, AddedToken)],
+    extras: &[AddedToken],
+) {
+    let existing: Vec<AddedToken> = inner
+        .get_added_tokens_decoder()
+        .into_values()
+        .collect::<Vec<_>>();
+    let mut to_add: Vec<AddedToken> = Vec::new();
+    if let Some(Json::Object(decoder)) = init.get("added_tokens_decoder") {
+        let mut entries: Vec<(i64, AddedToken)> = decoder
+            .iter()
+            .filter_map(|(id, v)| Some((id.parse::<i64>().ok()?, added_token(v, false)?)))
+            .collect();
+        entries.sort_by_key(|(id, _)| *id);
+        for (_, tok) in entries {
+            if !existing.contains(&tok) {
+                to_add.push(tok);
+            }
+        }
+    }
+    let mut known: BTreeSet<String> = existing.iter().map(|t| t.content.clone()).collect();
+    known.extend(to_add.iter().map(|t| t.content.clone()));
+    for tok in named.iter().map(|(_, t)| t).chain(extras.iter()) {
+        if !known.contains(&tok.content) {
+            known.insert(tok.content.clone());
+            to_add.push(tok.clone());
+        }
+    }
+    if !to_add.is_empty() {
+        inner.add_tokens(&to_add);
+    }
+}
+
+/// Whether decode applies `clean_up_tokenization`: transformers skips it for BPE models
+/// unless the config forces it.
+fn cleans_up_spaces(init: &Map<String, Json>, inner: &tokenizers::Tokenizer) -> bool {
+    let is_bpe = matches!(inner.get_model(), ModelWrapper::BPE(_));
+    let clean_flag = init
+        .get("clean_up_tokenization_spaces")
+        .is_some_and(json_truthy);
+    let force_bpe = init
+        .get("clean_up_tokenization_spaces_for_bpe_even_though_it_will_corrupt_output")
+        .is_some_and(json_truthy);
+    clean_flag && (!is_bpe || force_bpe)
+}
+
+/// Whether the vocabulary has a pair of thinking tokens mlx-lm recognises.
+fn has_thinking_tokens(inner: &tokenizers::Tokenizer) -> bool {
+    [
+        ["<think>", "</think>"],
+        ["<longcat_think>", "</longcat_think>"],
+        ["<|think:start|>", "<|think:end|>"],
+        ["<|channel>", "<channel|>"],
+    ]
+    .iter()
+    .any(|pair| pair.iter().all(|t| inner.token_to_id(t).is_some()))
+        || ["<|open|>", "<|close|>", "<|sep|>", "<|end_of_msg|>"]
+            .iter()
+            .all(|t| inner.token_to_id(t).is_some())
 }
 
 /// Reads an optional JSON file: absent is `None`, unreadable or corrupt is a file error.
