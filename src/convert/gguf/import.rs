@@ -593,8 +593,75 @@ pub fn import_gguf(
     }
     let h = GgufHeader::open(src)?;
     let hp = hparams(&h)?;
+    let plan = plan_tensors(src, &h, &hp)?;
+    let tied = !plan.iter().any(|(_, hf)| hf == "lm_head.weight");
+    let tok = vocab::build(&h, &hp.prefix, hp.context)?;
+    let mut config = model_config(&h, &hp, &tok, tied)?;
 
-    // Check every tensor before converting any: unknown names and types fail fast.
+    let use_mlx = src.extension().is_some_and(|e| e == "gguf")
+        && h.tensors.iter().all(|t| t.ggml_type.mlx_reads());
+    let source = if use_mlx {
+        Source::Mlx(
+            GgufFile::load(src)
+                .map_err(|e| EngineError::file(src, format!("MLX cannot read it ({e})")))?,
+        )
+    } else {
+        Source::Own
+    };
+
+    let total = plan.len();
+    let mut converted = Converted::default();
+    for (i, (t, hf)) in plan.iter().enumerate() {
+        let want_quant = opts.keep_quant && quantizable(hf, t);
+        let loaded = load_tensor(src, &h, &hp, &source, t, want_quant)?;
+        converted.insert(hf, loaded, opts.dtype.dtype())?;
+        progress(i + 1, total);
+    }
+    let Converted { arrays, quant_bits } = converted;
+
+    if let Some(q) = quantization_section(&quant_bits) {
+        config.insert("quantization".into(), q);
+    }
+    let staging = Staging::new(out)?;
+    staging.write_json("config.json", &Value::Object(config), true)?;
+    staging.write_json("generation_config.json", &generation_config(&tok), true)?;
+    staging.write_json("tokenizer.json", &tok.tokenizer_json, false)?;
+    staging.write_json("tokenizer_config.json", &tok.tokenizer_config, true)?;
+    let weight_bytes = write_weights(&staging, arrays)?;
+    staging.write_json(
+        PROVENANCE_FILE,
+        &json!({
+            "importer_version": IMPORTER_VERSION,
+            "source": src.file_name().map(|n| n.to_string_lossy().into_owned()),
+            "dtype": opts.dtype.name(),
+            "keep_quant": opts.keep_quant,
+            "mlx_reader": use_mlx,
+        }),
+        true,
+    )?;
+    staging.copy_extra(&opts.extra_files)?;
+    staging.commit(out)?;
+    Ok(ImportSummary {
+        out: out.to_path_buf(),
+        model_type: match hp.arch {
+            Arch::Llama => "llama".into(),
+            Arch::Gemma3 => "gemma3_text".into(),
+        },
+        tensors: total,
+        quantized: quant_bits.len(),
+        mlx_reader: use_mlx,
+        seconds: start.elapsed().as_secs_f64(),
+        weight_bytes,
+    })
+}
+
+/// Pairs every tensor with its Hugging Face name, checking all of them before any is converted
+/// so unknown names and types fail fast.
+fn plan_tensors<'h>(
+    src: &Path,
+    h: &'h GgufHeader,
+    hp: &Hparams,
+) -> Result<Vec<(&'h TensorInfo, String)>> {
     let mut plan: Vec<(&TensorInfo, String)> = Vec::with_capacity(h.tensors.len());
     for t in &h.tensors {
         if t.name == "rope_freqs.weight" {
@@ -623,59 +690,65 @@ pub fn import_gguf(
         }
         plan.push((t, hf));
     }
-    let tied = !plan.iter().any(|(_, hf)| hf == "lm_head.weight");
-    let tok = vocab::build(&h, &hp.prefix, hp.context)?;
-    let mut config = model_config(&h, &hp, &tok, tied)?;
+    Ok(plan)
+}
 
-    let use_mlx = src.extension().is_some_and(|e| e == "gguf")
-        && h.tensors.iter().all(|t| t.ggml_type.mlx_reads());
-    let source = if use_mlx {
-        Source::Mlx(
-            GgufFile::load(src)
-                .map_err(|e| EngineError::file(src, format!("MLX cannot read it ({e})")))?,
-        )
-    } else {
-        Source::Own
-    };
-
-    let dtype = opts.dtype.dtype();
-    let total = plan.len();
-    let mut arrays: HashMap<String, Array> = HashMap::new();
-    let mut quant_bits: BTreeMap<String, i32> = BTreeMap::new();
-    for (i, (t, hf)) in plan.iter().enumerate() {
-        let want_quant = opts.keep_quant && quantizable(hf, t);
-        let mut loaded = source.load(&h, t, want_quant)?;
-        if hp.arch == Arch::Llama {
-            let heads = match t.name.rsplit('.').nth(1) {
-                Some("attn_q") => Some(hp.n_head),
-                Some("attn_k") => Some(hp.n_head_kv),
-                _ => None,
-            };
-            if let Some(n) = heads {
-                let rows = t.mlx_shape()[0] as u64;
-                if rows != n * hp.head_dim {
-                    return Err(EngineError::file(
-                        src,
-                        format!(
-                            "tensor `{}` has {rows} rows, expected {}",
-                            t.name,
-                            n * hp.head_dim
-                        ),
-                    ));
-                }
-                loaded = loaded.map(|a| unpermute_rows(a, n as i32))?;
+/// Reads one tensor and undoes llama.cpp's layout changes: the Q/K row permutation of Llama
+/// and the `+ 1` of Gemma's norm weights.
+fn load_tensor(
+    src: &Path,
+    h: &GgufHeader,
+    hp: &Hparams,
+    source: &Source,
+    t: &TensorInfo,
+    want_quant: bool,
+) -> Result<Loaded> {
+    let mut loaded = source.load(h, t, want_quant)?;
+    if hp.arch == Arch::Llama {
+        let heads = match t.name.rsplit('.').nth(1) {
+            Some("attn_q") => Some(hp.n_head),
+            Some("attn_k") => Some(hp.n_head_kv),
+            _ => None,
+        };
+        if let Some(n) = heads {
+            let rows = t.mlx_shape()[0] as u64;
+            if rows != n * hp.head_dim {
+                return Err(EngineError::file(
+                    src,
+                    format!(
+                        "tensor `{}` has {rows} rows, expected {}",
+                        t.name,
+                        n * hp.head_dim
+                    ),
+                ));
             }
+            loaded = loaded.map(|a| unpermute_rows(a, n as i32))?;
         }
-        if hp.arch == Arch::Gemma3 && t.name.ends_with("norm.weight") {
-            // llama.cpp stores Gemma's RMSNorm weights as w + 1; mlx-lm adds the 1 itself.
-            let w = loaded.dense()?;
-            loaded = Loaded::Dense(w.subtract(Array::from_f32(1.0))?);
-        }
+    }
+    if hp.arch == Arch::Gemma3 && t.name.ends_with("norm.weight") {
+        // llama.cpp stores Gemma's RMSNorm weights as w + 1; mlx-lm adds the 1 itself.
+        let w = loaded.dense()?;
+        loaded = Loaded::Dense(w.subtract(Array::from_f32(1.0))?);
+    }
+    Ok(loaded)
+}
+
+/// The converted tensors by output name, and the bit width of every quantized module.
+#[derive(Default)]
+struct Converted {
+    arrays: HashMap<String, Array>,
+    quant_bits: BTreeMap<String, i32>,
+}
+
+impl Converted {
+    /// Adds the tensor named `hf`: dense as `dtype`, quantized as weight, scales and biases
+    /// (scales and biases as `dtype`), each evaluated.
+    fn insert(&mut self, hf: &str, loaded: Loaded, dtype: Dtype) -> Result<()> {
         match loaded {
             Loaded::Dense(a) => {
                 let a = a.as_dtype(dtype)?;
                 a.eval()?;
-                arrays.insert(hf.clone(), a);
+                self.arrays.insert(hf.to_owned(), a);
             }
             Loaded::Quant {
                 w,
@@ -688,20 +761,18 @@ pub fn import_gguf(
                 for a in [&w, &scales, &biases] {
                     a.eval()?;
                 }
-                arrays.insert(format!("{module}.weight"), w);
-                arrays.insert(format!("{module}.scales"), scales);
-                arrays.insert(format!("{module}.biases"), biases);
-                quant_bits.insert(module, bits);
+                self.arrays.insert(format!("{module}.weight"), w);
+                self.arrays.insert(format!("{module}.scales"), scales);
+                self.arrays.insert(format!("{module}.biases"), biases);
+                self.quant_bits.insert(module, bits);
             }
         }
-        progress(i + 1, total);
+        Ok(())
     }
+}
 
-    if let Some(q) = quantization_section(&quant_bits) {
-        config.insert("quantization".into(), q);
-    }
-    let staging = Staging::new(out)?;
-    staging.write_json("config.json", &Value::Object(config), true)?;
+/// `generation_config.json`: the BOS, EOS and padding ids the vocabulary names.
+fn generation_config(tok: &vocab::TokenizerFiles) -> Value {
     let mut gen = Map::new();
     if let Some(b) = tok.bos_id {
         gen.insert("bos_token_id".into(), json!(b));
@@ -712,9 +783,12 @@ pub fn import_gguf(
     if let Some(p) = tok.pad_id {
         gen.insert("pad_token_id".into(), json!(p));
     }
-    staging.write_json("generation_config.json", &Value::Object(gen), true)?;
-    staging.write_json("tokenizer.json", &tok.tokenizer_json, false)?;
-    staging.write_json("tokenizer_config.json", &tok.tokenizer_config, true)?;
+    Value::Object(gen)
+}
+
+/// Writes `model.safetensors` into the staging directory and frees the arrays; returns its
+/// size in bytes.
+fn write_weights(staging: &Staging, arrays: HashMap<String, Array>) -> Result<u64> {
     let weights = staging.path.join("model.safetensors");
     let meta = HashMap::from([("format".to_owned(), "mlx".to_owned())]);
     Array::save_safetensors(&arrays, &meta, &weights)
@@ -722,32 +796,7 @@ pub fn import_gguf(
     drop(arrays);
     // Padded header: the loader then maps the weights from the page cache instead of copying.
     crate::engine::loader::pad_header(&weights)?;
-    let weight_bytes = std::fs::metadata(&weights).map(|m| m.len()).unwrap_or(0);
-    staging.write_json(
-        PROVENANCE_FILE,
-        &json!({
-            "importer_version": IMPORTER_VERSION,
-            "source": src.file_name().map(|n| n.to_string_lossy().into_owned()),
-            "dtype": opts.dtype.name(),
-            "keep_quant": opts.keep_quant,
-            "mlx_reader": use_mlx,
-        }),
-        true,
-    )?;
-    staging.copy_extra(&opts.extra_files)?;
-    staging.commit(out)?;
-    Ok(ImportSummary {
-        out: out.to_path_buf(),
-        model_type: match hp.arch {
-            Arch::Llama => "llama".into(),
-            Arch::Gemma3 => "gemma3_text".into(),
-        },
-        tensors: total,
-        quantized: quant_bits.len(),
-        mlx_reader: use_mlx,
-        seconds: start.elapsed().as_secs_f64(),
-        weight_bytes,
-    })
+    Ok(std::fs::metadata(&weights).map(|m| m.len()).unwrap_or(0))
 }
 
 /// mlx-lm's `quantization` section: the most common bit width as the default, per-module

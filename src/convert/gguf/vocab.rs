@@ -76,125 +76,23 @@ pub fn build(h: &GgufHeader, arch: &str, context_length: Option<u64>) -> Result<
     let kind = h.str("tokenizer.ggml.model")?;
     let raw_tokens = h.strings("tokenizer.ggml.tokens")?;
     let n = raw_tokens.len();
-    let types: Vec<i64> = match h
-        .get("tokenizer.ggml.token_type")
-        .and_then(MetaValue::as_array)
-    {
-        Some(a) if a.len() == n => a.iter().map(|v| v.as_f64().unwrap_or(1.0) as i64).collect(),
-        Some(_) => return Err(h.missing("tokenizer.ggml.token_type", "one entry per token")),
-        None => vec![1; n],
-    };
-    let id = |key: &str| -> Result<Option<u32>> {
-        match h.uint_opt(key)? {
-            Some(i) if (i as usize) < n => Ok(Some(i as u32)),
-            Some(i) => Err(EngineError::file(
-                &h.path,
-                format!("metadata `{key}` is {i}, outside the vocabulary of {n} tokens; the file is corrupt"),
-            )),
-            None => Ok(None),
-        }
-    };
-    let (bos, eos, unk, pad) = (
-        id("tokenizer.ggml.bos_token_id")?,
-        id("tokenizer.ggml.eos_token_id")?,
-        id("tokenizer.ggml.unknown_token_id")?,
-        id("tokenizer.ggml.padding_token_id")?,
-    );
-    let mut eos_ids: Vec<u32> = eos.into_iter().collect();
-    for key in ["tokenizer.ggml.eot_token_id", "tokenizer.ggml.eom_token_id"] {
-        if let Some(i) = id(key)? {
-            if !eos_ids.contains(&i) {
-                eos_ids.push(i);
-            }
-        }
-    }
+    let types = token_types(h, n)?;
+    let ids = SpecialIds::read(h, n)?;
     let add_space_prefix = h
         .bool_opt("tokenizer.ggml.add_space_prefix")?
         .unwrap_or(false);
 
-    let (tokens, model, normalizer, pre_tokenizer, decoder, default_bos, byte_level): (
-        Vec<String>,
-        Value,
-        Value,
-        Value,
-        Value,
-        bool,
-        bool,
-    ) = match kind {
-        "gpt2" => {
-            let pre = h.get("tokenizer.ggml.pre").and_then(MetaValue::as_str).unwrap_or("default");
-            let pre_tok = byte_level_pre_tokenizer(pre).ok_or_else(|| {
-                EngineError::file(
-                    &h.path,
-                    format!(
-                        "uses the pre-tokenizer `{pre}`, which mlxb cannot rebuild (it knows default/gpt2, smollm and llama-bpe)"
-                    ),
-                )
-            })?;
-            let table = byte_to_char();
-            let alphabet: std::collections::HashSet<char> = table.iter().copied().collect();
-            let tokens: Vec<String> = raw_tokens
-                .iter()
-                .map(|t| {
-                    if t.chars().all(|c| alphabet.contains(&c)) {
-                        (*t).to_owned()
-                    } else {
-                        t.bytes().map(|b| table[b as usize]).collect()
-                    }
-                })
-                .collect();
-            let merges: Vec<Value> = h
-                .strings("tokenizer.ggml.merges")?
-                .iter()
-                .map(|m| {
-                    let (l, r) = m.split_once(' ').unwrap_or((m, ""));
-                    json!([l, r])
-                })
-                .collect();
-            let model = json!({
-                "type": "BPE", "dropout": null, "unk_token": null, "continuing_subword_prefix": null,
-                "end_of_word_suffix": null, "fuse_unk": false, "byte_fallback": false, "ignore_merges": false,
-                "vocab": vocab_map(&tokens), "merges": merges,
-            });
-            let decoder = json!({"type": "ByteLevel", "add_prefix_space": true, "trim_offsets": true, "use_regex": true});
-            (tokens, model, Value::Null, pre_tok, decoder, false, true)
-        }
-        "llama" => {
-            // SentencePiece writes spaces as U+2581; llama.cpp's GGUFs sometimes store plain spaces.
-            let tokens: Vec<String> = raw_tokens.iter().map(|t| t.replace(' ', "\u{2581}")).collect();
-            let scores: Vec<f64> = if arch.starts_with("gemma") {
-                // Gemma's merge order is the order of the vocabulary, as transformers rebuilds it.
-                (0..n).map(|i| -(i as f64)).collect()
-            } else {
-                match h.get("tokenizer.ggml.scores").and_then(MetaValue::as_array) {
-                    Some(a) if a.len() == n => a.iter().map(|v| v.as_f64().unwrap_or(0.0)).collect(),
-                    _ => return Err(h.missing("tokenizer.ggml.scores", "one score per token")),
-                }
-            };
-            let unk_token = unk.map(|i| tokens[i as usize].clone());
-            let merges = spm_merges(&tokens, &scores);
-            let model = json!({
-                "type": "BPE", "dropout": null, "unk_token": unk_token, "continuing_subword_prefix": null,
-                "end_of_word_suffix": null, "fuse_unk": true, "byte_fallback": true, "ignore_merges": false,
-                "vocab": vocab_map(&tokens), "merges": merges,
-            });
-            let replace = json!({"type": "Replace", "pattern": {"String": " "}, "content": "\u{2581}"});
-            let normalizer = if add_space_prefix {
-                json!({"type": "Sequence", "normalizers": [{"type": "Prepend", "prepend": "\u{2581}"}, replace]})
-            } else {
-                replace
-            };
-            let mut steps = vec![
-                json!({"type": "Replace", "pattern": {"String": "\u{2581}"}, "content": " "}),
-                json!({"type": "ByteFallback"}),
-                json!({"type": "Fuse"}),
-            ];
-            if add_space_prefix {
-                steps.push(json!({"type": "Strip", "content": " ", "start": 1, "stop": 0}));
-            }
-            let decoder = json!({"type": "Sequence", "decoders": steps});
-            (tokens, model, normalizer, Value::Null, decoder, true, false)
-        }
+    let Pipeline {
+        tokens,
+        model,
+        normalizer,
+        pre_tokenizer,
+        decoder,
+        default_bos,
+        byte_level,
+    } = match kind {
+        "gpt2" => gpt2_pipeline(h, &raw_tokens)?,
+        "llama" => llama_pipeline(h, arch, &raw_tokens, ids.unk, add_space_prefix)?,
         other => {
             return Err(EngineError::file(
                 &h.path,
@@ -206,12 +104,229 @@ pub fn build(h: &GgufHeader, arch: &str, context_length: Option<u64>) -> Result<
     let add_bos = h
         .bool_opt("tokenizer.ggml.add_bos_token")?
         .unwrap_or(default_bos)
-        && bos.is_some();
-    let add_eos = h.bool_opt("tokenizer.ggml.add_eos_token")?.unwrap_or(false) && eos.is_some();
+        && ids.bos.is_some();
+    let add_eos = h.bool_opt("tokenizer.ggml.add_eos_token")?.unwrap_or(false) && ids.eos.is_some();
     let tok = |i: Option<u32>| i.map(|i| tokens[i as usize].clone());
+    let added = added_tokens(&raw_tokens, &tokens, &types, byte_level);
+    let post_processor = post_processor(
+        byte_level,
+        template_processor(
+            add_bos.then(|| tok(ids.bos)).flatten(),
+            add_eos.then(|| tok(ids.eos)).flatten(),
+            ids.bos,
+            ids.eos,
+        ),
+    );
+    let tokenizer_json = json!({
+        "version": "1.0", "truncation": null, "padding": null, "added_tokens": added,
+        "normalizer": normalizer, "pre_tokenizer": pre_tokenizer, "post_processor": post_processor,
+        "decoder": decoder, "model": model,
+    });
+    let named = [
+        ("bos_token", tok(ids.bos)),
+        ("eos_token", tok(ids.eos)),
+        ("unk_token", tok(ids.unk)),
+        ("pad_token", tok(ids.pad)),
+    ];
+    Ok(TokenizerFiles {
+        tokenizer_json,
+        tokenizer_config: tokenizer_config(h, add_bos, add_eos, named, context_length),
+        bos_id: ids.bos,
+        eos_ids: ids.eos_ids,
+        pad_id: ids.pad,
+        vocab_len: n,
+    })
+}
+
+/// llama.cpp's type of every token (normal when the file has none).
+fn token_types(h: &GgufHeader, n: usize) -> Result<Vec<i64>> {
+    match h
+        .get("tokenizer.ggml.token_type")
+        .and_then(MetaValue::as_array)
+    {
+        Some(a) if a.len() == n => Ok(a.iter().map(|v| v.as_f64().unwrap_or(1.0) as i64).collect()),
+        Some(_) => Err(h.missing("tokenizer.ggml.token_type", "one entry per token")),
+        None => Ok(vec![1; n]),
+    }
+}
+
+/// The special token ids of the metadata, each checked against the vocabulary size.
+struct SpecialIds {
+    bos: Option<u32>,
+    eos: Option<u32>,
+    unk: Option<u32>,
+    pad: Option<u32>,
+    /// EOS, then the end-of-turn and end-of-message ids when present (no repeats).
+    eos_ids: Vec<u32>,
+}
+
+impl SpecialIds {
+    fn read(h: &GgufHeader, n: usize) -> Result<Self> {
+        let id = |key: &str| -> Result<Option<u32>> {
+            match h.uint_opt(key)? {
+                Some(i) if (i as usize) < n => Ok(Some(i as u32)),
+                Some(i) => Err(EngineError::file(
+                    &h.path,
+                    format!("metadata `{key}` is {i}, outside the vocabulary of {n} tokens; the file is corrupt"),
+                )),
+                None => Ok(None),
+            }
+        };
+        let (bos, eos, unk, pad) = (
+            id("tokenizer.ggml.bos_token_id")?,
+            id("tokenizer.ggml.eos_token_id")?,
+            id("tokenizer.ggml.unknown_token_id")?,
+            id("tokenizer.ggml.padding_token_id")?,
+        );
+        let mut eos_ids: Vec<u32> = eos.into_iter().collect();
+        for key in ["tokenizer.ggml.eot_token_id", "tokenizer.ggml.eom_token_id"] {
+            if let Some(i) = id(key)? {
+                if !eos_ids.contains(&i) {
+                    eos_ids.push(i);
+                }
+            }
+        }
+        Ok(Self {
+            bos,
+            eos,
+            unk,
+            pad,
+            eos_ids,
+        })
+    }
+}
+
+/// The vocabulary-kind-specific parts of `tokenizer.json`.
+struct Pipeline {
+    /// Tokens as the rebuilt vocabulary spells them.
+    tokens: Vec<String>,
+    model: Value,
+    normalizer: Value,
+    pre_tokenizer: Value,
+    decoder: Value,
+    /// Whether BOS is added when the metadata does not say.
+    default_bos: bool,
+    /// Whether this is a byte-level vocabulary.
+    byte_level: bool,
+}
+
+/// llama.cpp's `gpt2` vocabulary: byte-level BPE with explicit merges.
+fn gpt2_pipeline(h: &GgufHeader, raw_tokens: &[&str]) -> Result<Pipeline> {
+    let pre = h
+        .get("tokenizer.ggml.pre")
+        .and_then(MetaValue::as_str)
+        .unwrap_or("default");
+    let pre_tok = byte_level_pre_tokenizer(pre).ok_or_else(|| {
+        EngineError::file(
+            &h.path,
+            format!(
+                "uses the pre-tokenizer `{pre}`, which mlxb cannot rebuild (it knows default/gpt2, smollm and llama-bpe)"
+            ),
+        )
+    })?;
+    let table = byte_to_char();
+    let alphabet: std::collections::HashSet<char> = table.iter().copied().collect();
+    let tokens: Vec<String> = raw_tokens
+        .iter()
+        .map(|t| {
+            if t.chars().all(|c| alphabet.contains(&c)) {
+                (*t).to_owned()
+            } else {
+                t.bytes().map(|b| table[b as usize]).collect()
+            }
+        })
+        .collect();
+    let merges: Vec<Value> = h
+        .strings("tokenizer.ggml.merges")?
+        .iter()
+        .map(|m| {
+            let (l, r) = m.split_once(' ').unwrap_or((m, ""));
+            json!([l, r])
+        })
+        .collect();
+    let model = json!({
+        "type": "BPE", "dropout": null, "unk_token": null, "continuing_subword_prefix": null,
+        "end_of_word_suffix": null, "fuse_unk": false, "byte_fallback": false, "ignore_merges": false,
+        "vocab": vocab_map(&tokens), "merges": merges,
+    });
+    let decoder = json!({"type": "ByteLevel", "add_prefix_space": true, "trim_offsets": true, "use_regex": true});
+    Ok(Pipeline {
+        tokens,
+        model,
+        normalizer: Value::Null,
+        pre_tokenizer: pre_tok,
+        decoder,
+        default_bos: false,
+        byte_level: true,
+    })
+}
+
+/// llama.cpp's `llama` vocabulary: SentencePiece BPE with scores and byte fallback.
+fn llama_pipeline(
+    h: &GgufHeader,
+    arch: &str,
+    raw_tokens: &[&str],
+    unk: Option<u32>,
+    add_space_prefix: bool,
+) -> Result<Pipeline> {
+    let n = raw_tokens.len();
+    // SentencePiece writes spaces as U+2581; llama.cpp's GGUFs sometimes store plain spaces.
+    let tokens: Vec<String> = raw_tokens
+        .iter()
+        .map(|t| t.replace(' ', "\u{2581}"))
+        .collect();
+    let scores: Vec<f64> = if arch.starts_with("gemma") {
+        // Gemma's merge order is the order of the vocabulary, as transformers rebuilds it.
+        (0..n).map(|i| -(i as f64)).collect()
+    } else {
+        match h.get("tokenizer.ggml.scores").and_then(MetaValue::as_array) {
+            Some(a) if a.len() == n => a.iter().map(|v| v.as_f64().unwrap_or(0.0)).collect(),
+            _ => return Err(h.missing("tokenizer.ggml.scores", "one score per token")),
+        }
+    };
+    let unk_token = unk.map(|i| tokens[i as usize].clone());
+    let merges = spm_merges(&tokens, &scores);
+    let model = json!({
+        "type": "BPE", "dropout": null, "unk_token": unk_token, "continuing_subword_prefix": null,
+        "end_of_word_suffix": null, "fuse_unk": true, "byte_fallback": true, "ignore_merges": false,
+        "vocab": vocab_map(&tokens), "merges": merges,
+    });
+    let replace = json!({"type": "Replace", "pattern": {"String": " "}, "content": "\u{2581}"});
+    let normalizer = if add_space_prefix {
+        json!({"type": "Sequence", "normalizers": [{"type": "Prepend", "prepend": "\u{2581}"}, replace]})
+    } else {
+        replace
+    };
+    let mut steps = vec![
+        json!({"type": "Replace", "pattern": {"String": "\u{2581}"}, "content": " "}),
+        json!({"type": "ByteFallback"}),
+        json!({"type": "Fuse"}),
+    ];
+    if add_space_prefix {
+        steps.push(json!({"type": "Strip", "content": " ", "start": 1, "stop": 0}));
+    }
+    let decoder = json!({"type": "Sequence", "decoders": steps});
+    Ok(Pipeline {
+        tokens,
+        model,
+        normalizer,
+        pre_tokenizer: Value::Null,
+        decoder,
+        default_bos: true,
+        byte_level: false,
+    })
+}
+
+/// `added_tokens`: the control and user-defined tokens.
+fn added_tokens(
+    raw_tokens: &[&str],
+    tokens: &[String],
+    types: &[i64],
+    byte_level: bool,
+) -> Vec<Value> {
     let alphabet: Option<std::collections::HashSet<char>> =
         byte_level.then(|| byte_to_char().iter().copied().collect());
-    let added: Vec<Value> = (0..n)
+    (0..tokens.len())
         .filter(|&i| types[i] == TYPE_CONTROL || types[i] == TYPE_USER_DEFINED)
         // A control token outside the byte alphabet is a llama.cpp mislabel (transformers skips it too).
         .filter(|&i| alphabet.as_ref().is_none_or(|a| raw_tokens[i].chars().all(|c| a.contains(&c))))
@@ -221,39 +336,36 @@ pub fn build(h: &GgufHeader, arch: &str, context_length: Option<u64>) -> Result<
                 "normalized": false, "special": types[i] == TYPE_CONTROL,
             })
         })
-        .collect();
+        .collect()
+}
 
-    let post_processor = template_processor(
-        add_bos.then(|| tok(bos)).flatten(),
-        add_eos.then(|| tok(eos)).flatten(),
-        bos,
-        eos,
-    );
-    let post_processor = match (byte_level, post_processor) {
+/// The post-processor: byte-level vocabularies put ByteLevel before the BOS/EOS template.
+fn post_processor(byte_level: bool, template: Option<Value>) -> Value {
+    match (byte_level, template) {
         (true, None) => {
             json!({"type": "ByteLevel", "add_prefix_space": true, "trim_offsets": false, "use_regex": true})
         }
         (true, Some(t)) => json!({"type": "Sequence", "processors": [
             {"type": "ByteLevel", "add_prefix_space": true, "trim_offsets": false, "use_regex": true}, t]}),
         (false, p) => p.unwrap_or(Value::Null),
-    };
-    let tokenizer_json = json!({
-        "version": "1.0", "truncation": null, "padding": null, "added_tokens": added,
-        "normalizer": normalizer, "pre_tokenizer": pre_tokenizer, "post_processor": post_processor,
-        "decoder": decoder, "model": model,
-    });
+    }
+}
 
+/// `tokenizer_config.json`: the fast-tokenizer class, BOS/EOS flags, the named special tokens
+/// present, the context length and the chat template when the file has them.
+fn tokenizer_config(
+    h: &GgufHeader,
+    add_bos: bool,
+    add_eos: bool,
+    named: [(&str, Option<String>); 4],
+    context_length: Option<u64>,
+) -> Value {
     let mut cfg = Map::new();
     cfg.insert("tokenizer_class".into(), json!("PreTrainedTokenizerFast"));
     cfg.insert("add_bos_token".into(), json!(add_bos));
     cfg.insert("add_eos_token".into(), json!(add_eos));
-    for (key, idx) in [
-        ("bos_token", bos),
-        ("eos_token", eos),
-        ("unk_token", unk),
-        ("pad_token", pad),
-    ] {
-        if let Some(t) = tok(idx) {
+    for (key, token) in named {
+        if let Some(t) = token {
             cfg.insert(key.into(), json!(t));
         }
     }
@@ -264,14 +376,7 @@ pub fn build(h: &GgufHeader, arch: &str, context_length: Option<u64>) -> Result<
     if let Some(t) = h.get("tokenizer.chat_template").and_then(MetaValue::as_str) {
         cfg.insert("chat_template".into(), json!(t));
     }
-    Ok(TokenizerFiles {
-        tokenizer_json,
-        tokenizer_config: Value::Object(cfg),
-        bos_id: bos,
-        eos_ids,
-        pad_id: pad,
-        vocab_len: n,
-    })
+    Value::Object(cfg)
 }
 
 fn vocab_map(tokens: &[String]) -> Value {
