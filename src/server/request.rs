@@ -182,6 +182,47 @@ pub fn parse(
         .ok_or_else(|| ApiError::bad_request("the request body must be a JSON object"))?;
     let f = Fields(map);
 
+    check_served(&f, limits)?;
+    let prompt = match endpoint {
+        Endpoint::Chat => PromptInput::Messages(messages(&f)?),
+        Endpoint::Completions => {
+            if f.boolean("echo")? == Some(true) {
+                return Err(ApiError::invalid("echo", "`echo` is not supported"));
+            }
+            prompt(&f, limits)?
+        }
+    };
+    let max_tokens = max_tokens(&f, limits)?;
+    let vocab = limits.vocab_size as u64;
+    let sampler = sampler(&f, vocab)?;
+    let processors = processors(&f, vocab)?;
+    let stream = f.boolean("stream")?.unwrap_or(false);
+    let include_usage = include_usage(&f)?;
+    let num_draft_tokens = num_draft_tokens(&f, limits)?;
+    Ok(CompletionRequest {
+        endpoint,
+        prompt,
+        params: TextParams {
+            sampler,
+            processors,
+            generate: GenerateConfig {
+                max_tokens,
+                prefill_step_size: limits.prefill_step_size,
+            },
+            seed: f.integer("seed")?,
+        },
+        stop: stop(&f)?,
+        stream,
+        include_usage: stream && include_usage,
+        logprobs: logprobs(endpoint, &f)?,
+        num_draft_tokens,
+        return_token_ids: f.boolean("return_token_ids")?.unwrap_or(false),
+    })
+}
+
+/// Refuses what this server cannot serve per request: another model, `n` other than 1, and
+/// fields that would name files (drafter, adapters).
+fn check_served(f: &Fields<'_>, limits: &Limits) -> Result<(), ApiError> {
     if let Some(model) = f.string("model")? {
         if !limits.model_ids.iter().any(|m| m == model) {
             return Err(ApiError::invalid(
@@ -207,33 +248,31 @@ pub fn parse(
             format!("`{name}` is not accepted per request: requests never name files; choose it when starting `mlxb serve`"),
         ));
     }
-    let prompt = match endpoint {
-        Endpoint::Chat => PromptInput::Messages(messages(&f)?),
-        Endpoint::Completions => {
-            if f.boolean("echo")? == Some(true) {
-                return Err(ApiError::invalid("echo", "`echo` is not supported"));
-            }
-            prompt(&f, limits)?
-        }
-    };
+    Ok(())
+}
 
+/// The token budget: `max_completion_tokens`, else `max_tokens`, else the server's default;
+/// at least 1 and at most the server's limit.
+fn max_tokens(f: &Fields<'_>, limits: &Limits) -> Result<usize, ApiError> {
     let (tokens_field, max_tokens) = match f.integer("max_completion_tokens")? {
         Some(n) => ("max_completion_tokens", Some(n)),
         None => ("max_tokens", f.integer("max_tokens")?),
     };
-    let max_tokens = match max_tokens {
-        None => limits.default_max_tokens,
-        Some(n) if n >= 1 && n <= limits.max_tokens_limit as u64 => usize_of(n),
-        Some(n) => {
-            return Err(ApiError::invalid(
-                tokens_field,
-                format!(
-                    "`{tokens_field}` must be between 1 and {}, got {n}",
-                    limits.max_tokens_limit
-                ),
-            ))
-        }
-    };
+    match max_tokens {
+        None => Ok(limits.default_max_tokens),
+        Some(n) if n >= 1 && n <= limits.max_tokens_limit as u64 => Ok(usize_of(n)),
+        Some(n) => Err(ApiError::invalid(
+            tokens_field,
+            format!(
+                "`{tokens_field}` must be between 1 and {}, got {n}",
+                limits.max_tokens_limit
+            ),
+        )),
+    }
+}
+
+/// `temperature`, `top_p`, `min_p` and `top_k` (below the vocabulary size `vocab`).
+fn sampler(f: &Fields<'_>, vocab: u64) -> Result<SamplerConfig, ApiError> {
     let temp = match f.number("temperature")? {
         Some(t) if t < 0.0 => {
             return Err(ApiError::invalid(
@@ -245,10 +284,20 @@ pub fn parse(
     };
     let top_p = f.number_in("top_p", 0.0, 1.0)?.unwrap_or(1.0);
     let min_p = f.number_in("min_p", 0.0, 1.0)?.unwrap_or(0.0);
-    let vocab = limits.vocab_size as u64;
     let top_k = f
         .integer_in("top_k", 0, vocab.saturating_sub(1))?
         .map_or(0, usize_of);
+    Ok(SamplerConfig {
+        temp,
+        top_p,
+        min_p,
+        top_k,
+        ..SamplerConfig::default()
+    })
+}
+
+/// The logits processors: repetition, presence and frequency penalties and `logit_bias`.
+fn processors(f: &Fields<'_>, vocab: u64) -> Result<ProcessorConfig, ApiError> {
     let repetition_penalty = match f.number("repetition_penalty")? {
         Some(p) if p < 0.0 => {
             return Err(ApiError::invalid(
@@ -259,25 +308,21 @@ pub fn parse(
         p => p,
     };
     let defaults = ProcessorConfig::default();
-    let processors = ProcessorConfig {
-        logit_bias: logit_bias(&f, vocab)?,
+    Ok(ProcessorConfig {
+        logit_bias: logit_bias(f, vocab)?,
         repetition_penalty,
         repetition_context_size: f.integer("repetition_context_size")?.map_or(20, usize_of),
         presence_penalty: f.number_in("presence_penalty", -2.0, 2.0)?,
         frequency_penalty: f.number_in("frequency_penalty", -2.0, 2.0)?,
         ..defaults
-    };
-    let sampler = SamplerConfig {
-        temp,
-        top_p,
-        min_p,
-        top_k,
-        ..SamplerConfig::default()
-    };
-    let stream = f.boolean("stream")?.unwrap_or(false);
-    let include_usage = match f.get("stream_options") {
-        None => false,
-        Some(Value::Object(o)) => Fields(o)
+    })
+}
+
+/// `stream_options.include_usage` (an object's boolean field; absent is false).
+fn include_usage(f: &Fields<'_>) -> Result<bool, ApiError> {
+    match f.get("stream_options") {
+        None => Ok(false),
+        Some(Value::Object(o)) => Ok(Fields(o)
             .boolean("include_usage")
             .map_err(|_| {
                 ApiError::invalid(
@@ -285,14 +330,16 @@ pub fn parse(
                     "`stream_options.include_usage` must be true or false",
                 )
             })?
-            .unwrap_or(false),
-        Some(v) => {
-            return Err(ApiError::invalid(
-                "stream_options",
-                format!("`stream_options` must be an object, got {v}"),
-            ))
-        }
-    };
+            .unwrap_or(false)),
+        Some(v) => Err(ApiError::invalid(
+            "stream_options",
+            format!("`stream_options` must be an object, got {v}"),
+        )),
+    }
+}
+
+/// `num_draft_tokens` (at most [`MAX_DRAFT_TOKENS`]); a positive value needs a drafter.
+fn num_draft_tokens(f: &Fields<'_>, limits: &Limits) -> Result<Option<usize>, ApiError> {
     let num_draft_tokens = f
         .integer_in("num_draft_tokens", 0, MAX_DRAFT_TOKENS)?
         .map(usize_of);
@@ -302,25 +349,7 @@ pub fn parse(
             "this server has no drafter; start it with --draft-kind (and --draft-model for `model`)",
         ));
     }
-    Ok(CompletionRequest {
-        endpoint,
-        prompt,
-        params: TextParams {
-            sampler,
-            processors,
-            generate: GenerateConfig {
-                max_tokens,
-                prefill_step_size: limits.prefill_step_size,
-            },
-            seed: f.integer("seed")?,
-        },
-        stop: stop(&f)?,
-        stream,
-        include_usage: stream && include_usage,
-        logprobs: logprobs(endpoint, &f)?,
-        num_draft_tokens,
-        return_token_ids: f.boolean("return_token_ids")?.unwrap_or(false),
-    })
+    Ok(num_draft_tokens)
 }
 
 /// `messages`: a non-empty array of `{role, content}` (content a string or text parts).
