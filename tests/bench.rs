@@ -6,7 +6,7 @@ mod common;
 
 use mlxb::bench::matrix;
 use mlxb::bench::report::{self, Row};
-use mlxb::engine::flags::{Domain, Forks, Output, Tier, FORKS};
+use mlxb::engine::forks::{Domain, Forks, Output, Tier, FORKS};
 use serde_json::json;
 use std::path::Path;
 

@@ -24,8 +24,10 @@ fn prompt_file(fx: &Fixture) -> std::path::PathBuf {
 }
 
 fn config_json(dir: &Path) -> Value {
-    serde_json::from_str(&std::fs::read_to_string(dir.join(checkpoint::MLXB_CONFIG)).unwrap())
-        .unwrap()
+    serde_json::from_str(
+        &std::fs::read_to_string(dir.join(checkpoint::DSPARK_CONFIG_FILE)).unwrap(),
+    )
+    .unwrap()
 }
 
 fn floats(v: &Value) -> Vec<f64> {
@@ -100,7 +102,7 @@ fn calibration_patches_a_config_that_round_trips_and_prunes_losslessly() {
     let leftovers: Vec<_> = std::fs::read_dir(&fx.drafter)
         .unwrap()
         .map(|e| e.unwrap().file_name().to_string_lossy().into_owned())
-        .filter(|n| n != checkpoint::MLXB_CONFIG && n != checkpoint::WEIGHTS_FILE)
+        .filter(|n| n != checkpoint::DSPARK_CONFIG_FILE && n != checkpoint::WEIGHTS_FILE)
         .collect();
     assert!(leftovers.is_empty(), "temporary files left: {leftovers:?}");
 
@@ -203,7 +205,7 @@ fn calibration_patches_a_config_that_round_trips_and_prunes_losslessly() {
 fn bad_input_exits_2_and_leaves_the_checkpoint_alone() {
     let fx = Fixture::new();
     let good = prompt_file(&fx);
-    let config = std::fs::read(fx.drafter.join(checkpoint::MLXB_CONFIG)).unwrap();
+    let config = std::fs::read(fx.drafter.join(checkpoint::DSPARK_CONFIG_FILE)).unwrap();
     let run = |drafter: &Path, data: &Path, extra: &[&str]| {
         let mut a = fx.args("calibrate", data, "8");
         a.extend(["--drafter", s(drafter)]);
@@ -247,7 +249,7 @@ fn bad_input_exits_2_and_leaves_the_checkpoint_alone() {
     let (code, _, err) = run(&fx.target, &good, &[]);
     assert_eq!(code, 2, "{err}");
     assert_eq!(
-        std::fs::read(fx.drafter.join(checkpoint::MLXB_CONFIG)).unwrap(),
+        std::fs::read(fx.drafter.join(checkpoint::DSPARK_CONFIG_FILE)).unwrap(),
         config,
         "a refused calibration changed the config"
     );

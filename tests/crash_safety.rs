@@ -345,7 +345,7 @@ fn convert_survives_kill_9() {
 
 /// Everything under a train-dspark output that exists under its final name is complete.
 fn assert_train_files_complete(out: &Path) {
-    if out.join(checkpoint::MLXB_CONFIG).exists() {
+    if out.join(checkpoint::DSPARK_CONFIG_FILE).exists() {
         checkpoint::load(out).unwrap_or_else(|e| panic!("{} is torn: {e}", out.display()));
     }
     let state = out.join(mlxb::train::state::STATE_FILE);
@@ -416,7 +416,7 @@ fn train_dspark_survives_kill_9_and_resumes_to_the_same_drafter() {
         if kill_at(&strs(&args(&out, false)), &[], fraction, &mut wall) {
             killed += 1;
             assert_train_files_complete(&out);
-            let resume = out.join(checkpoint::MLXB_CONFIG).exists()
+            let resume = out.join(checkpoint::DSPARK_CONFIG_FILE).exists()
                 && out.join(mlxb::train::state::STATE_FILE).exists();
             complete(&strs(&args(&out, resume)), &[]);
         }
@@ -424,8 +424,8 @@ fn train_dspark_survives_kill_9_and_resumes_to_the_same_drafter() {
             assert_same_safetensors(&out.join(f), &reference.join(f));
         }
         assert_eq!(
-            std::fs::read(out.join(checkpoint::MLXB_CONFIG)).unwrap(),
-            std::fs::read(reference.join(checkpoint::MLXB_CONFIG)).unwrap()
+            std::fs::read(out.join(checkpoint::DSPARK_CONFIG_FILE)).unwrap(),
+            std::fs::read(reference.join(checkpoint::DSPARK_CONFIG_FILE)).unwrap()
         );
         assert_same_dir(&out.join("cache"), &reference.join("cache"));
         assert_no_temps(&out);
@@ -442,7 +442,7 @@ fn calibrate_survives_kill_9_with_the_old_or_new_config() {
         "p.jsonl",
         "{\"prompt_ids\": [5, 17, 99, 250, 17, 99]}\n{\"prompt_ids\": [7, 8, 9, 10, 11]}\n",
     );
-    let config = checkpoint::MLXB_CONFIG;
+    let config = checkpoint::DSPARK_CONFIG_FILE;
     let old = std::fs::read(fx.drafter.join(config)).unwrap();
     let args = |drafter: &Path| -> Vec<String> {
         let mut a: Vec<String> = fx

@@ -10,7 +10,7 @@ use mlx_rs::ops::indexing::IndexOp;
 use mlx_rs::transforms::eval;
 use mlx_rs::{ops, random, Array};
 use mlxb::engine::error::Result as EngineResult;
-use mlxb::engine::flags::Forks;
+use mlxb::engine::forks::Forks;
 use mlxb::engine::models::{self, ForwardOpts, LanguageModel};
 use mlxb::engine::session::Session;
 use mlxb::spec::dspark::checkpoint::{self, SeqHead};

@@ -8,7 +8,7 @@ mod common;
 use mlx_rs::ops::indexing::IndexOp;
 use mlx_rs::transforms::eval;
 use mlx_rs::{random, Array};
-use mlxb::engine::flags::Forks;
+use mlxb::engine::forks::Forks;
 use mlxb::engine::models::{self, LanguageModel};
 use mlxb::spec::dspark::checkpoint::{self, DsparkConfig, SeqHead};
 use mlxb::spec::dspark::module::DsparkModule;
@@ -449,10 +449,10 @@ fn patched_config_round_trips() {
     );
     checkpoint::load(ck.path()).unwrap();
     // A wrong-length table is refused and leaves the file as it was.
-    let before = std::fs::read(ck.path().join(checkpoint::MLXB_CONFIG)).unwrap();
+    let before = std::fs::read(ck.path().join(checkpoint::DSPARK_CONFIG_FILE)).unwrap();
     assert!(patch_config(ck.path(), vec![0.0; 3], vec![1.0; 3]).is_err());
     assert_eq!(
-        std::fs::read(ck.path().join(checkpoint::MLXB_CONFIG)).unwrap(),
+        std::fs::read(ck.path().join(checkpoint::DSPARK_CONFIG_FILE)).unwrap(),
         before
     );
 }

@@ -9,7 +9,7 @@ use clap::{Args, FromArgMatches};
 use mlx_rs::ops::indexing::IndexOp;
 use mlx_rs::Array;
 use mlxb::cmd::flags::ForkArgs;
-use mlxb::engine::flags::{self, Domain, Forks, KvQuant, Tier, FORKS};
+use mlxb::engine::forks::{self, Domain, Forks, KvQuant, Tier, FORKS};
 use mlxb::engine::generate::{Flow, GenerateConfig, Generator};
 use mlxb::engine::models::{self, LoadedModel};
 use mlxb::engine::sample::{LogitsProcessors, ProcessorConfig, Sampler, SamplerConfig};
@@ -44,7 +44,7 @@ fn expanded(tier: Tier) -> Vec<String> {
 }
 
 /// An alternative valid value for a fork (to prove each row drives its own field).
-fn other_value(f: &flags::Fork, current: &str) -> String {
+fn other_value(f: &forks::Fork, current: &str) -> String {
     match &f.domain {
         Domain::Choices(c) => c
             .iter()
@@ -98,7 +98,7 @@ fn table_is_the_single_source_of_truth() {
     want.sort();
     assert_eq!(ids, want);
     // The README table lists every fork.
-    let md = flags::markdown_table();
+    let md = forks::markdown_table();
     for f in FORKS {
         assert!(
             md.contains(&format!("`--{}`", f.name)),
@@ -113,7 +113,7 @@ fn table_is_the_single_source_of_truth() {
 fn documented_fork_tables_are_the_generated_one() {
     const BEGIN: &str = "<!-- fork-table:begin";
     const END: &str = "<!-- fork-table:end -->";
-    let want = flags::markdown_table();
+    let want = forks::markdown_table();
     let mut docs = vec![common::root().join("README.md")];
     if let Ok(dir) = std::fs::read_dir(common::root().join("docs")) {
         docs.extend(dir.map(|e| e.unwrap().path()));

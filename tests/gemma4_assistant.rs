@@ -7,7 +7,7 @@
 
 mod common;
 
-use mlxb::engine::flags::Forks;
+use mlxb::engine::forks::Forks;
 use mlxb::engine::models::ForwardOpts;
 use mlxb::engine::session::Session;
 use mlxb::spec::assistant::config;

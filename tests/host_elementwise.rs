@@ -13,7 +13,7 @@
 mod common;
 
 use mlx_rs::{ops, Array, Dtype};
-use mlxb::engine::flags::Forks;
+use mlxb::engine::forks::Forks;
 use mlxb::engine::kernels::elementwise;
 use mlxb::engine::models::activations::{host_swiglu_calls, swiglu};
 use mlxb::engine::nn::host_norm_calls;

@@ -19,7 +19,7 @@
 mod common;
 
 use mlx_rs::{ops, random, Array, Dtype};
-use mlxb::engine::flags::Forks;
+use mlxb::engine::forks::Forks;
 use mlxb::engine::kernels::mlx_order::{self, F32Kernels, Order};
 use mlxb::engine::kernels::{dense_calls, refused_shapes, HostDense};
 use serde_json::json;

@@ -9,7 +9,7 @@
 mod common;
 
 use mlx_rs::{Array, Dtype};
-use mlxb::engine::flags::Forks;
+use mlxb::engine::forks::Forks;
 use mlxb::engine::kernels::{host_calls, host_steps};
 use mlxb::engine::models::{self, Caches, LanguageModel};
 use mlxb::spec::ngram::NgramSource;

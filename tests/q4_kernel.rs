@@ -12,7 +12,7 @@
 mod common;
 
 use mlx_rs::{ops, random, Array, Dtype};
-use mlxb::engine::flags::Forks;
+use mlxb::engine::forks::Forks;
 use mlxb::engine::kernels::{host_calls, HostQuant, Int8Input, KernelPath, Selection};
 use mlxb::engine::weights::QuantSpec;
 use serde_json::json;

@@ -5,7 +5,7 @@
 
 mod common;
 
-use mlxb::engine::flags::Forks;
+use mlxb::engine::forks::Forks;
 use mlxb::engine::generate::{Flow, GenerateConfig, Generator};
 use mlxb::engine::models::{self, LanguageModel};
 use mlxb::engine::sample::{self, LogitsProcessors, ProcessorConfig, Sampler, SamplerConfig};

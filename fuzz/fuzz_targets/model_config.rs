@@ -4,7 +4,7 @@
 #![no_main]
 
 use libfuzzer_sys::fuzz_target;
-use mlxb::engine::flags::{Forks, KvQuant};
+use mlxb::engine::forks::{Forks, KvQuant};
 use mlxb::engine::models::{ModelSpec, REGISTRY};
 use mlxb::engine::plan::ForkPlan;
 use mlxb::engine::weights::{QuantConfig, WeightStore};

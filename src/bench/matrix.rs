@@ -11,7 +11,7 @@ use super::report::Row;
 use super::runner::{measure, TestInputs, TestSpec};
 use super::{row_template, test_row};
 use crate::engine::error::{EngineError, Result};
-use crate::engine::flags::{self, Domain, Fork, Forks, KvQuant, Output, Resolution, Tier, FORKS};
+use crate::engine::forks::{self, Domain, Fork, Forks, KvQuant, Output, Resolution, Tier, FORKS};
 use crate::engine::models::{self, LoadedModel};
 use crate::engine::plan::ForkPlan;
 use crate::engine::session::Session;
@@ -104,7 +104,7 @@ fn resolve_fork(fork: &'static Fork, value: &str, model: Check) -> Entry {
         keeps,
         run: Err(String::new()),
     };
-    let reason = match flags::resolve(None, &alone) {
+    let reason = match forks::resolve(None, &alone) {
         Ok(r) => match inert(&r, model) {
             None => {
                 entry.run = Ok(r);
@@ -120,7 +120,7 @@ fn resolve_fork(fork: &'static Fork, value: &str, model: Check) -> Entry {
         .map(|(n, v)| ((*n).to_owned(), (*v).to_owned()))
         .collect();
     let with = [context.clone(), alone].concat();
-    entry.run = match flags::resolve(None, &with) {
+    entry.run = match forks::resolve(None, &with) {
         Ok(r) => match inert(&r, model) {
             None => {
                 let names: Vec<String> = context.iter().map(|(n, v)| format!("{n} {v}")).collect();
@@ -164,7 +164,7 @@ fn plan_with(model: Check) -> Vec<Entry> {
         })
         .collect();
     for tier in [Tier::L2, Tier::L3] {
-        let run = flags::resolve(Some(tier), &[]).map_err(|e| e.to_string());
+        let run = forks::resolve(Some(tier), &[]).map_err(|e| e.to_string());
         entries.push(Entry {
             label: format!("--{}", tier.flag()),
             fork: None,

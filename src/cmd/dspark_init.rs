@@ -3,7 +3,7 @@
 
 use super::common::{resolve_model, value_enum};
 use crate::engine::error::EngineError;
-use crate::engine::flags::Forks;
+use crate::engine::forks::Forks;
 use crate::engine::session::Session;
 use crate::spec::dspark::checkpoint::{self, SeqHead};
 use crate::train::init::{init_for_session, InitOptions};

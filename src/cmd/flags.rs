@@ -1,9 +1,9 @@
 //! The fork flags on the command line, generated from the fork table
-//! ([`crate::engine::flags::FORKS`]): [`ForkArgs`] adds `--l1/--l2/--l3` and one flag per fork
+//! ([`crate::engine::forks::FORKS`]): [`ForkArgs`] adds `--l1/--l2/--l3` and one flag per fork
 //! to any subcommand through `#[command(flatten)]`, and `mlxb flags` prints what a
 //! combination resolves to (or the README table with `--markdown`).
 
-use crate::engine::flags::{self, Domain, Forks, Resolution, Tier, FORKS};
+use crate::engine::forks::{self, Domain, Forks, Resolution, Tier, FORKS};
 use clap::builder::PossibleValuesParser;
 use clap::{Arg, ArgAction, ArgGroup, ArgMatches, Args, Command, FromArgMatches};
 
@@ -18,7 +18,7 @@ pub struct ForkArgs {
 
 const HEADING: &str = "Forks and parity tiers (see `mlxb flags`)";
 
-fn fork_arg(f: &'static flags::Fork) -> Arg {
+fn fork_arg(f: &'static forks::Fork) -> Arg {
     let defaults = Tier::ALL
         .iter()
         .map(|t| format!("{t}: {}", f.default_in(*t)))
@@ -105,7 +105,7 @@ impl Args for ForkArgs {
 impl ForkArgs {
     /// Resolves the tier and the explicit flags against the table.
     pub fn resolve(&self) -> crate::engine::error::Result<Resolution> {
-        flags::resolve(self.tier, &self.explicit)
+        forks::resolve(self.tier, &self.explicit)
     }
 
     /// Resolves and prints the documented warnings to stderr (what the commands run with).
@@ -134,7 +134,7 @@ pub struct FlagsArgs {
 /// Entry point of `mlxb flags`.
 pub fn run(args: FlagsArgs) -> anyhow::Result<()> {
     if args.markdown {
-        print!("{}", flags::markdown_table());
+        print!("{}", forks::markdown_table());
         return Ok(());
     }
     let r = args.forks.resolve()?;

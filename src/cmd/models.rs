@@ -2,7 +2,7 @@
 //! (config.json, its fields and the checkpoint's tensors checked exactly as loading does).
 
 use crate::engine::error::EngineError;
-use crate::engine::flags::Forks;
+use crate::engine::forks::Forks;
 use crate::engine::models;
 use clap::Args;
 use std::path::PathBuf;

@@ -6,7 +6,7 @@ use super::common::{ModelArgs, PromptArgs};
 use super::flags::{open_session, ForkArgs};
 use crate::engine::bits::same_bits;
 use crate::engine::error::EngineError;
-use crate::engine::flags::{KvQuant, Tier};
+use crate::engine::forks::{KvQuant, Tier};
 use crate::engine::generate::{Flow, GenerateConfig, Generator};
 use crate::engine::sample::{LogitsProcessors, ProcessorConfig, Sampler, SamplerConfig};
 use crate::oracle::mlx_lm;

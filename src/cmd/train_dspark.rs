@@ -8,7 +8,7 @@
 use super::common::resolve_model;
 use crate::cmd::dspark_init::ShapeArgs;
 use crate::engine::error::EngineError;
-use crate::engine::flags::Forks;
+use crate::engine::forks::Forks;
 use crate::engine::session::Session;
 use crate::spec::dspark::checkpoint::{self, DsparkConfig, TargetFacts};
 use crate::train::data::{build_cache, read_prompts, RegenOptions};

@@ -9,7 +9,7 @@ pub mod chat_template;
 pub mod contain;
 pub mod detokenizer;
 pub mod error;
-pub mod flags;
+pub mod forks;
 pub mod fsutil;
 pub mod generate;
 pub mod kernels;

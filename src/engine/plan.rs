@@ -5,7 +5,7 @@
 use super::attend::AttentionPlan;
 use super::cache::KV_BITS;
 use super::error::{EngineError, Result};
-use super::flags::{Forks, KvQuant};
+use super::forks::{Forks, KvQuant};
 use super::models::Caches;
 use serde_json::Value;
 use std::path::Path;

@@ -1,7 +1,7 @@
 //! A loaded model and its tokenizer: what every subcommand opens first.
 
 use super::error::Result;
-use super::flags::Forks;
+use super::forks::Forks;
 use super::models::{self, LoadedModel};
 use super::tokenizer::Tokenizer;
 use std::path::{Path, PathBuf};

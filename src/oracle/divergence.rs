@@ -3,7 +3,7 @@
 //! (`mlxb bench --matrix` reports it for every output-changing fork; it is 0 for L1-valid ones).
 
 use crate::engine::error::Result;
-use crate::engine::flags::Forks;
+use crate::engine::forks::Forks;
 use crate::engine::generate::{Flow, GenerateConfig, Generator};
 use crate::engine::models::{self, LoadedModel};
 use crate::engine::sample::{LogitsProcessors, ProcessorConfig, Sampler, SamplerConfig};

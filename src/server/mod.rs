@@ -71,9 +71,9 @@ pub struct ServeConfig {
     /// Reuse the previous request's KV for a shared prompt prefix.
     pub prefix_reuse: bool,
     /// The fork flags every request runs with (`--l1/--l2/--l3` and per-fork flags).
-    pub forks: crate::engine::flags::Forks,
+    pub forks: crate::engine::forks::Forks,
     /// The parity tier the resolved forks keep (for the ready card).
-    pub parity: crate::engine::flags::Tier,
+    pub parity: crate::engine::forks::Tier,
 }
 
 /// Loads the model, binds, prints the ready card and serves until Ctrl-C or SIGTERM; then

@@ -9,7 +9,7 @@ use super::request::CompletionRequest;
 use super::stop::StopMatcher;
 use super::types::{Timings, Usage};
 use crate::engine::error::{EngineError, Result};
-use crate::engine::flags::Forks;
+use crate::engine::forks::Forks;
 use crate::engine::generate::Speculator;
 use crate::engine::generate::{Flow, GenerateConfig, Step};
 use crate::engine::runtime;

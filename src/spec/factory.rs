@@ -6,7 +6,7 @@
 use super::dspark::drafter::PruneMode;
 use super::source::{DraftSource, VerifyMode};
 use crate::engine::error::{EngineError, Result};
-use crate::engine::flags::Forks;
+use crate::engine::forks::Forks;
 use crate::engine::session::Session;
 use std::path::PathBuf;
 

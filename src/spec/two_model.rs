@@ -4,7 +4,7 @@
 use super::autoregressive::CachedDrafter;
 use super::source::{Draft, DraftSource, TargetView};
 use crate::engine::error::{EngineError, Result};
-use crate::engine::flags::Forks;
+use crate::engine::forks::Forks;
 use crate::engine::models::{self, LanguageModel};
 use crate::engine::tokenizer::Tokenizer;
 use std::path::Path;

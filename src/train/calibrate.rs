@@ -212,7 +212,7 @@ pub fn patch_config(dir: &Path, thresholds: Vec<f64>, temps: Vec<f64>) -> Result
         )));
     }
     // Patch the file's own JSON so fields this version does not know survive as they are.
-    let file = dir.join(checkpoint::MLXB_CONFIG);
+    let file = dir.join(checkpoint::DSPARK_CONFIG_FILE);
     let text = std::fs::read_to_string(&file)
         .map_err(|e| EngineError::file(&file, format!("cannot read it ({e})")))?;
     let mut raw: Value = serde_json::from_str(&text)

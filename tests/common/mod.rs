@@ -304,8 +304,8 @@ impl Twins {
     /// Loads `dir` under `a` and `b` and prefills `n` prompt ids (vocabulary 384, `salt`).
     pub fn prefill(
         dir: &Path,
-        a: mlxb::engine::flags::Forks,
-        b: mlxb::engine::flags::Forks,
+        a: mlxb::engine::forks::Forks,
+        b: mlxb::engine::forks::Forks,
         n: usize,
         salt: u32,
     ) -> Self {

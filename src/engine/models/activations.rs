@@ -4,7 +4,7 @@
 //! call; [`CompiledOp`] is the one wrapper they share.
 
 use crate::engine::error::Result;
-use crate::engine::flags::Forks;
+use crate::engine::forks::Forks;
 use crate::engine::kernels::{self, elementwise};
 use mlx_rs::error::Exception;
 use mlx_rs::transforms::compile::compile;

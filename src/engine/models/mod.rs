@@ -22,7 +22,7 @@ pub mod switch;
 
 use super::cache::KvCache;
 use super::error::{EngineError, Result};
-use super::flags::Forks;
+use super::forks::Forks;
 use super::weights::{QuantConfig, WeightStore};
 use mlx_rs::Array;
 use serde::de::DeserializeOwned;

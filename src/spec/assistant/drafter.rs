@@ -15,7 +15,7 @@
 use super::config::{self, TargetLayout};
 use super::module::{AssistantModule, DonorKv};
 use crate::engine::error::{EngineError, Result};
-use crate::engine::flags::Forks;
+use crate::engine::forks::Forks;
 use crate::engine::models::Caches;
 use crate::engine::weights::{QuantConfig, WeightStore};
 use crate::spec::source::{Draft, DraftSource, TargetView};

@@ -22,7 +22,7 @@ use std::collections::HashMap;
 use std::path::{Path, PathBuf};
 
 /// mlxb's config file name inside a checkpoint directory.
-pub const MLXB_CONFIG: &str = "dspark.json";
+pub const DSPARK_CONFIG_FILE: &str = "dspark.json";
 /// The weights file mlxb writes (any `model*.safetensors` is read).
 pub const WEIGHTS_FILE: &str = "model.safetensors";
 /// What to do when a checkpoint does not fit, appended to every mismatch error.
@@ -319,7 +319,7 @@ pub fn checkpoint_dir(path: &Path) -> PathBuf {
     let is_config = path
         .file_name()
         .and_then(|n| n.to_str())
-        .is_some_and(|n| n == MLXB_CONFIG || n == "config.json");
+        .is_some_and(|n| n == DSPARK_CONFIG_FILE || n == "config.json");
     match path.parent() {
         Some(parent) if is_config && path.is_file() => parent.to_path_buf(),
         _ => path.to_path_buf(),
@@ -349,7 +349,7 @@ fn deepspec_architecture(config: &Value) -> Option<&str> {
 /// Whether `path` holds a DSpark checkpoint in either format (what `--draft-model` detection uses).
 pub fn is_artifact(path: &Path) -> bool {
     let dir = checkpoint_dir(path);
-    if dir.join(MLXB_CONFIG).is_file() {
+    if dir.join(DSPARK_CONFIG_FILE).is_file() {
         return true;
     }
     read_json(&dir.join("config.json"))
@@ -360,7 +360,7 @@ pub fn is_artifact(path: &Path) -> bool {
 /// Reads the config of the checkpoint at `path` in whichever format it is, validated on its own.
 pub fn read_config(path: &Path) -> Result<(DsparkConfig, Format)> {
     let dir = checkpoint_dir(path);
-    let mlxb = dir.join(MLXB_CONFIG);
+    let mlxb = dir.join(DSPARK_CONFIG_FILE);
     let (config, format, file) = if mlxb.is_file() {
         let v = read_json(&mlxb)?;
         let c: DsparkConfig = serde_json::from_value(v).map_err(|e| {
@@ -372,7 +372,7 @@ pub fn read_config(path: &Path) -> Result<(DsparkConfig, Format)> {
         if !file.is_file() {
             return Err(EngineError::file(
                 &dir,
-                format!("is not a DSpark checkpoint (neither {MLXB_CONFIG} nor config.json); create one with `mlxb dspark-init`"),
+                format!("is not a DSpark checkpoint (neither {DSPARK_CONFIG_FILE} nor config.json); create one with `mlxb dspark-init`"),
             ));
         }
         let v = read_json(&file)?;
@@ -405,7 +405,7 @@ pub fn load(path: &Path) -> Result<Checkpoint> {
     let (config, format) = read_config(&dir)?;
     // A quantized drafter carries mlx-lm's `quantization` section in the same file.
     let file = match format {
-        Format::Mlxb => dir.join(MLXB_CONFIG),
+        Format::Mlxb => dir.join(DSPARK_CONFIG_FILE),
         Format::DeepSpec => dir.join("config.json"),
     };
     let quant = QuantConfig::from_config(&file, &read_json(&file)?)?;
@@ -589,11 +589,12 @@ pub fn target_rope(v: &Value) -> (f64, Option<Value>) {
 pub fn write_config(dir: &Path, config: &DsparkConfig) -> Result<()> {
     let text = serde_json::to_string_pretty(config)
         .map_err(|e| EngineError::Runtime(format!("cannot serialize the drafter config ({e})")))?;
-    let tmp = dir.join(format!("{MLXB_CONFIG}.tmp"));
-    let io =
-        |e: std::io::Error| EngineError::file(dir, format!("cannot write {MLXB_CONFIG} ({e})"));
+    let tmp = dir.join(format!("{DSPARK_CONFIG_FILE}.tmp"));
+    let io = |e: std::io::Error| {
+        EngineError::file(dir, format!("cannot write {DSPARK_CONFIG_FILE} ({e})"))
+    };
     std::fs::write(&tmp, text + "\n").map_err(io)?;
-    std::fs::rename(&tmp, dir.join(MLXB_CONFIG)).map_err(io)
+    std::fs::rename(&tmp, dir.join(DSPARK_CONFIG_FILE)).map_err(io)
 }
 
 /// Writes a checkpoint in mlxb's format: the tensors to `model.safetensors`, then `dspark.json`.

@@ -19,7 +19,7 @@
 use super::checkpoint::{self, DsparkConfig, TargetFacts};
 use super::module::DsparkModule;
 use crate::engine::error::{EngineError, Result};
-use crate::engine::flags::Forks;
+use crate::engine::forks::Forks;
 use crate::engine::models::{Caches, LanguageModel};
 use crate::engine::weights::WeightStore;
 use crate::spec::source::{Draft, DraftSource, TargetView, VerifyMode};
