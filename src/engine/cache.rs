@@ -6,8 +6,8 @@ use super::error::Result;
 use mlx_rs::ops::indexing::{Ellipsis, IndexOp, TryIndexMutOp};
 use mlx_rs::{ops, Array};
 
-/// `plan`, `set_plan` and `clone_box` for a `Clone` cache with a `plan` field.
-macro_rules! plan_and_clone {
+/// `plan` and `set_plan` for a cache with a `plan` field.
+macro_rules! plan {
     () => {
         fn plan(&self) -> $crate::engine::attend::AttentionPlan {
             self.plan
@@ -15,6 +15,24 @@ macro_rules! plan_and_clone {
 
         fn set_plan(&mut self, plan: $crate::engine::attend::AttentionPlan) {
             self.plan = plan;
+        }
+    };
+}
+
+/// `snapshot`, `restore` and `clone_box` for a `Clone` cache: its saved state is a clone of
+/// the whole cache (MLX arrays are shared, not copied), put back by assignment.
+macro_rules! clone_state {
+    () => {
+        fn snapshot(&self) -> $crate::engine::cache::CacheSnapshot {
+            $crate::engine::cache::CacheSnapshot::new(self.clone())
+        }
+
+        fn restore(
+            &mut self,
+            snapshot: $crate::engine::cache::CacheSnapshot,
+        ) -> $crate::engine::error::Result<()> {
+            *self = snapshot.into_inner::<Self>()?;
+            Ok(())
         }
 
         fn clone_box(&self) -> Option<Box<dyn $crate::engine::cache::KvCache>> {
@@ -204,6 +222,11 @@ impl FullCache {
     }
 }
 
+/// The arrays of a key/value pair of buffers, keys first (none before the first update).
+fn kv_state(keys: &Option<Array>, values: &Option<Array>) -> Vec<Array> {
+    keys.iter().chain(values).cloned().collect()
+}
+
 fn prefix(a: &Array, n: i32) -> Array {
     a.index((Ellipsis, ..n, ..))
 }
@@ -258,21 +281,10 @@ impl KvCache for FullCache {
     offset_semantics!();
 
     fn state(&self) -> Vec<Array> {
-        self.keys
-            .iter()
-            .chain(self.values.iter())
-            .cloned()
-            .collect()
+        kv_state(&self.keys, &self.values)
     }
 
-    fn snapshot(&self) -> CacheSnapshot {
-        CacheSnapshot::new(self.clone())
-    }
-
-    fn restore(&mut self, snapshot: CacheSnapshot) -> Result<()> {
-        *self = snapshot.into_inner::<Self>()?;
-        Ok(())
-    }
+    clone_state!();
 
     fn to_quantized(&self, group_size: i32, bits: i32) -> Result<Option<Box<dyn KvCache>>> {
         let kv = match (&self.keys, &self.values) {
@@ -288,7 +300,7 @@ impl KvCache for FullCache {
         )?)))
     }
 
-    plan_and_clone!();
+    plan!();
 
     fn peek_kv(&self) -> Result<Option<(Array, Array)>> {
         Ok(match (&self.keys, &self.values) {
@@ -496,21 +508,10 @@ impl KvCache for RotatingCache {
     }
 
     fn state(&self) -> Vec<Array> {
-        self.keys
-            .iter()
-            .chain(self.values.iter())
-            .cloned()
-            .collect()
+        kv_state(&self.keys, &self.values)
     }
 
-    fn snapshot(&self) -> CacheSnapshot {
-        CacheSnapshot::new(self.clone())
-    }
-
-    fn restore(&mut self, snapshot: CacheSnapshot) -> Result<()> {
-        *self = snapshot.into_inner::<Self>()?;
-        Ok(())
-    }
+    clone_state!();
 
     /// mlx-lm raises `NotImplementedError("RotatingKVCache Quantization NYI")`.
     fn to_quantized(&self, _group_size: i32, _bits: i32) -> Result<Option<Box<dyn KvCache>>> {
@@ -519,7 +520,7 @@ impl KvCache for RotatingCache {
         ))
     }
 
-    plan_and_clone!();
+    plan!();
 
     fn peek_kv(&self) -> Result<Option<(Array, Array)>> {
         Ok(match (&self.keys, &self.values) {

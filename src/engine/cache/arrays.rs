@@ -1,7 +1,7 @@
 //! mlx-lm's `ArraysCache`: a fixed number of state slots a recurrent layer reads and replaces
 //! whole on every step (qwen3_5's gated delta-net keeps `[conv_state, ssm_state]`).
 
-use super::{AttentionMask, CacheSnapshot, KvCache};
+use super::{AttentionMask, KvCache};
 use crate::engine::error::{EngineError, Result};
 use mlx_rs::Array;
 
@@ -78,20 +78,9 @@ impl KvCache for ArraysCache {
         self.slots.iter().flatten().cloned().collect()
     }
 
-    fn snapshot(&self) -> CacheSnapshot {
-        CacheSnapshot::new(self.clone())
-    }
-
-    fn restore(&mut self, snapshot: CacheSnapshot) -> Result<()> {
-        *self = snapshot.into_inner::<Self>()?;
-        Ok(())
-    }
+    clone_state!();
 
     fn as_arrays_mut(&mut self) -> Option<&mut ArraysCache> {
         Some(self)
-    }
-
-    fn clone_box(&self) -> Option<Box<dyn KvCache>> {
-        Some(Box::new(self.clone()))
     }
 }

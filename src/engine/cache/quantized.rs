@@ -2,7 +2,7 @@
 //! (`mx.quantize` per update) in buffers that grow by 256 positions, read by the quantized
 //! attention (`base.quantized_scaled_dot_product_attention`) without ever being dequantized.
 
-use super::{CacheSnapshot, KvCache, STEP};
+use super::{KvCache, STEP};
 use crate::engine::attend::AttentionPlan;
 use crate::engine::error::{EngineError, Result};
 use mlx_rs::ops::indexing::{Ellipsis, IndexOp, TryIndexMutOp};
@@ -243,18 +243,11 @@ impl KvCache for QuantizedCache {
             .collect()
     }
 
-    fn snapshot(&self) -> CacheSnapshot {
-        CacheSnapshot::new(self.clone())
-    }
-
-    fn restore(&mut self, snapshot: CacheSnapshot) -> Result<()> {
-        *self = snapshot.into_inner::<Self>()?;
-        Ok(())
-    }
+    clone_state!();
 
     fn as_quantized_mut(&mut self) -> Option<&mut QuantizedCache> {
         Some(self)
     }
 
-    plan_and_clone!();
+    plan!();
 }
