@@ -6,9 +6,11 @@
 
 use super::activations::{softcap_graph, GeluApprox};
 use super::attention::{AttentionShape, AttentionVariant, GqaAttention};
+use super::decoder::{Decoder, LayerIo};
 use super::mlp::GatedMlp;
 use super::rope::Rope;
-use super::{full_caches, Caches, LanguageModel, ModelSpec};
+use super::{LanguageModel, ModelSpec};
+use crate::engine::cache::{AttentionMask, KvCache};
 use crate::engine::error::Result;
 use crate::engine::nn::{weak_scalar, Embedding, RmsNorm};
 use crate::engine::weights::WeightStore;
@@ -51,14 +53,58 @@ fn default_qpas() -> f64 {
     144.0
 }
 
-/// One decoder layer: attention and MLP, each wrapped in a pre- and a post-norm.
-struct SandwichBlock {
+/// One decoder layer, which gemma3_text shares: attention and a GeGLU MLP, each wrapped in a
+/// pre- and a post-norm (`rms_norm(x, 1 + w)`).
+pub(super) struct SandwichBlock {
     attn: GqaAttention,
     mlp: GatedMlp,
     input_layernorm: RmsNorm,
     post_attention_layernorm: RmsNorm,
     pre_feedforward_layernorm: RmsNorm,
     post_feedforward_layernorm: RmsNorm,
+}
+
+impl SandwichBlock {
+    /// Loads layer `{prefix}`: its attention (by `attn`, from `{prefix}.self_attn`), its MLP
+    /// and its four norms, for `(hidden, intermediate, eps)`.
+    pub(super) fn load(
+        w: &mut WeightStore,
+        prefix: &str,
+        (hidden, intermediate, eps): (i32, i32, f64),
+        attn: impl FnOnce(&mut WeightStore, &str) -> Result<GqaAttention>,
+    ) -> Result<Self> {
+        let norm = |w: &mut WeightStore, name: &str| {
+            RmsNorm::load(w, &format!("{prefix}.{name}"), hidden, eps)
+        };
+        Ok(Self {
+            attn: attn(w, &format!("{prefix}.self_attn"))?,
+            mlp: GatedMlp::load(w, &format!("{prefix}.mlp"), hidden, intermediate, false)?,
+            input_layernorm: norm(w, "input_layernorm")?,
+            post_attention_layernorm: norm(w, "post_attention_layernorm")?,
+            pre_feedforward_layernorm: norm(w, "pre_feedforward_layernorm")?,
+            post_feedforward_layernorm: norm(w, "post_feedforward_layernorm")?,
+        })
+    }
+
+    /// Runs the layer; `residual(x, y)` adds a branch's normed output `y` to the stream `x`
+    /// (a plain add in gemma2, `clip_residual` in gemma3).
+    pub(super) fn forward(
+        &self,
+        h: &Array,
+        (mask, cache): (&AttentionMask, &mut dyn KvCache),
+        gelu: &mut GeluApprox,
+        mut residual: impl FnMut(&Array, &Array) -> Result<Array>,
+    ) -> Result<Array> {
+        let r = self
+            .attn
+            .forward(&self.input_layernorm.forward_one_plus(h)?, mask, cache)?;
+        let h = residual(h, &self.post_attention_layernorm.forward_one_plus(&r)?)?;
+        let r = self.mlp.forward_with(
+            &self.pre_feedforward_layernorm.forward_one_plus(&h)?,
+            |g, u| Ok(gelu.apply(g)?.multiply(u)?),
+        )?;
+        residual(&h, &self.post_feedforward_layernorm.forward_one_plus(&r)?)
+    }
 }
 
 /// The gemma2 decoder with its tied, soft-capped LM head.
@@ -112,25 +158,14 @@ pub fn build(spec: &ModelSpec, w: &mut WeightStore) -> Result<Box<dyn LanguageMo
         base: a.rope_theta as f32,
         scale: 1.0,
     };
+    let dims = (d, a.intermediate_size, eps);
     let mut layers = Vec::new();
     for i in 0..a.num_hidden_layers {
+        let attn = |w: &mut WeightStore, path: &str| {
+            GqaAttention::load_variant(w, path, shape.clone(), rope.clone(), variant)
+        };
         let p = format!("model.layers.{i}");
-        let norm =
-            |w: &mut WeightStore, name: &str| RmsNorm::load(w, &format!("{p}.{name}"), d, eps);
-        layers.push(SandwichBlock {
-            attn: GqaAttention::load_variant(
-                w,
-                &format!("{p}.self_attn"),
-                shape.clone(),
-                rope.clone(),
-                variant,
-            )?,
-            mlp: GatedMlp::load(w, &format!("{p}.mlp"), d, a.intermediate_size, false)?,
-            input_layernorm: norm(w, "input_layernorm")?,
-            post_attention_layernorm: norm(w, "post_attention_layernorm")?,
-            pre_feedforward_layernorm: norm(w, "pre_feedforward_layernorm")?,
-            post_feedforward_layernorm: norm(w, "post_feedforward_layernorm")?,
-        });
+        layers.push(SandwichBlock::load(w, &p, dims, attn)?);
     }
     Ok(Box::new(Model {
         embed_tokens: Embedding::load(w, "model.embed_tokens", a.vocab_size, d)?,
@@ -143,36 +178,36 @@ pub fn build(spec: &ModelSpec, w: &mut WeightStore) -> Result<Box<dyn LanguageMo
     }))
 }
 
-impl LanguageModel for Model {
-    fn forward(&mut self, inputs: &Array, caches: &mut Caches) -> Result<Array> {
+impl Decoder for Model {
+    fn layer_count(&self) -> usize {
+        self.layers.len()
+    }
+
+    /// mlx-lm's gemma2 asks `create_attention_mask(h, cache, return_array=True)`.
+    fn full_mask_array(&self) -> bool {
+        true
+    }
+
+    /// `embed_tokens(ids) * sqrt(hidden_size)`.
+    fn input(&self, inputs: &Array) -> Result<Array> {
         let h = self.embed_tokens.forward(inputs)?;
-        let mut h = h.multiply(weak_scalar((self.hidden_size as f64).powf(0.5), &h)?)?;
-        let mask = caches[0].make_mask(h.shape()[1], None, true)?;
-        for (layer, cache) in self.layers.iter().zip(caches.iter_mut()) {
-            let r = layer.attn.forward(
-                &layer.input_layernorm.forward_one_plus(&h)?,
-                &mask,
-                cache.as_mut(),
-            )?;
-            let hh = h.add(layer.post_attention_layernorm.forward_one_plus(&r)?)?;
-            let gelu = &mut self.gelu;
-            let r = layer.mlp.forward_with(
-                &layer.pre_feedforward_layernorm.forward_one_plus(&hh)?,
-                |g, u| Ok(gelu.apply(g)?.multiply(u)?),
-            )?;
-            h = hh.add(layer.post_feedforward_layernorm.forward_one_plus(&r)?)?;
-        }
+        Ok(h.multiply(weak_scalar((self.hidden_size as f64).powf(0.5), &h)?)?)
+    }
+
+    fn block(&mut self, i: usize, h: &Array, io: LayerIo<'_>) -> Result<Array> {
+        let add = |x: &Array, y: &Array| Ok(x.add(y)?);
+        self.layers[i].forward(h, io.attention()?, &mut self.gelu, add)
+    }
+
+    /// The tied head on `rms_norm(h, 1 + w)`, soft-capped.
+    fn output(&mut self, h: &Array) -> Result<Array> {
         let out = self
             .embed_tokens
-            .as_linear(&self.norm.forward_one_plus(&h)?)?;
+            .as_linear(&self.norm.forward_one_plus(h)?)?;
         Ok(softcap_graph(&out, self.final_logit_softcapping)?)
     }
+}
 
-    fn make_caches(&self) -> Caches {
-        full_caches(self.layers.len())
-    }
-
-    fn vocab_size(&self) -> i32 {
-        self.vocab_size
-    }
+impl LanguageModel for Model {
+    super::decoder_model!();
 }

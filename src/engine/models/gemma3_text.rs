@@ -5,10 +5,10 @@
 
 use super::activations::GeluApprox;
 use super::attention::{AttentionShape, GqaAttention, QkNormStyle};
-use super::mlp::GatedMlp;
+use super::decoder::{Decoder, LayerIo, LayerKind};
+use super::gemma2::SandwichBlock;
 use super::rope::Rope;
-use super::{Caches, ForwardOpts, ForwardOut, LanguageModel, ModelSpec};
-use crate::engine::cache::{AttentionMask, FullCache, KvCache, RotatingCache};
+use super::{LanguageModel, ModelSpec};
 use crate::engine::error::Result;
 use crate::engine::nn::{Embedding, Linear, RmsNorm};
 use crate::engine::weights::WeightStore;
@@ -98,19 +98,10 @@ impl ClipResidual {
     }
 }
 
-struct Block {
-    attn: GqaAttention,
-    mlp: GatedMlp,
-    input_layernorm: RmsNorm,
-    post_attention_layernorm: RmsNorm,
-    pre_feedforward_layernorm: RmsNorm,
-    post_feedforward_layernorm: RmsNorm,
-}
-
 /// The gemma3 text decoder with its LM head (tied when the checkpoint has no `lm_head`).
 pub struct Model {
     embed_tokens: Embedding,
-    layers: Vec<Block>,
+    layers: Vec<SandwichBlock>,
     norm: RmsNorm,
     lm_head: Option<Linear>,
     gelu: GeluApprox,
@@ -162,6 +153,7 @@ pub fn build(spec: &ModelSpec, w: &mut WeightStore) -> Result<Box<dyn LanguageMo
     };
     let local_rope = Rope::from_config(hd, a.rope_local_base_freq, false, None)?;
     let global_rope = Rope::from_config(hd, a.rope_theta, false, a.rope_scaling.as_ref())?;
+    let dims = (d, a.intermediate_size, eps);
     let mut layers = Vec::new();
     for i in 0..a.num_hidden_layers {
         let pre = format!("model.layers.{i}");
@@ -171,22 +163,16 @@ pub fn build(spec: &ModelSpec, w: &mut WeightStore) -> Result<Box<dyn LanguageMo
         } else {
             global_rope.clone()
         };
-        let norm =
-            |w: &mut WeightStore, name: &str| RmsNorm::load(w, &format!("{pre}.{name}"), d, eps);
-        layers.push(Block {
-            attn: GqaAttention::load_styled(
+        let attn = |w: &mut WeightStore, path: &str| {
+            GqaAttention::load_styled(
                 w,
-                &format!("{pre}.self_attn"),
+                path,
                 shape.clone(),
                 rope,
                 QkNormStyle::GemmaAfterTranspose,
-            )?,
-            mlp: GatedMlp::load(w, &format!("{pre}.mlp"), d, a.intermediate_size, false)?,
-            input_layernorm: norm(w, "input_layernorm")?,
-            post_attention_layernorm: norm(w, "post_attention_layernorm")?,
-            pre_feedforward_layernorm: norm(w, "pre_feedforward_layernorm")?,
-            post_feedforward_layernorm: norm(w, "post_feedforward_layernorm")?,
-        });
+            )
+        };
+        layers.push(SandwichBlock::load(w, &pre, dims, attn)?);
     }
     // sanitize(): no `lm_head.weight` in the checkpoint means the head is tied.
     let lm_head = if w.contains("lm_head.weight") {
@@ -208,65 +194,34 @@ pub fn build(spec: &ModelSpec, w: &mut WeightStore) -> Result<Box<dyn LanguageMo
     }))
 }
 
-impl LanguageModel for Model {
-    fn forward(&mut self, inputs: &Array, caches: &mut Caches) -> Result<Array> {
-        Ok(self
-            .forward_ext(inputs, caches, &ForwardOpts::default())?
-            .logits)
+impl Decoder for Model {
+    fn layer_count(&self) -> usize {
+        self.layers.len()
     }
 
-    fn forward_ext(
-        &mut self,
-        inputs: &Array,
-        caches: &mut Caches,
-        opts: &ForwardOpts,
-    ) -> Result<ForwardOut> {
-        let run = opts.layers_to_run(self.layers.len(), caches.len())?;
-        let mut h = self.embed(inputs)?;
-        let n = h.shape()[1];
-        let p = self.sliding_window_pattern as usize;
-        // mlx-lm asks cache p-1 (global) and cache 0 (sliding); any cache of the same kind has
-        // the same offset, so an early exit before layer p-1 asks the first global one it runs.
-        let global_mask = match (0..run).find(|&i| is_global(i, self.sliding_window_pattern)) {
-            Some(i) => caches[i].make_mask(n, None, false)?,
-            None => AttentionMask::None,
-        };
-        let sliding_mask = if p > 1 {
-            Some(caches[0].make_mask(n, Some(self.sliding_window), false)?)
+    /// mlx-lm asks cache `p - 1` (global) and cache 0 (sliding); any cache of one kind has the
+    /// same offset, so the first of each kind gives the same masks.
+    fn layer_kind(&self, i: usize) -> LayerKind {
+        if is_global(i, self.sliding_window_pattern) {
+            LayerKind::Full
         } else {
-            None
-        };
-        let mut taps = Vec::new();
-        let layers = self.layers[..run].iter().zip(caches.iter_mut()).enumerate();
-        for (i, (layer, cache)) in layers {
-            let mask = match (&sliding_mask, is_global(i, self.sliding_window_pattern)) {
-                (Some(m), false) => m,
-                _ => &global_mask,
-            };
-            let r = layer.attn.forward(
-                &layer.input_layernorm.forward_one_plus(&h)?,
-                mask,
-                cache.as_mut(),
-            )?;
-            let hh = self
-                .clip_residual
-                .apply(&h, &layer.post_attention_layernorm.forward_one_plus(&r)?)?;
-            let gelu = &mut self.gelu;
-            let r = layer.mlp.forward_with(
-                &layer.pre_feedforward_layernorm.forward_one_plus(&hh)?,
-                |g, u| Ok(gelu.apply(g)?.multiply(u)?),
-            )?;
-            h = self
-                .clip_residual
-                .apply(&hh, &layer.post_feedforward_layernorm.forward_one_plus(&r)?)?;
-            opts.capture(i, &h, &mut taps);
+            LayerKind::Sliding
         }
-        let logits = self.lm_head(&self.final_norm(&h)?)?;
-        Ok(ForwardOut {
-            logits,
-            taps: opts.finish_taps(taps),
-        })
     }
+
+    fn sliding_window(&self) -> Option<i32> {
+        Some(self.sliding_window)
+    }
+
+    fn block(&mut self, i: usize, h: &Array, io: LayerIo<'_>) -> Result<Array> {
+        let clip = &mut self.clip_residual;
+        let residual = |x: &Array, y: &Array| clip.apply(x, y);
+        self.layers[i].forward(h, io.attention()?, &mut self.gelu, residual)
+    }
+}
+
+impl LanguageModel for Model {
+    super::decoder_model!();
 
     fn embed(&self, inputs: &Array) -> Result<Array> {
         let h = self.embed_tokens.forward(inputs)?;
@@ -283,21 +238,5 @@ impl LanguageModel for Model {
 
     fn lm_head(&self, hidden: &Array) -> Result<Array> {
         super::output_head(self.lm_head.as_ref(), &self.embed_tokens, hidden)
-    }
-
-    fn make_caches(&self) -> Caches {
-        (0..self.layers.len())
-            .map(|i| -> Box<dyn KvCache> {
-                if is_global(i, self.sliding_window_pattern) {
-                    Box::new(FullCache::new())
-                } else {
-                    Box::new(RotatingCache::new(self.sliding_window, 0))
-                }
-            })
-            .collect()
-    }
-
-    fn vocab_size(&self) -> i32 {
-        self.vocab_size
     }
 }

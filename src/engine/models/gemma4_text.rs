@@ -9,12 +9,12 @@
 
 use super::activations::{geglu, gelu_approx, logit_softcap, CompiledOp};
 use super::attention::sdpa;
-use super::decoder::LmHead;
+use super::decoder::{self, Decoder, LayerIo, LayerKind, LmHead};
 use super::mlp::GatedMlp;
 use super::rope::Rope;
 use super::switch::{mix_experts, top_k_indices, SwitchGlu};
 use super::{Caches, ForwardOpts, ForwardOut, LanguageModel, ModelSpec};
-use crate::engine::cache::{AttentionMask, FullCache, KvCache, RotatingCache};
+use crate::engine::cache::{AttentionMask, KvCache};
 use crate::engine::error::{EngineError, Result};
 use crate::engine::nn::{weak_scalar, Embedding, Linear, RmsNorm};
 use crate::engine::weights::WeightStore;
@@ -148,7 +148,7 @@ impl Attention {
         &self,
         x: &Array,
         mask: &AttentionMask,
-        cache: Option<&mut Box<dyn KvCache>>,
+        cache: Option<&mut dyn KvCache>,
         shared: Option<&SharedKv>,
     ) -> Result<(Array, SharedKv)> {
         let (b, l) = (x.shape()[0], x.shape()[1]);
@@ -602,7 +602,7 @@ impl Block {
         &self,
         x: &Array,
         mask: &AttentionMask,
-        cache: Option<&mut Box<dyn KvCache>>,
+        cache: Option<&mut dyn KvCache>,
         shared: Option<&SharedKv>,
         per_layer_input: Option<Array>,
         fns: &mut Fns,
@@ -636,10 +636,78 @@ impl Block {
     }
 }
 
-impl Model {
-    /// `forward`, also handing out the residual stream after the layers `opts.taps` names (the
-    /// Gemma 4 assistant drafter taps the last layer for the target's final hidden state).
-    fn run(
+/// What one call hands every layer: the per-layer input embeddings and each layer's
+/// keys/values, which the KV-shared layers reuse.
+#[derive(Default)]
+pub struct Pass {
+    per_layer: Option<Array>,
+    kvs: Vec<Option<SharedKv>>,
+}
+
+impl Decoder<Pass> for Model {
+    fn layer_count(&self) -> usize {
+        self.layers.len()
+    }
+
+    fn layer_kind(&self, i: usize) -> LayerKind {
+        match self.layers.get(i) {
+            Some(l) if l.sliding => LayerKind::Sliding,
+            _ => LayerKind::Full,
+        }
+    }
+
+    fn sliding_window(&self) -> Option<i32> {
+        Some(self.sliding_window)
+    }
+
+    /// The last `num_kv_shared_layers` layers keep no cache.
+    fn cached_layers(&self) -> usize {
+        self.cached_layers
+    }
+
+    fn begin(&self, inputs: &Array, h: &Array) -> Result<Pass> {
+        let per_layer = match &self.per_layer_inputs {
+            Some(p) => Some(p.compute(inputs, h, self.layers.len() as i32)?),
+            None => None,
+        };
+        Ok(Pass {
+            per_layer,
+            kvs: vec![None; self.layers.len()],
+        })
+    }
+
+    /// A KV-shared layer attends the keys/values of the last earlier layer of its type.
+    fn block(&mut self, i: usize, h: &Array, io: LayerIo<'_, Pass>) -> Result<Array> {
+        let src = self.previous_kvs[i];
+        let shared = if src == i {
+            None
+        } else {
+            io.pass.kvs[src].as_ref()
+        };
+        let pli = io
+            .pass
+            .per_layer
+            .as_ref()
+            .map(|p| p.index((.., .., i as i32, ..)));
+        let (out, kv) = self.layers[i].forward(h, io.mask, io.cache, shared, pli, &mut self.fns)?;
+        io.pass.kvs[i] = Some(kv);
+        Ok(out)
+    }
+
+    /// The head on the final norm, soft-capped when `final_logit_softcapping` is set.
+    fn output(&mut self, h: &Array) -> Result<Array> {
+        let logits = self
+            .lm_head
+            .forward(&self.embed_tokens, &self.norm.forward(h)?)?;
+        Ok(match &mut self.fns.softcap {
+            Some(cap) => cap.call1(&[logits])?,
+            None => logits,
+        })
+    }
+}
+
+impl LanguageModel for Model {
+    fn forward_ext(
         &mut self,
         inputs: &Array,
         caches: &mut Caches,
@@ -650,79 +718,7 @@ impl Model {
                 "gemma4_text does not support early exit yet (the `self` drafter); use another drafter kind".into(),
             ));
         }
-        if let Some(t) = opts.taps.iter().find(|&&t| t >= self.layers.len()) {
-            return Err(EngineError::Input(format!(
-                "layer tap {t} is out of range: the model has {} layers",
-                self.layers.len()
-            )));
-        }
-        let mut h = self.embed(inputs)?;
-        let mut taps = Vec::new();
-        let n_layers = self.layers.len() as i32;
-        let per_layer = match &self.per_layer_inputs {
-            Some(p) => Some(p.compute(inputs, &h, n_layers)?),
-            None => None,
-        };
-        // One mask per layer type, from the first layer of that type (always one with a cache).
-        let n = h.shape()[1];
-        let mut full_mask = None;
-        let mut sliding_mask = None;
-        for (layer, cache) in self.layers.iter().zip(caches.iter()) {
-            match (layer.sliding, &full_mask, &sliding_mask) {
-                (false, None, _) => full_mask = Some(cache.make_mask(n, None, false)?),
-                (true, _, None) => {
-                    sliding_mask = Some(cache.make_mask(n, Some(self.sliding_window), false)?)
-                }
-                _ => {}
-            }
-        }
-        let mut kvs: Vec<Option<SharedKv>> = vec![None; self.layers.len()];
-        let mut caches = caches.iter_mut().take(self.cached_layers);
-        for (i, layer) in self.layers.iter().enumerate() {
-            let mask = if layer.sliding {
-                &sliding_mask
-            } else {
-                &full_mask
-            };
-            let mask = mask.as_ref().unwrap_or(&AttentionMask::None);
-            let src = self.previous_kvs[i];
-            let (shared, cache) = if src == i {
-                (None, caches.next())
-            } else {
-                (kvs[src].as_ref(), None)
-            };
-            let pli = per_layer.as_ref().map(|p| p.index((.., .., i as i32, ..)));
-            let (out, kv) = layer.forward(&h, mask, cache, shared, pli, &mut self.fns)?;
-            h = out;
-            opts.capture(i, &h, &mut taps);
-            kvs[i] = Some(kv);
-        }
-        let logits = self
-            .lm_head
-            .forward(&self.embed_tokens, &self.norm.forward(&h)?)?;
-        let logits = match &mut self.fns.softcap {
-            Some(cap) => cap.call1(&[logits])?,
-            None => logits,
-        };
-        Ok(ForwardOut {
-            logits,
-            taps: opts.finish_taps(taps),
-        })
-    }
-}
-
-impl LanguageModel for Model {
-    fn forward(&mut self, inputs: &Array, caches: &mut Caches) -> Result<Array> {
-        Ok(self.run(inputs, caches, &ForwardOpts::default())?.logits)
-    }
-
-    fn forward_ext(
-        &mut self,
-        inputs: &Array,
-        caches: &mut Caches,
-        opts: &ForwardOpts,
-    ) -> Result<ForwardOut> {
-        self.run(inputs, caches, opts)
+        decoder::run(self, inputs, caches, opts)
     }
 
     /// `embed_tokens(ids) * sqrt(hidden_size)`, as the first layer receives it.
@@ -736,16 +732,7 @@ impl LanguageModel for Model {
     }
 
     fn make_caches(&self) -> Caches {
-        self.layers[..self.cached_layers]
-            .iter()
-            .map(|l| -> Box<dyn KvCache> {
-                if l.sliding {
-                    Box::new(RotatingCache::new(self.sliding_window, 0))
-                } else {
-                    Box::new(FullCache::new())
-                }
-            })
-            .collect()
+        decoder::make_caches(self)
     }
 
     fn vocab_size(&self) -> i32 {

@@ -91,7 +91,7 @@ impl HostStep {
         let Some(decoder) = self.0.get().and_then(Option::as_ref) else {
             return Ok(None);
         };
-        let run = opts.layers_to_run(decoder.layers.len(), caches.len())?;
+        let run = opts.layers_to_run(decoder.layers.len(), decoder.layers.len(), caches.len())?;
         let caches = &mut caches[..run];
         if caches
             .iter()

@@ -1,13 +1,13 @@
 //! `llama` (and `mistral`, which mlx-lm maps onto it): mlx-lm's `models/llama.py`.
 
 use super::activations::SwiGlu;
-use super::attention::{inv_sqrt_scale, AttentionShape, GqaAttention};
-use super::decoder::PreNormLayer;
+use super::attention::{AttentionShape, GqaAttention};
+use super::decoder::{plain_attention, Decoder, LayerIo, LayerKind, PreNormLayer};
 use super::host_step::{HostHead, HostStep};
 use super::mlp::GatedMlp;
 use super::rope::Rope;
 use super::{Caches, ForwardOpts, ForwardOut, LanguageModel, ModelSpec};
-use crate::engine::cache::{AttentionMask, FullCache, KvCache, RotatingCache};
+use crate::engine::cache::{AttentionMask, KvCache};
 use crate::engine::error::Result;
 use crate::engine::kernels::{HostDecoder, HostLayer};
 use crate::engine::nn::{Embedding, Linear, RmsNorm};
@@ -48,23 +48,143 @@ fn yes() -> bool {
     true
 }
 
-struct Block {
+/// llama's decoder layer, which qwen2, qwen3 and minicpm share: `h = x + attn(norm(x))`, then
+/// `h + mlp(norm(h))` with a SwiGLU MLP.
+pub(super) struct Block {
     attn: GqaAttention,
     mlp: GatedMlp,
     norms: PreNormLayer,
-    sliding: bool,
 }
 
-/// The llama decoder with its LM head.
+impl Block {
+    /// Loads `{prefix}.self_attn`, `{prefix}.mlp` and the layer's two norms.
+    pub(super) fn load(
+        w: &mut WeightStore,
+        prefix: &str,
+        shape: AttentionShape,
+        rope: Rope,
+        intermediate: i32,
+        mlp_bias: bool,
+        eps: f64,
+    ) -> Result<Self> {
+        let d = shape.hidden;
+        Ok(Self {
+            attn: GqaAttention::load(w, &format!("{prefix}.self_attn"), shape, rope)?,
+            mlp: GatedMlp::load(w, &format!("{prefix}.mlp"), d, intermediate, mlp_bias)?,
+            norms: PreNormLayer::load(w, prefix, d, eps)?,
+        })
+    }
+
+    /// Runs the layer; `branch` maps each residual branch's output before it is added
+    /// (`Ok` for plain llama, minicpm's depth scaling).
+    pub(super) fn forward(
+        &self,
+        h: &Array,
+        (mask, cache): (&AttentionMask, &mut dyn KvCache),
+        swiglu: &mut SwiGlu,
+        branch: impl Fn(Array) -> Result<Array>,
+    ) -> Result<Array> {
+        self.norms.forward(
+            h,
+            |x| branch(self.attn.forward(x, mask, cache)?),
+            |x| branch(self.mlp.forward_swiglu(x, swiglu)?),
+        )
+    }
+}
+
+/// The llama decoder with its LM head (also qwen2's and qwen3's).
 pub struct Model {
     embed_tokens: Embedding,
     layers: Vec<Block>,
+    /// Per layer: whether it is a sliding-window layer (empty when none is).
+    sliding: Vec<bool>,
     norm: RmsNorm,
     lm_head: Option<Linear>,
     swiglu: SwiGlu,
     sliding_window: Option<i32>,
     vocab_size: i32,
-    host_step: HostStep,
+    /// The host decode step (`--perf-kernel on`); `None` where the architecture never has one.
+    host_step: Option<HostStep>,
+}
+
+/// The config.json sizes of a llama-style decoder, under the names llama, qwen2 and qwen3
+/// share (each architecture's `Args` has already checked they are there).
+#[derive(Debug, Clone, Deserialize)]
+pub(super) struct Sizes {
+    pub hidden_size: i32,
+    pub num_hidden_layers: i32,
+    pub intermediate_size: i32,
+    pub vocab_size: i32,
+    pub rms_norm_eps: f64,
+}
+
+/// What a llama-style decoder is made of: every layer is [`Block`] with the same attention
+/// shape and RoPE, attending over a `KVCache` (qwen2 and qwen3 build theirs from this).
+pub(super) struct DecoderConfig {
+    pub sizes: Sizes,
+    pub tie_word_embeddings: bool,
+    pub attention: AttentionShape,
+    pub rope: Rope,
+}
+
+/// What llama itself adds to a [`DecoderConfig`].
+#[derive(Default)]
+struct LlamaParts {
+    mlp_bias: bool,
+    /// Per layer: whether it is a sliding-window layer (empty when none is).
+    sliding: Vec<bool>,
+    sliding_window: Option<i32>,
+    host_step: bool,
+}
+
+/// Loads a qwen-style decoder; the caller has already applied its architecture's `sanitize`.
+pub(super) fn build_decoder(
+    spec: &ModelSpec,
+    w: &mut WeightStore,
+    c: DecoderConfig,
+) -> Result<Box<dyn LanguageModel>> {
+    load(spec, w, c, LlamaParts::default())
+}
+
+/// Loads the decoder `c` describes, with llama's own `parts`.
+fn load(
+    spec: &ModelSpec,
+    w: &mut WeightStore,
+    c: DecoderConfig,
+    parts: LlamaParts,
+) -> Result<Box<dyn LanguageModel>> {
+    if c.tie_word_embeddings {
+        w.discard("lm_head.weight");
+    }
+    let s = &c.sizes;
+    let (d, vocab, eps) = (s.hidden_size, s.vocab_size, s.rms_norm_eps);
+    let mut layers = Vec::new();
+    for i in 0..s.num_hidden_layers {
+        layers.push(Block::load(
+            w,
+            &format!("model.layers.{i}"),
+            c.attention.clone(),
+            c.rope.clone(),
+            s.intermediate_size,
+            parts.mlp_bias,
+            eps,
+        )?);
+    }
+    Ok(Box::new(Model {
+        embed_tokens: Embedding::load(w, "model.embed_tokens", vocab, d)?,
+        layers,
+        sliding: parts.sliding,
+        norm: RmsNorm::load(w, "model.norm", d, eps)?,
+        lm_head: if c.tie_word_embeddings {
+            None
+        } else {
+            Some(Linear::load(w, "lm_head", d, vocab, false)?)
+        },
+        swiglu: SwiGlu::new(&spec.forks),
+        sliding_window: parts.sliding_window,
+        vocab_size: vocab,
+        host_step: parts.host_step.then(HostStep::default),
+    }))
 }
 
 /// Builds the model from config.json and the checkpoint's tensors.
@@ -89,57 +209,39 @@ pub fn build(spec: &ModelSpec, w: &mut WeightStore) -> Result<Box<dyn LanguageMo
         ));
     }
     w.discard_matching("self_attn.rotary_emb.inv_freq");
-    if a.tie_word_embeddings {
-        w.discard("lm_head.weight");
-    }
     let (d, hd) = (a.hidden_size, head_dim);
-    let mut layers = Vec::new();
-    for (i, t) in layer_types.iter().enumerate() {
-        let p = format!("model.layers.{i}");
-        let shape = AttentionShape {
-            hidden: d,
-            n_heads: a.num_attention_heads,
-            n_kv_heads: n_kv,
-            head_dim: hd,
+    let config = DecoderConfig {
+        sizes: spec.args()?,
+        tie_word_embeddings: a.tie_word_embeddings,
+        attention: AttentionShape {
             qkv_bias: a.attention_bias,
             o_bias: a.attention_bias,
-            qk_norm_eps: None,
-            scale: inv_sqrt_scale(hd),
-        };
-        let rope = Rope::from_config(
+            ..plain_attention(d, a.num_attention_heads, n_kv, hd)
+        },
+        rope: Rope::from_config(
             hd,
             a.rope_theta,
             a.rope_traditional,
             a.rope_scaling.as_ref(),
-        )?;
-        layers.push(Block {
-            attn: GqaAttention::load(w, &format!("{p}.self_attn"), shape, rope)?,
-            mlp: GatedMlp::load(w, &format!("{p}.mlp"), d, a.intermediate_size, a.mlp_bias)?,
-            norms: PreNormLayer::load(w, &p, d, a.rms_norm_eps)?,
-            sliding: t == "sliding_attention",
-        });
-    }
-    Ok(Box::new(Model {
-        embed_tokens: Embedding::load(w, "model.embed_tokens", a.vocab_size, d)?,
-        layers,
-        norm: RmsNorm::load(w, "model.norm", d, a.rms_norm_eps)?,
-        lm_head: if a.tie_word_embeddings {
-            None
-        } else {
-            Some(Linear::load(w, "lm_head", d, a.vocab_size, false)?)
-        },
-        swiglu: SwiGlu::new(&spec.forks),
+        )?,
+    };
+    let parts = LlamaParts {
+        mlp_bias: a.mlp_bias,
+        sliding: layer_types
+            .iter()
+            .map(|t| t == "sliding_attention")
+            .collect(),
         sliding_window: a.sliding_window,
-        vocab_size: a.vocab_size,
-        host_step: HostStep::default(),
-    }))
+        host_step: true,
+    };
+    load(spec, w, config, parts)
 }
 
 impl Model {
     /// The whole model as a host decode step (`--perf-kernel on`), when every layer is the
     /// plain full-attention llama block with host-kernel weights and f32 norms.
     fn host_decoder(&self) -> Result<Option<HostDecoder>> {
-        if self.layers.iter().any(|l| l.sliding) {
+        if self.sliding.iter().any(|&s| s) {
             return Ok(None);
         }
         let Some(embed) = self.embed_tokens.host_quant()? else {
@@ -188,81 +290,52 @@ impl Model {
     }
 }
 
-impl LanguageModel for Model {
-    fn forward(&mut self, inputs: &Array, caches: &mut Caches) -> Result<Array> {
-        Ok(self
-            .forward_ext(inputs, caches, &ForwardOpts::default())?
-            .logits)
+impl Decoder for Model {
+    fn layer_count(&self) -> usize {
+        self.layers.len()
     }
 
-    fn forward_ext(
+    fn layer_kind(&self, i: usize) -> LayerKind {
+        match self.sliding.get(i) {
+            Some(true) => LayerKind::Sliding,
+            _ => LayerKind::Full,
+        }
+    }
+
+    fn sliding_window(&self) -> Option<i32> {
+        self.sliding_window
+    }
+
+    /// The host decode step (`--perf-kernel on`) when the model and the caches qualify.
+    fn shortcut(
         &mut self,
         inputs: &Array,
         caches: &mut Caches,
         opts: &ForwardOpts,
-    ) -> Result<ForwardOut> {
-        let run = opts.layers_to_run(self.layers.len(), caches.len())?;
-        if let Some(out) = self
-            .host_step
-            .run(|| self.host_decoder(), inputs, caches, opts)?
-        {
-            let logits = match out.head {
-                HostHead::Logits(logits) => logits,
-                HostHead::Hidden(h) => self.lm_head(&self.final_norm(&h)?)?,
-            };
-            return Ok(ForwardOut {
-                logits,
-                taps: out.taps,
-            });
-        }
-        let layers = &self.layers[..run];
-        let mut h = self.embed(inputs)?;
-        let n = h.shape()[1];
-        // Every cache of one kind has the same offset, so any of them gives mlx-lm's mask.
-        let fa_mask = match layers.iter().position(|l| !l.sliding) {
-            Some(i) => caches[i].make_mask(n, None, false)?,
-            None => AttentionMask::None,
+    ) -> Result<Option<ForwardOut>> {
+        let Some(host_step) = &self.host_step else {
+            return Ok(None);
         };
-        let swa_mask = match layers.iter().position(|l| l.sliding) {
-            Some(i) => Some(caches[i].make_mask(n, self.sliding_window, false)?),
-            None => None,
+        let Some(out) = host_step.run(|| self.host_decoder(), inputs, caches, opts)? else {
+            return Ok(None);
         };
-        let mut taps = Vec::new();
-        for (i, (layer, cache)) in layers.iter().zip(caches.iter_mut()).enumerate() {
-            let mask = match (&swa_mask, layer.sliding) {
-                (Some(m), true) => m,
-                _ => &fa_mask,
-            };
-            let swiglu = &mut self.swiglu;
-            h = layer.norms.forward(
-                &h,
-                |x| layer.attn.forward(x, mask, cache.as_mut()),
-                |x| layer.mlp.forward_swiglu(x, swiglu),
-            )?;
-            opts.capture(i, &h, &mut taps);
-        }
-        let logits = self.lm_head(&self.final_norm(&h)?)?;
-        Ok(ForwardOut {
+        let logits = match out.head {
+            HostHead::Logits(logits) => logits,
+            HostHead::Hidden(h) => self.lm_head(&self.final_norm(&h)?)?,
+        };
+        Ok(Some(ForwardOut {
             logits,
-            taps: opts.finish_taps(taps),
-        })
+            taps: out.taps,
+        }))
     }
+
+    fn block(&mut self, i: usize, h: &Array, io: LayerIo<'_>) -> Result<Array> {
+        self.layers[i].forward(h, io.attention()?, &mut self.swiglu, Ok)
+    }
+}
+
+impl LanguageModel for Model {
+    super::decoder_model!();
 
     super::llama_layout_accessors!();
-
-    fn make_caches(&self) -> Caches {
-        self.layers
-            .iter()
-            .map(|l| -> Box<dyn KvCache> {
-                match (l.sliding, self.sliding_window) {
-                    (true, Some(w)) => Box::new(RotatingCache::new(w, 0)),
-                    _ => Box::new(FullCache::new()),
-                }
-            })
-            .collect()
-    }
-
-    fn vocab_size(&self) -> i32 {
-        self.vocab_size
-    }
 }

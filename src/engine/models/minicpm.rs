@@ -5,11 +5,10 @@
 //! table as the (untied) head, as mlx-lm's `sanitize` does.
 
 use super::activations::SwiGlu;
-use super::attention::GqaAttention;
-use super::decoder::{plain_attention, PreNormLayer};
-use super::mlp::GatedMlp;
+use super::decoder::{plain_attention, Decoder, LayerIo};
+use super::llama::Block;
 use super::rope::Rope;
-use super::{full_caches, Caches, LanguageModel, ModelSpec};
+use super::{LanguageModel, ModelSpec};
 use crate::engine::error::Result;
 use crate::engine::nn::{weak_scalar, Embedding, Linear, RmsNorm};
 use crate::engine::weights::WeightStore;
@@ -40,12 +39,6 @@ pub struct Args {
 
 fn default_theta() -> f64 {
     1_000_000.0
-}
-
-struct Block {
-    attn: GqaAttention,
-    mlp: GatedMlp,
-    norms: PreNormLayer,
 }
 
 /// The output projection: mlx-lm's untied `lm_head(out / (hidden / dim_model_base))`, or the
@@ -99,12 +92,15 @@ pub fn build(spec: &ModelSpec, w: &mut WeightStore) -> Result<Box<dyn LanguageMo
     )?;
     let mut layers = Vec::new();
     for i in 0..a.num_hidden_layers {
-        let p = format!("model.layers.{i}");
-        layers.push(Block {
-            attn: GqaAttention::load(w, &format!("{p}.self_attn"), shape.clone(), rope.clone())?,
-            mlp: GatedMlp::load(w, &format!("{p}.mlp"), d, a.intermediate_size, false)?,
-            norms: PreNormLayer::load(w, &p, d, eps)?,
-        });
+        layers.push(Block::load(
+            w,
+            &format!("model.layers.{i}"),
+            shape.clone(),
+            rope.clone(),
+            a.intermediate_size,
+            false,
+            eps,
+        )?);
     }
     let embed_tokens = Embedding::load(w, "model.embed_tokens", a.vocab_size, d)?;
     let head = if a.tie_word_embeddings {
@@ -130,21 +126,26 @@ pub fn build(spec: &ModelSpec, w: &mut WeightStore) -> Result<Box<dyn LanguageMo
     }))
 }
 
-impl LanguageModel for Model {
-    fn forward(&mut self, inputs: &Array, caches: &mut Caches) -> Result<Array> {
+impl Decoder for Model {
+    fn layer_count(&self) -> usize {
+        self.layers.len()
+    }
+
+    /// `embed_tokens(ids) * scale_emb`.
+    fn input(&self, inputs: &Array) -> Result<Array> {
         let h = self.embed_tokens.forward(inputs)?;
-        let mut h = h.multiply(weak_scalar(self.scale_emb, &h)?)?;
-        let mask = caches[0].make_mask(h.shape()[1], None, false)?;
+        Ok(h.multiply(weak_scalar(self.scale_emb, &h)?)?)
+    }
+
+    /// Each residual branch times `scale_depth / sqrt(num_hidden_layers)`.
+    fn block(&mut self, i: usize, h: &Array, io: LayerIo<'_>) -> Result<Array> {
         let scale = self.residual_scale;
         let scaled = |r: Array| -> Result<Array> { Ok(r.multiply(weak_scalar(scale, &r)?)?) };
-        for (layer, cache) in self.layers.iter().zip(caches.iter_mut()) {
-            h = layer.norms.forward(
-                &h,
-                |x| scaled(layer.attn.forward(x, &mask, cache.as_mut())?),
-                |x| scaled(layer.mlp.forward_swiglu(x, &mut self.swiglu)?),
-            )?;
-        }
-        let out = self.norm.forward(&h)?;
+        self.layers[i].forward(h, io.attention()?, &mut self.swiglu, scaled)
+    }
+
+    fn output(&mut self, h: &Array) -> Result<Array> {
+        let out = self.norm.forward(h)?;
         match &self.head {
             Head::Untied { lm_head, divisor } => {
                 lm_head.forward(&out.divide(weak_scalar(*divisor, &out)?)?)
@@ -152,12 +153,8 @@ impl LanguageModel for Model {
             Head::Tied(table) => Ok(ops::matmul(&out, table.t())?),
         }
     }
+}
 
-    fn make_caches(&self) -> Caches {
-        full_caches(self.layers.len())
-    }
-
-    fn vocab_size(&self) -> i32 {
-        self.vocab_size
-    }
+impl LanguageModel for Model {
+    super::decoder_model!();
 }

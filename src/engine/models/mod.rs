@@ -31,17 +31,14 @@ use std::path::{Path, PathBuf};
 /// One cache per layer, in layer order.
 pub type Caches = Vec<Box<dyn KvCache>>;
 
-/// `n` plain `KVCache`s (mlx-lm's `make_prompt_cache` default).
-pub fn full_caches(n: usize) -> Caches {
-    (0..n)
-        .map(|_| -> Box<dyn KvCache> { Box::new(super::cache::FullCache::new()) })
-        .collect()
-}
-
 /// What every architecture provides to the engine.
 pub trait LanguageModel {
     /// Runs token ids `[B, L]` through the model, updating `caches`; returns logits `[B, L, V]`.
-    fn forward(&mut self, inputs: &Array, caches: &mut Caches) -> Result<Array>;
+    fn forward(&mut self, inputs: &Array, caches: &mut Caches) -> Result<Array> {
+        Ok(self
+            .forward_ext(inputs, caches, &ForwardOpts::default())?
+            .logits)
+    }
     /// A forward that can also stop early (the `self` drafter: first K layers, then the final
     /// norm and LM head) and hand out chosen layers' outputs (taps for drafters that condition
     /// on target hidden states). Numerics of the layers run are those of `forward`.
@@ -50,17 +47,7 @@ pub trait LanguageModel {
         inputs: &Array,
         caches: &mut Caches,
         opts: &ForwardOpts,
-    ) -> Result<ForwardOut> {
-        if opts.exit_after.is_some() || !opts.taps.is_empty() {
-            return Err(EngineError::Input(
-                "this model_type does not support early exit or layer taps yet (used by the `self` and DSpark drafters)".into(),
-            ));
-        }
-        Ok(ForwardOut {
-            logits: self.forward(inputs, caches)?,
-            taps: Vec::new(),
-        })
-    }
+    ) -> Result<ForwardOut>;
     /// The input embedding of ids `[B, L]` → `[B, L, D]`: exactly what the first layer receives
     /// (gemma's `sqrt(hidden)` scale included). Drafters that share the target's embedding
     /// (DSpark) call it; architectures that do not expose it refuse.
@@ -94,6 +81,31 @@ pub(crate) fn output_head(
         None => embed.as_linear(hidden),
     }
 }
+
+/// [`LanguageModel::forward_ext`] as the shared decoder loop ([`decoder::run`]), the caches its
+/// layer kinds ask for ([`decoder::make_caches`]) and the `vocab_size` field, for a model that
+/// implements [`decoder::Decoder`].
+macro_rules! decoder_model {
+    () => {
+        fn forward_ext(
+            &mut self,
+            inputs: &mlx_rs::Array,
+            caches: &mut $crate::engine::models::Caches,
+            opts: &$crate::engine::models::ForwardOpts,
+        ) -> $crate::engine::error::Result<$crate::engine::models::ForwardOut> {
+            super::decoder::run(self, inputs, caches, opts)
+        }
+
+        fn make_caches(&self) -> $crate::engine::models::Caches {
+            super::decoder::make_caches(self)
+        }
+
+        fn vocab_size(&self) -> i32 {
+            self.vocab_size
+        }
+    };
+}
+pub(crate) use decoder_model;
 
 /// [`LanguageModel::embed`], [`LanguageModel::final_norm`] and [`LanguageModel::lm_head`] for a
 /// model laid out like llama (`embed_tokens`, `norm`, an optional untied `lm_head`).
@@ -139,10 +151,11 @@ pub struct ForwardOut {
 }
 
 impl ForwardOpts {
-    /// How many layers to run out of `total`, checking the request against the model.
-    pub fn layers_to_run(&self, total: usize, caches: usize) -> Result<usize> {
+    /// How many layers to run out of `total`, checking the request against the model, whose
+    /// first `cached` layers each need one of the `caches` given (later ones keep none).
+    pub fn layers_to_run(&self, total: usize, cached: usize, caches: usize) -> Result<usize> {
         let n = self.exit_after.unwrap_or(total);
-        if n == 0 || n > total || caches < n {
+        if n == 0 || n > total || caches < n.min(cached) {
             return Err(EngineError::Input(format!(
                 "early exit after {n} layers is out of range: the model has {total} layers ({caches} caches given)"
             )));

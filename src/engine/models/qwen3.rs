@@ -1,8 +1,9 @@
-//! `qwen3`: mlx-lm's `models/qwen3.py` — the qwen2 decoder without q/k/v bias, with an
+//! `qwen3`: mlx-lm's `models/qwen3.py` — llama's decoder (as qwen2) without q/k/v bias, with an
 //! explicit `head_dim` and a per-head RMSNorm on queries and keys before RoPE.
 
-use super::attention::{inv_sqrt_scale, AttentionShape};
-use super::qwen2::{build_decoder, DecoderConfig};
+use super::attention::AttentionShape;
+use super::decoder::plain_attention;
+use super::llama::{build_decoder, DecoderConfig};
 use super::rope::Rope;
 use super::{LanguageModel, ModelSpec};
 use crate::engine::error::Result;
@@ -72,28 +73,19 @@ pub fn build(spec: &ModelSpec, w: &mut WeightStore) -> Result<Box<dyn LanguageMo
     }
     let (theta, scaling) = a.rope(spec)?;
     let attention = AttentionShape {
-        hidden: a.hidden_size,
-        n_heads: a.num_attention_heads,
-        n_kv_heads: a.num_key_value_heads,
-        head_dim: a.head_dim,
-        qkv_bias: false,
-        o_bias: false,
         qk_norm_eps: Some(a.rms_norm_eps),
-        scale: inv_sqrt_scale(a.head_dim),
+        ..plain_attention(
+            a.hidden_size,
+            a.num_attention_heads,
+            a.num_key_value_heads,
+            a.head_dim,
+        )
     };
-    let rope = Rope::from_config(a.head_dim, theta, false, scaling.as_ref())?;
-    build_decoder(
-        spec,
-        w,
-        DecoderConfig {
-            hidden: a.hidden_size,
-            layers: a.num_hidden_layers,
-            intermediate: a.intermediate_size,
-            vocab: a.vocab_size,
-            rms_norm_eps: a.rms_norm_eps,
-            tie_word_embeddings: a.tie_word_embeddings,
-            attention,
-            rope,
-        },
-    )
+    let config = DecoderConfig {
+        sizes: spec.args()?,
+        tie_word_embeddings: a.tie_word_embeddings,
+        attention,
+        rope: Rope::from_config(a.head_dim, theta, false, scaling.as_ref())?,
+    };
+    build_decoder(spec, w, config)
 }

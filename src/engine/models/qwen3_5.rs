@@ -7,13 +7,13 @@
 
 use super::activations::{swiglu, CompiledOp};
 use super::attention::{AttentionShape, AttentionVariant, GqaAttention};
-use super::decoder::{plain_attention, LmHead, PreNormLayer};
+use super::decoder::{plain_attention, Decoder, LayerIo, LayerKind, LmHead, PreNormLayer};
 use super::gated_delta::{DeltaOps, DeltaShape, GatedDeltaNet};
 use super::mlp::GatedMlp;
 use super::rope::Rope;
 use super::switch::{check_experts, FeedForward, MoeShape, SparseMoe};
-use super::{Caches, LanguageModel, ModelSpec};
-use crate::engine::cache::{ArraysCache, AttentionMask, FullCache, KvCache};
+use super::{LanguageModel, ModelSpec};
+use crate::engine::cache::{AttentionMask, KvCache};
 use crate::engine::error::{EngineError, Result};
 use crate::engine::nn::{weak_scalar, Embedding, RmsNorm};
 use crate::engine::weights::WeightStore;
@@ -136,7 +136,6 @@ pub struct Model {
     lm_head: LmHead,
     swiglu: CompiledOp,
     delta: DeltaOps,
-    fa_idx: usize,
     vocab_size: i32,
 }
 
@@ -381,7 +380,6 @@ pub(super) fn build_text(
         )?,
         swiglu: swiglu(compiled),
         delta: DeltaOps::new(compiled),
-        fa_idx: (a.full_attention_interval - 1) as usize,
         vocab_size: a.vocab_size,
     }))
 }
@@ -416,36 +414,35 @@ impl Block {
     }
 }
 
-impl LanguageModel for Model {
-    fn forward(&mut self, inputs: &Array, caches: &mut Caches) -> Result<Array> {
-        let mut h = self.embed_tokens.forward(inputs)?;
-        let fa_mask = caches[self.fa_idx].make_mask(h.shape()[1], None, false)?;
-        for (layer, cache) in self.layers.iter().zip(caches.iter_mut()) {
-            h = layer.forward(
-                &h,
-                &fa_mask,
-                cache.as_mut(),
-                &mut self.swiglu,
-                &mut self.delta,
-            )?;
+impl Decoder for Model {
+    fn layer_count(&self) -> usize {
+        self.layers.len()
+    }
+
+    /// Gated attention layers share the full-attention mask (mlx-lm takes it from the first
+    /// one, layer `full_attention_interval - 1`); linear-attention layers take none.
+    fn layer_kind(&self, i: usize) -> LayerKind {
+        match self.layers.get(i).map(|l| &l.mixer) {
+            Some(Mixer::Linear(_)) => LayerKind::Recurrent,
+            _ => LayerKind::Full,
         }
+    }
+
+    fn input(&self, inputs: &Array) -> Result<Array> {
+        self.embed_tokens.forward(inputs)
+    }
+
+    fn block(&mut self, i: usize, h: &Array, io: LayerIo<'_>) -> Result<Array> {
+        let (mask, cache) = io.attention()?;
+        self.layers[i].forward(h, mask, cache, &mut self.swiglu, &mut self.delta)
+    }
+
+    fn output(&mut self, h: &Array) -> Result<Array> {
         self.lm_head
-            .forward(&self.embed_tokens, &self.norm.forward(&h)?)
+            .forward(&self.embed_tokens, &self.norm.forward(h)?)
     }
+}
 
-    fn make_caches(&self) -> Caches {
-        self.layers
-            .iter()
-            .map(|l| -> Box<dyn KvCache> {
-                match l.mixer {
-                    Mixer::Linear(_) => Box::new(ArraysCache::new(2)),
-                    Mixer::Attention(_) => Box::new(FullCache::new()),
-                }
-            })
-            .collect()
-    }
-
-    fn vocab_size(&self) -> i32 {
-        self.vocab_size
-    }
+impl LanguageModel for Model {
+    super::decoder_model!();
 }

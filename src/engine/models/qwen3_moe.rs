@@ -4,11 +4,11 @@
 
 use super::activations::{swiglu, CompiledOp};
 use super::attention::{AttentionShape, GqaAttention};
-use super::decoder::{plain_attention, LmHead, PreNormLayer};
+use super::decoder::{plain_attention, Decoder, LayerIo, LmHead, PreNormLayer};
 use super::mlp::GatedMlp;
 use super::rope::Rope;
 use super::switch::{check_experts, stack_experts, FeedForward, MoeShape, SparseMoe};
-use super::{full_caches, Caches, LanguageModel, ModelSpec};
+use super::{LanguageModel, ModelSpec};
 use crate::engine::error::Result;
 use crate::engine::nn::{Embedding, RmsNorm};
 use crate::engine::weights::WeightStore;
@@ -125,26 +125,30 @@ pub fn build(spec: &ModelSpec, w: &mut WeightStore) -> Result<Box<dyn LanguageMo
     }))
 }
 
-impl LanguageModel for Model {
-    fn forward(&mut self, inputs: &Array, caches: &mut Caches) -> Result<Array> {
-        let mut h = self.embed_tokens.forward(inputs)?;
-        let mask = caches[0].make_mask(h.shape()[1], None, false)?;
-        for (layer, cache) in self.layers.iter().zip(caches.iter_mut()) {
-            h = layer.norms.forward(
-                &h,
-                |x| layer.attn.forward(x, &mask, cache.as_mut()),
-                |x| layer.ffn.forward(x, &mut self.swiglu),
-            )?;
-        }
+impl Decoder for Model {
+    fn layer_count(&self) -> usize {
+        self.layers.len()
+    }
+
+    fn input(&self, inputs: &Array) -> Result<Array> {
+        self.embed_tokens.forward(inputs)
+    }
+
+    fn block(&mut self, i: usize, h: &Array, io: LayerIo<'_>) -> Result<Array> {
+        let (layer, (mask, cache)) = (&self.layers[i], io.attention()?);
+        layer.norms.forward(
+            h,
+            |x| layer.attn.forward(x, mask, cache),
+            |x| layer.ffn.forward(x, &mut self.swiglu),
+        )
+    }
+
+    fn output(&mut self, h: &Array) -> Result<Array> {
         self.lm_head
-            .forward(&self.embed_tokens, &self.norm.forward(&h)?)
+            .forward(&self.embed_tokens, &self.norm.forward(h)?)
     }
+}
 
-    fn make_caches(&self) -> Caches {
-        full_caches(self.layers.len())
-    }
-
-    fn vocab_size(&self) -> i32 {
-        self.vocab_size
-    }
+impl LanguageModel for Model {
+    super::decoder_model!();
 }
