@@ -1,7 +1,7 @@
 //! Per-layer attention caches with mlx-lm 0.32.2's exact buffer behaviour (growth in steps of
 //! 256, the rotating ring for sliding windows), and rollback (`trim`) for speculative decoding.
 
-use super::attend::AttentionPlan;
+use super::cache_attention::AttentionPlan;
 use super::error::Result;
 use mlx_rs::ops::indexing::{Ellipsis, IndexOp, TryIndexMutOp};
 use mlx_rs::{ops, Array};
@@ -9,11 +9,11 @@ use mlx_rs::{ops, Array};
 /// `plan` and `set_plan` for a cache with a `plan` field.
 macro_rules! plan {
     () => {
-        fn plan(&self) -> $crate::engine::attend::AttentionPlan {
+        fn plan(&self) -> $crate::engine::cache_attention::AttentionPlan {
             self.plan
         }
 
-        fn set_plan(&mut self, plan: $crate::engine::attend::AttentionPlan) {
+        fn set_plan(&mut self, plan: $crate::engine::cache_attention::AttentionPlan) {
             self.plan = plan;
         }
     };

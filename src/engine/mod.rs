@@ -2,9 +2,9 @@
 //! tokenizer and detokenizer, weights, host kernels, the fork table and the generation loop.
 //! It imports nothing from the tools above it (`convert`, `oracle`, `train`, `cmd`, ...).
 
-pub mod attend;
 pub mod bits;
 pub mod cache;
+pub mod cache_attention;
 pub mod chat_template;
 pub mod contain;
 pub mod detokenizer;

@@ -2,8 +2,8 @@
 //! (and when), and how attention computes over every cache. The generation loop applies it;
 //! the models only read the per-cache [`AttentionPlan`].
 
-use super::attend::AttentionPlan;
 use super::cache::KV_BITS;
+use super::cache_attention::AttentionPlan;
 use super::error::{EngineError, Result};
 use super::forks::{Forks, KvQuant};
 use super::models::Caches;

@@ -3,7 +3,7 @@
 //! attention (`base.quantized_scaled_dot_product_attention`) without ever being dequantized.
 
 use super::{KvCache, STEP};
-use crate::engine::attend::AttentionPlan;
+use crate::engine::cache_attention::AttentionPlan;
 use crate::engine::error::{EngineError, Result};
 use mlx_rs::ops::indexing::{Ellipsis, IndexOp, TryIndexMutOp};
 use mlx_rs::{ops, Array, Dtype};

@@ -5,8 +5,8 @@
 
 use super::activations::{softcap_graph, CompiledOp};
 use super::rope::Rope;
-use crate::engine::attend::attend;
 use crate::engine::cache::{causal_mask, AttentionMask, KvCache};
+use crate::engine::cache_attention::attend;
 use crate::engine::error::Result;
 use crate::engine::kernels::{HeadShape, HostQuant, HostRope};
 use crate::engine::nn::{host_quants, weak_scalar, Linear, RmsNorm};
@@ -392,7 +392,7 @@ impl GqaAttention {
     }
 
     /// Attention over `x` ([B, L, D]) with the layer's cache and mask. Single-token steps
-    /// follow the cache's [`crate::engine::attend::AttentionPlan`] (compiled / fused q/k/v).
+    /// follow the cache's [`crate::engine::cache_attention::AttentionPlan`] (compiled / fused q/k/v).
     pub fn forward(
         &self,
         x: &Array,
