@@ -256,15 +256,18 @@ fn bad_input_exits_2_and_leaves_the_checkpoint_alone() {
     // train-dspark reads the same files, but regenerates through the chat template.
     let ids = fx.prompts("only-ids.jsonl", "{\"prompt_ids\": [4, 5]}\n");
     let out = fx.tmp.path().join("trained");
-    let (code, _, err) = common::run_mlxb(&[
-        "train-dspark",
-        "--model",
-        s(&fx.target),
-        "--data",
-        s(&ids),
-        "--out",
-        s(&out),
-    ]);
+    let train = |model: &Path, data: &Path| {
+        common::run_mlxb(&[
+            "train-dspark",
+            "--model",
+            s(model),
+            "--data",
+            s(data),
+            "--out",
+            s(&out),
+        ])
+    };
+    let (code, _, err) = train(&fx.target, &ids);
     assert_eq!(code, 2, "{err}");
     assert!(
         err.contains("line 1") && err.contains("prompt_ids"),
@@ -285,15 +288,7 @@ fn bad_input_exits_2_and_leaves_the_checkpoint_alone() {
         "chat.jsonl",
         "{\"messages\": [{\"role\": \"user\", \"content\": \"a b c\"}]}\n",
     );
-    let (code, _, err) = common::run_mlxb(&[
-        "train-dspark",
-        "--model",
-        s(&plain),
-        "--data",
-        s(&chat),
-        "--out",
-        s(&out),
-    ]);
+    let (code, _, err) = train(&plain, &chat);
     assert_eq!(code, 2, "{err}");
     assert!(
         err.contains("no chat template") && err.contains("smollm2-135m-instruct"),
@@ -302,27 +297,22 @@ fn bad_input_exits_2_and_leaves_the_checkpoint_alone() {
     assert!(!err.contains("--ignore-chat-template"), "{err}");
     assert_eq!(err.trim_end().lines().count(), 1, "{err}");
     assert!(!out.exists());
-    let (code, _, err) = common::run_mlxb(&[
-        "generate",
-        "--model",
-        s(&plain),
-        "--prompt",
-        "hi",
-        "--max-tokens",
-        "1",
-    ]);
+    let generate_plain = || {
+        common::run_mlxb(&[
+            "generate",
+            "--model",
+            s(&plain),
+            "--prompt",
+            "hi",
+            "--max-tokens",
+            "1",
+        ])
+    };
+    let (code, _, err) = generate_plain();
     assert_eq!(code, 0, "a missing template is not used by generate: {err}");
     cfg["chat_template"] = serde_json::json!("{% for m in messages %}{{ m.content ");
     std::fs::write(&tc, cfg.to_string()).unwrap();
-    let (code, _, err) = common::run_mlxb(&[
-        "generate",
-        "--model",
-        s(&plain),
-        "--prompt",
-        "hi",
-        "--max-tokens",
-        "1",
-    ]);
+    let (code, _, err) = generate_plain();
     assert_eq!(code, 2, "{err}");
     assert!(
         err.contains("does not compile") && err.contains("--ignore-chat-template"),
