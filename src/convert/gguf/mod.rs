@@ -7,8 +7,11 @@
 //! reader (`mlx_rs::io::GgufFile`, for files whose every tensor type MLX decodes) or by
 //! [`quant`]'s decoders.
 
+mod config;
 pub mod import;
 pub mod quant;
+mod staging;
+mod tensors;
 pub mod vocab;
 
 pub use import::{import_gguf, import_reporting, ImportOptions, ImportSummary, OutDtype};
