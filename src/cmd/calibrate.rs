@@ -6,7 +6,6 @@
 use super::common::resolve_model;
 use super::common::ModelArgs;
 use super::flags::{open_session, ForkArgs};
-use super::measure::prompt_bar;
 use crate::engine::error::EngineError;
 use crate::engine::generate::GenerateConfig;
 use crate::engine::sample::{ProcessorConfig, SamplerConfig};
@@ -91,7 +90,7 @@ pub fn run(args: CalibrateArgs) -> anyhow::Result<()> {
         },
         seed: None,
     };
-    let bar = prompt_bar(ids.len(), "calibrating");
+    let bar = super::progress::bar("calibrating", ids.len() as u64, "prompts");
     let mut rounds = Vec::new();
     for prompt in &ids {
         let run = generate(&mut session, prompt, &params, Some(&mut drafting));

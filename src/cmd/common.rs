@@ -284,8 +284,9 @@ pub struct SpecArgs {
 
 impl SpecArgs {
     /// Refuses drafter flags that contradict each other (`--drafter D --draft-kind ngram`
-    /// would otherwise drop one of them silently), naming both flags.
-    fn check(&self) -> Result<(), EngineError> {
+    /// would otherwise drop one of them silently), naming both flags; `opts` is what the
+    /// flags ask for.
+    fn check(&self, opts: Option<&SpecOptions>) -> Result<(), EngineError> {
         let kind = self.draft_kind.map(DraftKind::from);
         let clash = match (kind, &self.drafter, &self.draft_model) {
             (_, Some(_), Some(_)) => Some("--drafter and --draft-model both name a drafter".into()),
@@ -301,9 +302,7 @@ impl SpecArgs {
             )),
             _ => None,
         };
-        let kind = self
-            .unchecked_options()
-            .map(|o| concrete_kind(&o).unwrap_or(o.kind));
+        let kind = opts.map(|o| concrete_kind(o).unwrap_or(o.kind));
         let clash = clash.or_else(|| {
             (self.draft_layers.is_some() && kind != Some(DraftKind::SelfLayers)).then(|| {
                 format!(
@@ -323,8 +322,9 @@ impl SpecArgs {
     /// The drafter options, or `None` when no drafter was asked for; contradictory drafter
     /// flags are an input error (every command that takes them goes through here).
     pub fn options(&self) -> Result<Option<SpecOptions>, EngineError> {
-        self.check()?;
-        Ok(self.unchecked_options())
+        let opts = self.unchecked_options();
+        self.check(opts.as_ref())?;
+        Ok(opts)
     }
 
     fn unchecked_options(&self) -> Option<SpecOptions> {

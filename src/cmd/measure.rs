@@ -14,7 +14,6 @@ use crate::spec::trace::{JsonlTrace, TraceSink};
 use crate::train::measure::measure;
 use crate::train::prompts::PromptFile;
 use clap::Args;
-use indicatif::{ProgressBar, ProgressStyle};
 use std::path::PathBuf;
 
 /// Flags of `mlxb measure`.
@@ -38,19 +37,6 @@ pub struct MeasureArgs {
     /// with each round's prompt index).
     #[arg(long, value_name = "FILE")]
     pub spec_trace: Option<PathBuf>,
-}
-
-/// A progress bar over prompts on stderr (drawn only on a terminal).
-pub(crate) fn prompt_bar(prompts: usize, what: &str) -> ProgressBar {
-    let bar = ProgressBar::new(prompts as u64);
-    bar.set_style(
-        ProgressStyle::with_template(
-            "{msg} [{elapsed_precise}] {bar:30} {pos}/{len} prompts (eta {eta})",
-        )
-        .unwrap_or_else(|_| ProgressStyle::default_bar()),
-    );
-    bar.set_message(what.to_owned());
-    bar
 }
 
 /// The drafter options: a drafter is required; `--temp > 0` verifies by rejection sampling
@@ -106,7 +92,7 @@ pub fn run(args: MeasureArgs) -> anyhow::Result<()> {
     let mut source = open_source(&opts, &session, forks, args.model.prefill_step_size)?;
     let mut drafting = Speculation::with_options(Box::new(source.as_mut()), &opts);
     let params = args.sampling.text_params(&args.model);
-    let bar = prompt_bar(ids.len(), "measuring");
+    let bar = super::progress::bar("measuring", ids.len() as u64, "prompts");
     let report = measure(
         &mut session,
         &ids,

@@ -5,6 +5,17 @@ use crate::progress::Progress;
 use indicatif::{ProgressBar, ProgressStyle};
 use std::sync::Mutex;
 
+/// mlxb's progress bar on stderr: `label [=====>    ] done/total unit elapsed (ETA ...)`.
+pub fn bar(label: &str, total: u64, unit: &str) -> ProgressBar {
+    let bar = ProgressBar::new(total);
+    let template = format!("{{msg}} [{{bar:30}}] {{pos}}/{{len}} {unit} {{elapsed}} (ETA {{eta}})");
+    let style =
+        ProgressStyle::with_template(&template).unwrap_or_else(|_| ProgressStyle::default_bar());
+    bar.set_style(style.progress_chars("=> "));
+    bar.set_message(label.to_owned());
+    bar
+}
+
 /// Progress on the terminal.
 #[derive(Default)]
 pub struct Terminal {
@@ -27,13 +38,7 @@ impl Progress for Terminal {
     }
 
     fn begin(&self, label: &str, total: u64, unit: &str) {
-        let bar = ProgressBar::new(total);
-        let template =
-            format!("{{msg}} [{{bar:30}}] {{pos}}/{{len}} {unit} {{elapsed}} (ETA {{eta}})");
-        let style = ProgressStyle::with_template(&template)
-            .unwrap_or_else(|_| ProgressStyle::default_bar());
-        bar.set_style(style.progress_chars("=> "));
-        bar.set_message(label.to_owned());
+        let bar = bar(label, total, unit);
         if let Ok(mut slot) = self.bar.lock() {
             if let Some(old) = slot.replace(bar) {
                 old.finish_and_clear();

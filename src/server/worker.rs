@@ -359,8 +359,7 @@ impl State {
             outcome.finish_reason.as_str()
         };
         let stats = &outcome.stats;
-        let metrics_of_drafter = spec.map(|s| s.metrics);
-        let spec = metrics_of_drafter.as_ref();
+        let drafted = spec.map(|s| s.metrics);
         metrics.finished(&Finished {
             finish_reason,
             prompt_tokens: stats.prompt_tokens,
@@ -368,12 +367,12 @@ impl State {
             generation_tokens: outcome.token_ids.len(),
             latency: job.arrived.elapsed(),
             decode_tps: stats.generation_tps(),
-            spec,
+            spec: drafted.as_ref(),
         });
         Ok(Ran::Finished(Box::new(Summary {
             finish_reason,
             usage: Usage::new(stats.prompt_tokens, cached_tokens, outcome.token_ids.len()),
-            timings: Timings::new(stats, spec),
+            timings: Timings::new(stats, drafted.as_ref()),
             token_ids: outcome.token_ids,
         })))
     }

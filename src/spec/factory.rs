@@ -8,7 +8,7 @@ use super::source::{DraftSource, VerifyMode};
 use crate::engine::error::{EngineError, Result};
 use crate::engine::forks::Forks;
 use crate::engine::session::Session;
-use std::path::PathBuf;
+use std::path::{Path, PathBuf};
 
 /// Which drafter to use.
 #[derive(Debug, Clone, Copy, PartialEq, Eq, Default)]
@@ -69,19 +69,22 @@ pub struct SpecOptions {
     pub dspark_prune: PruneMode,
 }
 
+/// What a drafter directory holds: a Gemma 4 assistant, a DSpark checkpoint, or (anything else)
+/// a model for the two-model drafter.
+fn kind_of_dir(dir: &Path) -> DraftKind {
+    if super::assistant::config::is_artifact(dir) {
+        DraftKind::Assistant
+    } else if super::dspark::checkpoint::is_artifact(dir) {
+        DraftKind::Dspark
+    } else {
+        DraftKind::Model
+    }
+}
+
 /// The drafter `opts` opens: `auto` and `model` resolved by what their directory holds.
 pub fn concrete_kind(opts: &SpecOptions) -> Result<DraftKind> {
-    let by_artifact = |dir: &std::path::Path| {
-        if super::assistant::config::is_artifact(dir) {
-            DraftKind::Assistant
-        } else if super::dspark::checkpoint::is_artifact(dir) {
-            DraftKind::Dspark
-        } else {
-            DraftKind::Model
-        }
-    };
     Ok(match (opts.kind, opts.draft_model.as_deref()) {
-        (DraftKind::Auto | DraftKind::Model, Some(dir)) => by_artifact(dir),
+        (DraftKind::Auto | DraftKind::Model, Some(dir)) => kind_of_dir(dir),
         (DraftKind::Auto, None) if opts.draft_layers.is_some() => DraftKind::SelfLayers,
         (DraftKind::Auto, None) => {
             return Err(EngineError::Input(
@@ -96,16 +99,12 @@ pub fn concrete_kind(opts: &SpecOptions) -> Result<DraftKind> {
 
 /// Tokens per round when `--num-draft-tokens` is `given` (or not): a Gemma 4 assistant's own
 /// `num_assistant_tokens` where it has one, else 3.
-pub fn draft_tokens(
-    kind: DraftKind,
-    draft_model: Option<&std::path::Path>,
-    given: Option<usize>,
-) -> usize {
+pub fn draft_tokens(kind: DraftKind, draft_model: Option<&Path>, given: Option<usize>) -> usize {
     match draft_model {
         Some(dir)
             if kind == DraftKind::Assistant
                 || (matches!(kind, DraftKind::Auto | DraftKind::Model)
-                    && super::assistant::config::is_artifact(dir)) =>
+                    && kind_of_dir(dir) == DraftKind::Assistant) =>
         {
             super::assistant::config::draft_tokens(given, dir)
         }
