@@ -97,6 +97,62 @@ fn bench_rows_parse_back_and_results_refuse_other_setups() {
     );
 }
 
+/// `--n-verify`: a row per block size and depth, each with its cost in one-token steps per
+/// repetition, for mlxb and for mlx-lm measured in the same run; the table gains the columns.
+#[test]
+fn verify_tests_report_the_block_cost_beside_mlx_lm() {
+    let dir = tempfile::tempdir().unwrap();
+    let model = dir.path().join("m");
+    tiny_model(&model);
+    let args = [
+        "-p",
+        "0",
+        "-n",
+        "0",
+        "--n-verify",
+        "1,4",
+        "-d",
+        "0,4",
+        "-r",
+        "2",
+    ];
+    let (code, out, err) = bench(
+        &model,
+        &[&args[..], &["--baseline", "mlx-lm", "-o", "json"]].concat(),
+    );
+    assert_eq!(code, 0, "{err}");
+    let rows: Vec<Row> = serde_json::from_str(&out).unwrap();
+    let tests: Vec<&str> = rows.iter().map(|r| r.test.as_str()).collect();
+    assert_eq!(tests, ["v1", "v4", "v1 @ d4", "v4 @ d4"]);
+    for r in &rows {
+        assert_eq!((r.n_prompt, r.n_gen), (0, 0));
+        assert!(r.n_verify == 1 || r.n_verify == 4);
+        assert_eq!(r.verify_cost_samples.len(), 2, "{}", r.test);
+        assert_eq!(r.baseline_verify_cost_samples.len(), 2, "{}", r.test);
+        assert!(r
+            .verify_cost_samples
+            .iter()
+            .all(|c| *c > 0.0 && c.is_finite()));
+        assert!(r
+            .baseline_verify_cost_samples
+            .iter()
+            .all(|c| *c > 0.0 && c.is_finite()));
+        assert!(r.verify_cost.is_some() && r.baseline_verify_cost.is_some());
+        assert_eq!(r.baseline_samples_ts.as_ref().map(Vec::len), Some(2));
+    }
+    let back = report::parse_csv(&report::csv(&rows)).unwrap();
+    for (a, b) in back.iter().zip(&rows) {
+        assert_eq!(
+            (a.n_verify, &a.verify_cost_samples, a.baseline_verify_cost),
+            (b.n_verify, &b.verify_cost_samples, b.baseline_verify_cost)
+        );
+    }
+    let (code, out, err) = bench(&model, &args);
+    assert_eq!(code, 0, "{err}");
+    assert!(out.contains("| steps per block |"), "{out}");
+    assert!(out.contains("| v4 @ d4 |"), "{out}");
+}
+
 #[test]
 fn bad_test_specs_are_clear_errors() {
     let (code, _, err) = bench(Path::new("/nonexistent"), &["-p", "0", "-n", "0"]);

@@ -1,5 +1,6 @@
-//! `--host-matvec on` (an L1 default): single-token products through dense f32/bf16/f16 layers
-//! run on the host in the summation order of MLX's CPU matmul. Checked here against MLX's own
+//! `--host-matvec on` (an L1 default): products of up to sixteen tokens (decode steps, verify
+//! blocks) through dense f32/bf16/f16 layers run on the host in the summation order of MLX's
+//! CPU matmul. Checked here against MLX's own
 //! `x @ W.T` (the product mlx-lm computes on the same libmlx), bit for bit:
 //! - every order and its edge cases (outputs not a multiple of four or sixteen, depths not a
 //!   multiple of sixteen or below 32, a third panel) on random weights and inputs, in each dtype;
@@ -21,7 +22,7 @@ mod common;
 use mlx_rs::{ops, random, Array, Dtype};
 use mlxb::engine::forks::Forks;
 use mlxb::engine::kernels::mlx_order::{self, F32Kernels, Order};
-use mlxb::engine::kernels::{dense_calls, refused_shapes, HostDense};
+use mlxb::engine::kernels::{dense_calls, refused_blocks, refused_shapes, HostDense};
 use serde_json::json;
 
 /// Whether this CPU runs the host kernels (AVX-512 with FMA). Where it does not (AVX2-only x86,
@@ -38,7 +39,7 @@ fn kernels_here() -> bool {
     here
 }
 
-/// Asserts the host product equals MLX's bit for bit for `x` (any `[.., cols]` single token).
+/// Asserts the host product equals MLX's bit for bit for `x` (`[.., cols]`, up to 16 tokens).
 fn assert_same_bits(what: &str, h: &HostDense, w: &Array, x: &Array) {
     let ours = h.forward(x).unwrap().expect("a contiguous input is taken");
     let theirs = ops::matmul(x, w.t()).unwrap();
@@ -258,4 +259,72 @@ fn other_dtypes_and_mismatched_tokens_stay_on_mlx() {
     // An f32 token through a bf16 weight is an f32 product in MLX (another order): refused.
     let x = Array::from_slice(&[0.25f32; 32], &[1, 32]);
     assert!(h.forward(&x).unwrap().is_none());
+}
+
+/// Verify blocks (2 to 16 tokens) through every order and dtype: an accepted block equals
+/// MLX's product bit for bit; 16-bit blocks (MLX's own `simd_gemm` order, the same on every
+/// CPU) must be accepted; an f32 block size MLX's BLAS sums otherwise is refused and stays on
+/// MLX, which the test reports and checks.
+#[test]
+fn verify_blocks_of_up_to_sixteen_tokens_match_mlx_bit_for_bit() {
+    let kernels = kernels_here();
+    let shapes = [
+        (576, 576),   // lanes up to 2 tokens on SkylakeX, then panels
+        (192, 576),   // lanes up to 6 tokens on SkylakeX
+        (576, 1536),  // panels
+        (1536, 576),  // panels
+        (4099, 576),  // panels, rows not a multiple of 8
+        (37, 100),    // lanes, rows not a multiple of 4
+        (300, 20),    // depth below 32 and not a multiple of 16
+        (1000, 1001), // three panels
+    ];
+    let mut accepted = 0;
+    for dtype in [Dtype::Float32, Dtype::Bfloat16, Dtype::Float16] {
+        for (i, (rows, cols)) in shapes.into_iter().enumerate() {
+            let key = random::key(300 + i as u64).unwrap();
+            let w = random::normal::<f32>(&[rows, cols][..], 0.0, 0.05, &key)
+                .unwrap()
+                .as_dtype(dtype)
+                .unwrap();
+            let what = format!("{dtype:?} {rows}x{cols}");
+            let Some(h) = HostDense::new(&w).unwrap() else {
+                judge_refusal(&what, dtype, common::f32_host_order_expected());
+                continue;
+            };
+            for tokens in 2..=16 {
+                let k = random::key(tokens as u64 * 7 + i as u64).unwrap();
+                let x = random::normal::<f32>(&[1, tokens, cols][..], 0.0, 1.0, &k)
+                    .unwrap()
+                    .as_dtype(dtype)
+                    .unwrap();
+                let what = format!("{what} x{tokens}");
+                if h.forward(&x).unwrap().is_some() {
+                    assert_same_bits(&what, &h, &w, &x);
+                    accepted += 1;
+                } else {
+                    assert_eq!(dtype, Dtype::Float32, "{what}: a 16-bit block was refused");
+                    assert!(
+                        refused_blocks().contains(&(rows as usize, cols as usize, tokens as usize)),
+                        "{what}: declined without a refusal on record"
+                    );
+                    eprintln!("{what}: MLX sums this f32 block otherwise here, stays on MLX");
+                }
+            }
+        }
+    }
+    assert_eq!(accepted > 0, kernels, "{accepted} blocks on the host path");
+    // Past sixteen tokens the layer is MLX's.
+    let w = Array::from_slice(&[0.5f32; 64 * 32], &[64, 32])
+        .as_dtype(Dtype::Bfloat16)
+        .unwrap();
+    let x = Array::from_slice(&[0.25f32; 17 * 32], &[1, 17, 32])
+        .as_dtype(Dtype::Bfloat16)
+        .unwrap();
+    assert!(!HostDense::takes(&x));
+    if let Some(h) = HostDense::new(&w).unwrap() {
+        assert!(
+            h.forward(&x).unwrap().is_none(),
+            "17 tokens on the host path"
+        );
+    }
 }

@@ -4,7 +4,9 @@ its own repetitions with mlx-lm's in one invocation.
 
 request:  {"op": "pp", "context": [...], "prompt": [...], "prefill_step_size": 2048}
           {"op": "tg", "prompt": [...], "n": 128}
-reply:    {"seconds": float, "tokens": int}
+          {"op": "verify", "context": [...], "block": [...], "prefill_step_size": 2048}
+reply:    {"seconds": float, "tokens": int}, plus "step_seconds" for verify (a one-token
+          forward at the same depth; "seconds" is the whole block's forward)
 """
 import json
 import os
@@ -14,7 +16,7 @@ from pathlib import Path
 
 import mlx.core as mx
 from mlx_lm.generate import generate_step
-from mlx_lm.models.cache import make_prompt_cache
+from mlx_lm.models.cache import make_prompt_cache, trim_prompt_cache
 from mlx_lm.utils import load_model
 
 
@@ -22,6 +24,17 @@ def prefill(model, cache, tokens, step):
     for i in range(0, len(tokens), step):
         model(mx.array(tokens[i : i + step])[None], cache=cache)
         mx.eval([c.state for c in cache])
+
+
+def timed_forward(model, cache, tokens):
+    """Seconds of one forward with every row's logits and the caches evaluated; the caches are
+    trimmed back afterwards."""
+    t0 = time.perf_counter()
+    logits = model(mx.array(tokens)[None], cache=cache)
+    mx.eval(logits, [c.state for c in cache])
+    seconds = time.perf_counter() - t0
+    trim_prompt_cache(cache, len(tokens))
+    return seconds
 
 
 def main(model_dir):
@@ -36,6 +49,12 @@ def main(model_dir):
             t0 = time.perf_counter()
             prefill(model, cache, req["prompt"], step)
             out = {"seconds": time.perf_counter() - t0, "tokens": len(req["prompt"])}
+        elif req["op"] == "verify":
+            cache = make_prompt_cache(model)
+            prefill(model, cache, req["context"], req.get("prefill_step_size", 2048))
+            step = timed_forward(model, cache, req["block"][:1])
+            block = timed_forward(model, cache, req["block"])
+            out = {"seconds": block, "tokens": len(req["block"]), "step_seconds": step}
         else:
             n = 0
             t0 = None

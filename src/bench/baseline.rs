@@ -9,6 +9,17 @@ use std::process::{Child, ChildStdin, ChildStdout, Command, Stdio};
 
 const WORKER: &str = include_str!("../../assets/oracle/mlx_lm_bench.py");
 
+/// What the worker measured for one request.
+#[derive(Debug, Clone, Copy)]
+pub struct Timing {
+    /// Seconds of the timed part.
+    pub seconds: f64,
+    /// Tokens it processed or generated.
+    pub tokens: usize,
+    /// A verify request's one-token step at the same depth.
+    pub step_seconds: Option<f64>,
+}
+
 /// A running mlx-lm worker with the model loaded.
 pub struct MlxLmWorker {
     child: Child,
@@ -75,15 +86,17 @@ impl MlxLmWorker {
             .map_err(|e| EngineError::Runtime(format!("bad reply from the mlx-lm baseline ({e})")))
     }
 
-    /// Sends one request and returns (seconds, tokens).
-    pub fn time(&mut self, request: &serde_json::Value) -> Result<(f64, usize)> {
+    /// Sends one request and returns its timing.
+    pub fn time(&mut self, request: &serde_json::Value) -> Result<Timing> {
         writeln!(self.stdin, "{request}").map_err(|e| {
             EngineError::Runtime(format!("cannot talk to the mlx-lm baseline ({e})"))
         })?;
         let reply = self.read_line()?;
-        let secs = reply["seconds"].as_f64().unwrap_or(0.0);
-        let tokens = reply["tokens"].as_u64().unwrap_or(0) as usize;
-        Ok((secs, tokens))
+        Ok(Timing {
+            seconds: reply["seconds"].as_f64().unwrap_or(0.0),
+            tokens: reply["tokens"].as_u64().unwrap_or(0) as usize,
+            step_seconds: reply["step_seconds"].as_f64(),
+        })
     }
 }
 

@@ -17,7 +17,7 @@ use crate::engine::session::Session;
 use crate::spec::factory::{open_source, SpecOptions};
 use progress::Event;
 use report::{Row, Setup};
-use runner::{measure, time_decode, tps, TestInputs, TestKind, TestSpec};
+use runner::{measure, time_decode, time_verify, tps, TestInputs, TestKind, TestSpec};
 use std::path::Path;
 
 /// What to run.
@@ -94,6 +94,7 @@ fn test_row(template: &Row, config: &str, test: &TestSpec) -> Row {
         test: test.name(),
         n_prompt: n(TestKind::Prefill),
         n_gen: n(TestKind::Decode),
+        n_verify: n(TestKind::Verify),
         n_depth: test.depth,
         ..template.clone()
     }
@@ -134,7 +135,13 @@ pub fn run(
         let mut accepted_len = Vec::new();
         // Repetition 0 is the warm-up and is not recorded.
         for rep in 0..=plan.repetitions {
-            let ours = measure(&mut session.model, test, &inputs, plan.prefill_step_size)?;
+            let (ours, our_cost) = if test.kind == TestKind::Verify {
+                let timing = time_verify(&mut session.model, &inputs)?;
+                (tps(test.n, timing.block), Some(timing.cost()))
+            } else {
+                let ours = measure(&mut session.model, test, &inputs, plan.prefill_step_size)?;
+                (ours, None)
+            };
             let theirs = match worker.as_mut() {
                 Some(w) => {
                     let req = match test.kind {
@@ -144,9 +151,12 @@ pub fn run(
                         TestKind::Decode => {
                             serde_json::json!({"op": "tg", "prompt": inputs.decode_prompt, "n": test.n})
                         }
+                        TestKind::Verify => {
+                            serde_json::json!({"op": "verify", "context": inputs.context, "block": inputs.tokens, "prefill_step_size": plan.prefill_step_size})
+                        }
                     };
-                    let (s, n) = w.time(&req)?;
-                    Some(tps(n, s))
+                    let reply = w.time(&req)?;
+                    Some((tps(reply.tokens, reply.seconds), reply.step_seconds))
                 }
                 None => None,
             };
@@ -172,8 +182,15 @@ pub fn run(
                 continue;
             }
             current[0].samples_ts.push(ours);
-            if let (Some(b), Some(t)) = (current[0].baseline_samples_ts.as_mut(), theirs) {
+            current[0].verify_cost_samples.extend(our_cost);
+            if let (Some(b), Some((t, step))) = (current[0].baseline_samples_ts.as_mut(), theirs) {
                 b.push(t);
+                if let Some(step) = step.filter(|_| test.kind == TestKind::Verify) {
+                    let block = test.n as f64 / t.max(1e-9);
+                    current[0]
+                        .baseline_verify_cost_samples
+                        .push(block / step.max(1e-9));
+                }
             }
             if let (Some(row), Some(t)) = (current.get_mut(1), spec_tps) {
                 row.samples_ts.push(t);

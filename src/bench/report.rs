@@ -46,6 +46,9 @@ pub struct Row {
     pub n_gen: usize,
     /// Context depth.
     pub n_depth: usize,
+    /// Tokens in a verify block (`v` tests).
+    #[serde(default)]
+    pub n_verify: usize,
     /// Mean tokens/second.
     pub avg_ts: f64,
     /// Standard deviation of tokens/second.
@@ -62,6 +65,18 @@ pub struct Row {
     /// 95% confidence interval of [`Row::ratio`] (needs two repetitions or more).
     #[serde(default, skip_serializing_if = "Option::is_none")]
     pub ratio_ci: Option<[f64; 2]>,
+    /// `v` tests: per repetition, the block's time over a one-token step's at the same depth.
+    #[serde(default, skip_serializing_if = "Vec::is_empty")]
+    pub verify_cost_samples: Vec<f64>,
+    /// `v` tests: the mlx-lm baseline's block cost in one-token steps, per repetition.
+    #[serde(default, skip_serializing_if = "Vec::is_empty")]
+    pub baseline_verify_cost_samples: Vec<f64>,
+    /// `v` tests: mean of [`Row::verify_cost_samples`].
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    pub verify_cost: Option<f64>,
+    /// `v` tests: mean of [`Row::baseline_verify_cost_samples`].
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    pub baseline_verify_cost: Option<f64>,
     /// Mean acceptance length for speculative configs.
     #[serde(default, skip_serializing_if = "Option::is_none")]
     pub mean_acceptance_length: Option<f64>,
@@ -96,6 +111,9 @@ impl Row {
     pub fn finish(&mut self) {
         self.avg_ts = stats::mean(&self.samples_ts);
         self.stddev_ts = stats::stddev(&self.samples_ts);
+        let mean = |x: &[f64]| (!x.is_empty()).then(|| stats::mean(x));
+        self.verify_cost = mean(&self.verify_cost_samples);
+        self.baseline_verify_cost = mean(&self.baseline_verify_cost_samples);
         if let Some(b) = &self.baseline_samples_ts {
             let (r, lo, hi) = stats::paired_ratio(&self.samples_ts, b);
             self.ratio = Some(r);
@@ -134,6 +152,7 @@ fn human_params(n: u64) -> String {
 pub fn markdown(rows: &[Row]) -> String {
     let base = rows.iter().any(|r| r.baseline_samples_ts.is_some());
     let spec = rows.iter().any(|r| r.mean_acceptance_length.is_some());
+    let verify = rows.iter().any(|r| r.verify_cost.is_some());
     let mut out = String::from("| model | size | params | backend | config | test | t/s |");
     if base {
         out.push_str(" baseline t/s | ratio (95% CI) |");
@@ -141,8 +160,18 @@ pub fn markdown(rows: &[Row]) -> String {
     if spec {
         out.push_str(" mean acc. len |");
     }
+    if verify {
+        out.push_str(if base {
+            " steps per block | baseline steps |"
+        } else {
+            " steps per block |"
+        });
+    }
     out.push('\n');
-    let cols = 7 + if base { 2 } else { 0 } + usize::from(spec);
+    let cols = 7
+        + if base { 2 } else { 0 }
+        + usize::from(spec)
+        + if verify { 1 + usize::from(base) } else { 0 };
     out.push_str(&"|---".repeat(cols));
     out.push_str("|\n");
     for r in rows {
@@ -168,10 +197,20 @@ pub fn markdown(rows: &[Row]) -> String {
                 None => out.push_str(" |"),
             }
         }
+        if verify {
+            let cost = |c: Option<f64>| c.map(|c| format!(" {c:.2} |")).unwrap_or(" |".into());
+            out.push_str(&cost(r.verify_cost));
+            if base {
+                out.push_str(&cost(r.baseline_verify_cost));
+            }
+        }
         out.push('\n');
     }
     if base || spec {
         out.push_str("\nbaseline: mlx-lm for `vanilla` rows, vanilla mlxb (same repetitions) for `draft` rows; ratio = paired mean of per-repetition t/s ratios.\n");
+    }
+    if verify {
+        out.push_str("\nvN: one forward of an N-token block with all of its logits (a speculative verify); steps per block = its time over a one-token step at the same depth, in the same repetition.\n");
     }
     out
 }
@@ -248,12 +287,17 @@ const COLUMNS: &[(&str, Cell)] = &[
     ("n_prompt", Cell::Scalar),
     ("n_gen", Cell::Scalar),
     ("n_depth", Cell::Scalar),
+    ("n_verify", Cell::Scalar),
     ("avg_ts", Cell::Scalar),
     ("stddev_ts", Cell::Scalar),
     ("samples_ts", Cell::List),
     ("baseline_samples_ts", Cell::List),
     ("ratio", Cell::Scalar),
     ("ratio_ci", Cell::List),
+    ("verify_cost_samples", Cell::List),
+    ("baseline_verify_cost_samples", Cell::List),
+    ("verify_cost", Cell::Scalar),
+    ("baseline_verify_cost", Cell::Scalar),
     ("mean_acceptance_length", Cell::Scalar),
     ("output", Cell::Text),
     ("keeps", Cell::Text),

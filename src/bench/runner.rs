@@ -1,7 +1,9 @@
 //! mlxb's side of each benchmark test, timed like llama-bench (tokenization and warm-up
 //! excluded): `pp` = prefill of `n` prompt tokens after `depth` context tokens, `tg` =
 //! decoding `n` tokens after a prompt of `depth + 1` tokens (the first token is prompt time,
-//! as in mlx-lm's own generation_tps).
+//! as in mlx-lm's own generation_tps), `v` = one forward of an `n`-token block after `depth`
+//! context tokens with every row's logits computed (a speculative verify), timed beside a
+//! one-token step at the same depth.
 
 use crate::engine::error::Result;
 use crate::engine::generate::{Flow, GenerateConfig, Generator};
@@ -22,6 +24,8 @@ pub enum TestKind {
     Prefill,
     /// Token generation.
     Decode,
+    /// One verify block (all of its logits), beside a one-token step.
+    Verify,
 }
 
 /// A test: kind, token count, context depth.
@@ -41,6 +45,7 @@ impl TestSpec {
         let base = match self.kind {
             TestKind::Prefill => format!("pp{}", self.n),
             TestKind::Decode => format!("tg{}", self.n),
+            TestKind::Verify => format!("v{}", self.n),
         };
         if self.depth > 0 {
             format!("{base} @ d{}", self.depth)
@@ -101,7 +106,54 @@ pub fn measure(
             let (s, n, _) = time_decode(loaded, &inputs.decode_prompt, test.n, None)?;
             tps(n, s)
         }
+        TestKind::Verify => tps(test.n, time_verify(loaded, inputs)?.block),
     })
+}
+
+/// Seconds of one verify test: the block, and a one-token step at the same depth.
+#[derive(Debug, Clone, Copy)]
+pub struct VerifyTiming {
+    /// The `n`-token forward.
+    pub block: f64,
+    /// The one-token forward (the block's first token).
+    pub step: f64,
+}
+
+impl VerifyTiming {
+    /// What the block costs in one-token steps.
+    pub fn cost(&self) -> f64 {
+        self.block / self.step.max(1e-9)
+    }
+}
+
+/// Times a verify test: after `inputs.context` is cached, a one-token step and then the whole
+/// `inputs.tokens` block, each a forward with every row's logits and the caches evaluated, the
+/// caches put back after each.
+pub fn time_verify(loaded: &mut LoadedModel, inputs: &TestInputs) -> Result<VerifyTiming> {
+    let LoadedModel { model, plan, .. } = loaded;
+    let mut caches = model.make_caches();
+    plan.prepare(&mut caches);
+    prefill(model.as_mut(), plan, &mut caches, &inputs.context, 2048)?;
+    let mut timed = |tokens: &[u32]| -> Result<f64> {
+        let saved: Vec<_> = caches.iter().map(|c| c.snapshot()).collect();
+        let ids: Vec<i32> = tokens.iter().map(|&t| t as i32).collect();
+        let t = Instant::now();
+        let logits = model.forward(
+            &Array::from_slice(&ids, &[1, ids.len() as i32]),
+            &mut caches,
+        )?;
+        let mut outputs: Vec<Array> = caches.iter().flat_map(|c| c.state()).collect();
+        outputs.push(logits);
+        eval(&outputs)?;
+        let secs = t.elapsed().as_secs_f64();
+        for (cache, snapshot) in caches.iter_mut().zip(saved) {
+            cache.restore(snapshot)?;
+        }
+        Ok(secs)
+    };
+    let step = timed(&inputs.tokens[..1])?;
+    let block = timed(&inputs.tokens)?;
+    Ok(VerifyTiming { block, step })
 }
 
 /// Tokens per second (a zero duration reads as a nanosecond).

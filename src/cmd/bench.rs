@@ -55,6 +55,11 @@ pub struct BenchArgs {
         default_value = "128"
     )]
     pub n_gen: Vec<usize>,
+    /// Verify-cost tests: one forward of a block of this many tokens with all of its logits
+    /// (a speculative verify), timed beside a one-token step at the same depth; comma-separated,
+    /// each 1 to 16 for the host products to take it (e.g. 2,4,8,16).
+    #[arg(long = "n-verify", value_delimiter = ',')]
+    pub n_verify: Vec<usize>,
     /// Context depths, comma-separated.
     #[arg(
         short = 'd',
@@ -98,7 +103,8 @@ pub struct BenchArgs {
     pub forks: ForkArgs,
 }
 
-/// The test list: for each depth, every pp then every tg test (llama-bench's order).
+/// The test list: for each depth, every pp then every tg test (llama-bench's order), then every
+/// verify test.
 pub fn plan_tests(args: &BenchArgs) -> anyhow::Result<Vec<TestSpec>> {
     let mut tests = Vec::new();
     for &depth in &args.n_depth {
@@ -116,10 +122,17 @@ pub fn plan_tests(args: &BenchArgs) -> anyhow::Result<Vec<TestSpec>> {
                 depth,
             });
         }
+        for &n in args.n_verify.iter().filter(|&&n| n > 0) {
+            tests.push(TestSpec {
+                kind: TestKind::Verify,
+                n,
+                depth,
+            });
+        }
     }
     if tests.is_empty() {
         return Err(EngineError::Input(
-            "no tests selected: give -p and/or -n with a positive token count".into(),
+            "no tests selected: give -p, -n and/or --n-verify with a positive token count".into(),
         )
         .into());
     }

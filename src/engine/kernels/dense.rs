@@ -1,16 +1,17 @@
-//! The host path of a dense (f32, bf16 or f16) linear layer for single-token steps
-//! (`--host-matvec on`, L1): the weight is read in place from MLX's evaluated buffer and
-//! multiplied by [`super::mlx_order`] in the order MLX's CPU matmul sums it, so the result has
-//! MLX's bits.
+//! The host path of a dense (f32, bf16 or f16) linear layer for decode steps and speculative
+//! verify blocks of up to [`MAX_TOKENS`] tokens (`--host-matvec on`, L1): the weight is read in
+//! place from MLX's evaluated buffer and multiplied by [`super::mlx_order`] in the order MLX's
+//! CPU matmul sums it, so the result has MLX's bits.
 //!
-//! "Has MLX's bits" is checked, not assumed: the first time a weight shape and dtype is used,
-//! the host product of two fixed inputs is compared bit for bit with MLX's `x @ W.T` on the
-//! real weight. A shape that differs (another BLAS, CPU or library version) stays on MLX for
-//! the rest of the process; only speed is lost.
+//! "Has MLX's bits" is checked, not assumed: the first time a weight shape and dtype is used
+//! with a given number of tokens, the host product of two fixed inputs is compared bit for bit
+//! with MLX's `x @ W.T` on the real weight. A shape that differs (another BLAS, CPU or library
+//! version) stays on MLX for that token count for the rest of the process (a shape refused for
+//! one token is never pinned); only speed is lost.
 
 use super::host::{check_bits, HostSlice};
 use super::lock;
-use super::mlx_order::{self, Order, Weights};
+use super::mlx_order::{self, Order, Weights, MAX_TOKENS};
 use crate::engine::error::{EngineError, Result};
 use mlx_rs::{ops, Array, Dtype};
 use std::collections::HashMap;
@@ -25,14 +26,16 @@ enum Pinned {
     F16(HostSlice<half::f16>),
 }
 
-/// A 2-D dense weight pinned in host memory, of a shape whose host product matched MLX's.
+/// A 2-D dense weight pinned in host memory, of a shape whose single-token host product
+/// matched MLX's.
 #[derive(Debug, Clone)]
 pub struct HostDense {
     array: Array,
     pinned: Pinned,
     rows: usize,
     cols: usize,
-    order: Order,
+    /// The single-token order to use instead of MLX's (tests of the check).
+    forced: Option<Order>,
 }
 
 impl HostDense {
@@ -62,16 +65,22 @@ impl HostDense {
             Dtype::Float16 => Pinned::F16(HostSlice::of(weight, "f16 weight")?),
             _ => return Ok(None),
         };
-        let (rows, cols) = (rows as usize, cols as usize);
-        let mut me = Self {
+        let me = Self {
             array: weight.clone(),
             pinned,
-            rows,
-            cols,
-            order: Order::Sequential,
+            rows: rows as usize,
+            cols: cols as usize,
+            forced: order,
         };
-        me.order = order.unwrap_or_else(|| me.weights().order(rows, cols));
-        Ok(me.matches_mlx()?.then_some(me))
+        Ok(me.matches_mlx(1)?.then_some(me))
+    }
+
+    /// The order of a product of `tokens` tokens.
+    fn order(&self, tokens: usize) -> Order {
+        match &self.forced {
+            Some(order) if tokens == 1 => order.clone(),
+            _ => self.weights().order(self.rows, self.cols, tokens),
+        }
     }
 
     fn weights(&self) -> Weights<'_> {
@@ -83,19 +92,29 @@ impl HostDense {
         }
     }
 
-    /// Whether `x` is a single token (`[..., cols]` with one row), the only case the host path
-    /// reproduces (checked before a weight is pinned, so prompts never pin).
+    /// Whether `x` (`[..., cols]`) has at most [`MAX_TOKENS`] rows, the sizes the host path
+    /// reproduces (checked before a weight is pinned, so long prompts never pin).
     pub fn takes(x: &Array) -> bool {
         let last = x.shape().last().copied().unwrap_or(0).max(1) as usize;
-        x.size() == last
+        x.size() <= MAX_TOKENS * last
     }
 
-    /// `x · Wᵀ` for one token of the weight's dtype; `None` when `x` is not such a token in a
-    /// buffer the host can read (the caller then asks MLX).
+    /// `x · Wᵀ` for up to [`MAX_TOKENS`] tokens of the weight's dtype; `None` when `x` is not
+    /// such a block in a buffer the host can read, or when MLX sums this block size otherwise
+    /// (the caller then asks MLX).
     pub fn forward(&self, x: &Array) -> Result<Option<Array>> {
-        if x.dtype() != self.array.dtype() || x.size() != self.cols {
+        if x.dtype() != self.array.dtype() || !x.size().is_multiple_of(self.cols) {
             return Ok(None);
         }
+        let tokens = x.size() / self.cols;
+        if tokens == 0 || tokens > MAX_TOKENS || !self.matches_mlx(tokens)? {
+            return Ok(None);
+        }
+        self.product(x, tokens)
+    }
+
+    /// The host product of `tokens` tokens, unchecked.
+    fn product(&self, x: &Array, tokens: usize) -> Result<Option<Array>> {
         // A 16-bit token widens to f32 exactly (MLX's `simd_gemm` does the same).
         let wide = match x.dtype() {
             Dtype::Float32 => x.clone(),
@@ -104,12 +123,13 @@ impl HostDense {
         let Ok(host) = wide.try_as_slice::<f32>() else {
             return Ok(None);
         };
-        let y = mlx_order::matvec(
+        let y = mlx_order::matmul(
             self.weights(),
             self.rows,
             self.cols,
             host,
-            &self.order,
+            tokens,
+            &self.order(tokens),
             rayon::current_num_threads(),
         )
         .map_err(|e| EngineError::Runtime(format!("host product: {e}")))?;
@@ -126,19 +146,25 @@ impl HostDense {
         }))
     }
 
-    /// Compares the host product with MLX's on two fixed inputs, once per weight shape, dtype
-    /// and order.
-    fn matches_mlx(&self) -> Result<bool> {
+    /// Compares the host product of `tokens` tokens with MLX's on two fixed inputs, once per
+    /// weight shape, dtype, order and token count.
+    fn matches_mlx(&self, tokens: usize) -> Result<bool> {
         let dtype = self.array.dtype();
-        let key = (self.rows, self.cols, dtype, self.order.clone());
+        let key = Verdict {
+            rows: self.rows,
+            cols: self.cols,
+            dtype,
+            order: self.order(tokens),
+            tokens,
+        };
         if let Some(v) = lock(verdicts()).get(&key) {
             return Ok(*v);
         }
         let mut same = true;
         for seed in [0x9e37_79b9_u64, 0x2545_f491] {
-            let x = Array::from_slice(&probe(self.cols, seed), &[1, self.cols as i32])
-                .as_dtype(dtype)?;
-            let Some(ours) = self.forward(&x)? else {
+            let shape = [tokens as i32, self.cols as i32];
+            let x = Array::from_slice(&probe(tokens * self.cols, seed), &shape).as_dtype(dtype)?;
+            let Some(ours) = self.product(&x, tokens)? else {
                 return Err(EngineError::Runtime(
                     "the host product refused its own check input".into(),
                 ));
@@ -159,21 +185,44 @@ unsafe fn bits_of<T>(s: &[T]) -> &[u16] {
     std::slice::from_raw_parts(s.as_ptr().cast(), s.len())
 }
 
-/// The check's verdict per `(rows, cols, dtype, order)`, for this process.
-type Verdicts = Mutex<HashMap<(usize, usize, Dtype, Order), bool>>;
+/// What one check decides: a weight shape and dtype summed in one order for a token count.
+#[derive(Debug, Clone, PartialEq, Eq, Hash)]
+struct Verdict {
+    rows: usize,
+    cols: usize,
+    dtype: Dtype,
+    order: Order,
+    tokens: usize,
+}
+
+/// The check's verdicts, for this process.
+type Verdicts = Mutex<HashMap<Verdict, bool>>;
 
 fn verdicts() -> &'static Verdicts {
     static VERDICTS: OnceLock<Verdicts> = OnceLock::new();
     VERDICTS.get_or_init(Default::default)
 }
 
-/// `(rows, cols)` weight shapes whose host product differed from MLX's in this process (they
-/// run on MLX); empty where MLX sums as [`mlx_order`] expects.
+/// `(rows, cols)` weight shapes whose single-token host product differed from MLX's in this
+/// process (they run on MLX); empty where MLX sums as [`mlx_order`] expects.
 pub fn refused_shapes() -> Vec<(usize, usize)> {
+    refused(|v| v.tokens == 1)
+        .into_iter()
+        .map(|(rows, cols, _)| (rows, cols))
+        .collect()
+}
+
+/// `(rows, cols, tokens)` blocks of more than one token whose host product differed from
+/// MLX's in this process (those block sizes run on MLX for that shape).
+pub fn refused_blocks() -> Vec<(usize, usize, usize)> {
+    refused(|v| v.tokens > 1)
+}
+
+fn refused(keep: impl Fn(&Verdict) -> bool) -> Vec<(usize, usize, usize)> {
     let mut shapes: Vec<_> = lock(verdicts())
         .iter()
-        .filter(|(_, same)| !**same)
-        .map(|((rows, cols, ..), _)| (*rows, *cols))
+        .filter(|(v, same)| !**same && keep(v))
+        .map(|(v, _)| (v.rows, v.cols, v.tokens))
         .collect();
     shapes.sort_unstable();
     shapes.dedup();
@@ -197,8 +246,8 @@ fn probe(n: usize, seed: u64) -> Vec<f32> {
 
 static CALLS: AtomicUsize = AtomicUsize::new(0);
 
-/// How many single-token products the host path computed in this process (lets tests and
-/// benchmarks check that `--host-matvec on` really took it).
+/// How many products (single tokens and blocks) the host path computed in this process (lets
+/// tests and benchmarks check that `--host-matvec on` really took it).
 pub fn dense_calls() -> usize {
     CALLS.load(Ordering::Relaxed)
 }

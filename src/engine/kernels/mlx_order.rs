@@ -1,5 +1,6 @@
-//! Single-token products `y = x · Wᵀ` summed in exactly the order MLX's CPU backend sums them,
-//! so that L1 decode gets MLX's bits without MLX's matmul.
+//! Products `Y = X · Wᵀ` of up to [`MAX_TOKENS`] tokens (a decode step, a speculative verify
+//! block) summed in exactly the order MLX's CPU backend sums them, so that L1 decoding gets
+//! MLX's bits without MLX's matmul.
 //!
 //! Why: for one token MLX's CPU matmul is far from the memory roofline. f32 goes to
 //! `cblas_sgemm`, where OpenBLAS either re-packs the whole weight matrix on every call (its
@@ -12,7 +13,8 @@
 //! on the kernel set OpenBLAS picked for the CPU, see [`F32Kernels`]):
 //! - **f32, Lanes** (`SKYLAKEX` only): MLX calls row-major `sgemm(NoTrans, Trans)`, which
 //!   OpenBLAS runs as column-major `TN` with `M` = outputs, `N` = tokens, `K` = inputs, on its
-//!   small-matrix kernel when `M·N·K ≤ 10⁶`, `M·N ≤ 1200` and `K ≥ 32`: sixteen lanes, lane
+//!   small-matrix kernel when `M·N·K ≤ 10⁶`, `M·N ≤ 1200` and `K ≥ 32`: per output and token
+//!   sixteen lanes, lane
 //!   `l` a fused multiply-add chain over `k ≡ l (mod 16)` (a short last chunk masked to
 //!   zeros), then the lanes added pairwise: outputs in the whole groups of four at the front
 //!   in the kernel's 4×4-transpose order `((l0+l1)+(l2+l3))` per 128-bit quarter, quarters
@@ -22,7 +24,8 @@
 //!   every f32 product): `K` cut into panels of at most the kernel set's depth (448 on
 //!   `SKYLAKEX`, 320 on `HASWELL`; a remainder below twice that is halved, rounding up), each
 //!   panel a fused multiply-add chain from zero in `k` order, the panels added to the output in
-//!   order.
+//!   order. Each output of each token is its own chain, so a block of tokens sums every value
+//!   exactly as that token alone would.
 //! - **bf16/f16, Sequential** (MLX's `simd_gemm` with f32 accumulation): one f32 sum per
 //!   output in `k` order; each product of two 16-bit floats is exact in f32, so a fused
 //!   multiply-add gives the same bits as MLX's multiply-then-add. MLX rounds the sum to the
@@ -43,6 +46,9 @@ const SMALL_MAX_OUTPUTS: usize = 1200;
 const SMALL_MIN_DEPTH: usize = 32;
 /// Lanes of the small-matrix kernel's accumulators (one AVX-512 register).
 const LANES: usize = 16;
+/// Most tokens one host product takes (a verify block of up to sixteen tokens; the token
+/// kernel holds them in the lanes of one vector).
+pub const MAX_TOKENS: usize = LANES;
 /// Weights below which one thread does the whole product (a fork/join costs more).
 const PARALLEL_MIN_WEIGHTS: usize = 1 << 16;
 /// Chunks a product's rows are cut into for the two threads to claim one at a time.
@@ -99,8 +105,15 @@ impl F32Kernels {
 
     /// The order OpenBLAS uses for one f32 token through a `rows × cols` weight.
     pub fn order(self, rows: usize, cols: usize) -> Order {
-        let mnk = rows as f64 * cols as f64;
-        let small = mnk <= SMALL_MAX_MNK && rows <= SMALL_MAX_OUTPUTS && cols >= SMALL_MIN_DEPTH;
+        self.block_order(rows, cols, 1)
+    }
+
+    /// The order OpenBLAS uses for `tokens` f32 tokens through a `rows × cols` weight (the
+    /// small-matrix kernel's limits count outputs times tokens).
+    pub fn block_order(self, rows: usize, cols: usize, tokens: usize) -> Order {
+        let outputs = rows * tokens;
+        let mnk = outputs as f64 * cols as f64;
+        let small = mnk <= SMALL_MAX_MNK && outputs <= SMALL_MAX_OUTPUTS && cols >= SMALL_MIN_DEPTH;
         if small && self == F32Kernels::SkylakeX {
             Order::Lanes
         } else {
@@ -128,10 +141,10 @@ impl Weights<'_> {
         }
     }
 
-    /// The order MLX sums this dtype's `rows × cols` single-token product in.
-    pub fn order(&self, rows: usize, cols: usize) -> Order {
+    /// The order MLX sums this dtype's `rows × cols` product of `tokens` tokens in.
+    pub fn order(&self, rows: usize, cols: usize, tokens: usize) -> Order {
         match self {
-            Weights::F32(_) => F32Kernels::here().order(rows, cols),
+            Weights::F32(_) => F32Kernels::here().block_order(rows, cols, tokens),
             Weights::Bf16(_) | Weights::F16(_) => Order::Sequential,
         }
     }
@@ -174,11 +187,8 @@ pub fn available() -> bool {
     }
 }
 
-/// `y = x · Wᵀ` for one token in f32: `w` is `rows × cols` row-major, `x` has `cols` values
-/// (the 16-bit token widened exactly). With `threads` ≥ 2 the rows are cut into chunks that
-/// this thread and the [`pair`] helper claim one at a time; the cut never changes a bit (each
-/// output is summed alone). Errors when the CPU lacks the kernels, the order does not fit the
-/// dtype, or the lengths disagree.
+/// `y = x · Wᵀ` for one token in f32 (the 16-bit token widened exactly): [`matmul`] of one
+/// token.
 pub fn matvec(
     w: Weights<'_>,
     rows: usize,
@@ -187,12 +197,34 @@ pub fn matvec(
     order: &Order,
     threads: usize,
 ) -> Result<Vec<f32>, String> {
+    matmul(w, rows, cols, x, 1, order, threads)
+}
+
+/// `Y = X · Wᵀ` for `tokens` tokens in f32: `w` is `rows × cols` row-major, `x` is
+/// `tokens × cols` and the result `tokens × rows`, both row-major. With `threads` ≥ 2 the rows
+/// are cut into chunks that this thread and the [`pair`] helper claim one at a time; the cut
+/// never changes a bit (each output is summed alone). Errors when the CPU lacks the kernels,
+/// the order does not fit the dtype, or the lengths disagree.
+pub fn matmul(
+    w: Weights<'_>,
+    rows: usize,
+    cols: usize,
+    x: &[f32],
+    tokens: usize,
+    order: &Order,
+    threads: usize,
+) -> Result<Vec<f32>, String> {
     if !available() {
         return Err("this CPU has no AVX-512 and FMA for the host product".into());
     }
-    if cols == 0 || w.len() != rows * cols || x.len() != cols {
+    if cols == 0 || tokens == 0 || tokens > MAX_TOKENS {
         return Err(format!(
-            "shape mismatch: {rows}x{cols} weight of {} values, input of {}",
+            "{tokens} tokens through a depth of {cols}: the host product takes 1 to {MAX_TOKENS} tokens of depth 1 or more"
+        ));
+    }
+    if w.len() != rows * cols || x.len() != tokens * cols {
+        return Err(format!(
+            "shape mismatch: {rows}x{cols} weight of {} values, input of {} for {tokens} tokens",
             w.len(),
             x.len()
         ));
@@ -205,54 +237,112 @@ pub fn matvec(
     if !fits {
         return Err(format!("{order:?} is not an order for {w:?}-typed weights"));
     }
-    let mut y = vec![0.0f32; rows];
     // Chunks of whole 16-row groups (the kernels' vector paths) shared with the helper thread
     // ([`pair::share`]); small products stay on this one.
     let chunk_rows = if threads < 2 || rows * cols < PARALLEL_MIN_WEIGHTS {
         rows
     } else {
         (rows.div_ceil(CHUNKS).div_ceil(LANES) * LANES).max(LANES)
-    };
-    let parts: Vec<std::sync::Mutex<&mut [f32]>> = y
-        .chunks_mut(chunk_rows.max(1))
-        .map(std::sync::Mutex::new)
+    }
+    .max(1);
+    let mut y = vec![0.0f32; tokens * rows];
+    if tokens == 1 {
+        let parts: Vec<std::sync::Mutex<&mut [f32]>> = y
+            .chunks_mut(chunk_rows)
+            .map(std::sync::Mutex::new)
+            .collect();
+        pair::share(parts.len(), &|i| {
+            let mut out = super::lock(&parts[i]);
+            let start = i * chunk_rows;
+            let end = start + out.len();
+            rows_into(w, rows, cols, x, 1, order, start..end, &mut out);
+        });
+        return Ok(y);
+    }
+    // A block's chunk is `tokens × chunk` outputs, not contiguous in `y`: each is summed into
+    // its own buffer and copied into place.
+    let parts: Vec<std::sync::Mutex<Vec<f32>>> = (0..rows.div_ceil(chunk_rows))
+        .map(|_| std::sync::Mutex::new(Vec::new()))
         .collect();
     pair::share(parts.len(), &|i| {
-        let mut out = super::lock(&parts[i]);
         let start = i * chunk_rows;
-        let end = start + out.len();
-        rows_into(w, rows, cols, x, order, start..end, &mut out);
+        let end = (start + chunk_rows).min(rows);
+        let mut out = vec![0.0f32; tokens * (end - start)];
+        rows_into(w, rows, cols, x, tokens, order, start..end, &mut out);
+        *super::lock(&parts[i]) = out;
     });
+    for (i, part) in parts.into_iter().enumerate() {
+        let out = part.into_inner().unwrap_or_else(|p| p.into_inner());
+        let start = i * chunk_rows;
+        let len = out.len() / tokens;
+        for (t, row) in out.chunks_exact(len).enumerate() {
+            y[t * rows + start..t * rows + start + len].copy_from_slice(row);
+        }
+    }
     Ok(y)
 }
 
-/// Outputs `range` of the product into `out` (checked by [`matvec`]).
+/// Outputs `range` of the product of `tokens` tokens into `out` (`tokens × range.len()`,
+/// checked by [`matmul`]).
+#[allow(clippy::too_many_arguments)]
 fn rows_into(
     w: Weights<'_>,
     rows: usize,
     cols: usize,
     x: &[f32],
+    tokens: usize,
     order: &Order,
     range: Range<usize>,
     out: &mut [f32],
 ) {
     #[cfg(target_arch = "x86_64")]
-    // SAFETY: `matvec` checked `available()` and every length.
+    // SAFETY: `matmul` checked `available()` and every length.
     unsafe {
+        let whole = [cols];
+        let panels: &[usize] = match order {
+            Order::Panels(p) => p,
+            _ => &whole,
+        };
         match (w, order) {
-            (Weights::F32(w), Order::Lanes) => x86::lanes(w, rows, cols, x, range, out),
-            (Weights::F32(w), Order::Panels(p)) => {
-                x86::panels(&x86::RowsF32(w), cols, x, p, range, out)
+            (Weights::F32(w), Order::Lanes) => {
+                // The small-matrix kernel's shapes are small: each token runs alone over rows
+                // still in cache from the token before.
+                let len = range.len();
+                let mut r = range.start;
+                while r < range.end {
+                    let end = (r + x86::LANE_ROWS).min(range.end);
+                    for t in 0..tokens {
+                        let xt = &x[t * cols..(t + 1) * cols];
+                        let o = t * len + r - range.start;
+                        x86::lanes(w, rows, cols, xt, r..end, &mut out[o..o + end - r]);
+                    }
+                    r = end;
+                }
             }
-            (Weights::Bf16(w), _) => x86::panels(&x86::RowsBf16(w), cols, x, &[cols], range, out),
-            (Weights::F16(w), _) => x86::panels(&x86::RowsF16(w), cols, x, &[cols], range, out),
-            _ => unreachable!("matvec checked the order against the dtype"),
+            (Weights::F32(w), _) if tokens == 1 => {
+                x86::panels(&x86::RowsF32(w), cols, x, panels, range, out)
+            }
+            (Weights::Bf16(w), _) if tokens == 1 => {
+                x86::panels(&x86::RowsBf16(w), cols, x, panels, range, out)
+            }
+            (Weights::F16(w), _) if tokens == 1 => {
+                x86::panels(&x86::RowsF16(w), cols, x, panels, range, out)
+            }
+            (Weights::F32(w), _) => {
+                x86::token_panels(&x86::RowsF32(w), cols, x, tokens, panels, range, out)
+            }
+            (Weights::Bf16(w), _) => {
+                x86::token_panels(&x86::RowsBf16(w), cols, x, tokens, panels, range, out)
+            }
+            (Weights::F16(w), _) => {
+                x86::token_panels(&x86::RowsF16(w), cols, x, tokens, panels, range, out)
+            }
         }
     }
     #[cfg(not(target_arch = "x86_64"))]
     {
-        let _ = (w, rows, cols, x, order, range, out);
-        unreachable!("matvec refuses CPUs without the kernels");
+        let _ = (w, rows, cols, x, tokens, order, range, out);
+        unreachable!("matmul refuses CPUs without the kernels");
     }
 }
 
@@ -283,6 +373,9 @@ mod x86 {
 
     /// Rows the lane kernel sums together (independent chains that hide the FMA latency).
     const GROUP: usize = 8;
+    /// Rows a block of tokens runs through the lane kernel one token after the other (their
+    /// weights stay in the first-level cache between tokens).
+    pub(super) const LANE_ROWS: usize = 2 * GROUP;
 
     /// The small-matrix kernel's order for outputs `range` (`rows` in all decide which outputs
     /// are in whole groups of four).
@@ -464,6 +557,120 @@ mod x86 {
                 k0 += depth;
             }
             out[r - range.start] = total;
+            r += 1;
+        }
+    }
+
+    /// [`panels`]' order for a block of tokens: per panel one FMA chain per output and token in
+    /// `k` order, the panels added in order. Like [`panels`], a 16×16 block of weights is
+    /// transposed in registers so that each `k` gives sixteen outputs' weights as one vector;
+    /// that vector then meets up to eight tokens (one broadcast value each) before the next
+    /// block is read, so the weights are read and transposed once per eight tokens. `out`
+    /// (`tokens × range.len()`) must start at zero: each panel's sums are added to it.
+    #[target_feature(enable = "avx512f,avx512bw,f16c,fma")]
+    pub(super) unsafe fn token_panels<R: Rows>(
+        w: &R,
+        cols: usize,
+        x: &[f32],
+        tokens: usize,
+        panels: &[usize],
+        range: Range<usize>,
+        out: &mut [f32],
+    ) {
+        let mut t0 = 0;
+        while t0 < tokens {
+            let n = (tokens - t0).min(TOKEN_BLOCK);
+            let at = TokenBlock {
+                x: &x[t0 * cols..(t0 + n) * cols],
+                out: &mut out[t0 * range.len()..(t0 + n) * range.len()],
+            };
+            match n {
+                1 => token_block::<R, 1>(w, cols, at, panels, range.clone()),
+                2 => token_block::<R, 2>(w, cols, at, panels, range.clone()),
+                3 => token_block::<R, 3>(w, cols, at, panels, range.clone()),
+                4 => token_block::<R, 4>(w, cols, at, panels, range.clone()),
+                5 => token_block::<R, 5>(w, cols, at, panels, range.clone()),
+                6 => token_block::<R, 6>(w, cols, at, panels, range.clone()),
+                7 => token_block::<R, 7>(w, cols, at, panels, range.clone()),
+                _ => token_block::<R, 8>(w, cols, at, panels, range.clone()),
+            }
+            t0 += n;
+        }
+    }
+
+    /// Tokens [`token_panels`] takes through one pass over the weights (their accumulators and
+    /// a transposed block fill the 32 vector registers with room to spare).
+    const TOKEN_BLOCK: usize = 8;
+
+    /// Up to [`TOKEN_BLOCK`] tokens (`x`, `N × cols`) and their outputs (`N × range.len()`).
+    struct TokenBlock<'a> {
+        x: &'a [f32],
+        out: &'a mut [f32],
+    }
+
+    /// [`token_panels`] for exactly `N` tokens.
+    #[target_feature(enable = "avx512f,avx512bw,f16c,fma")]
+    unsafe fn token_block<R: Rows, const N: usize>(
+        w: &R,
+        cols: usize,
+        at: TokenBlock<'_>,
+        panels: &[usize],
+        range: Range<usize>,
+    ) {
+        let len = range.len();
+        let (x, out) = (at.x.as_ptr(), at.out.as_mut_ptr());
+        let mut r = range.start;
+        while r + LANES <= range.end {
+            let o = r - range.start;
+            let mut k0 = 0;
+            for &depth in panels {
+                let mut acc = [_mm512_setzero_ps(); N];
+                let mut k = k0;
+                while k + LANES <= k0 + depth {
+                    if r + 2 * LANES <= range.end {
+                        for g in 0..LANES {
+                            w.prefetch(r + LANES + g, cols, k);
+                        }
+                    }
+                    let rows: [__m512; LANES] = std::array::from_fn(|g| w.load16(r + g, cols, k));
+                    for (j, c) in transpose16(rows).iter().enumerate() {
+                        for (t, a) in acc.iter_mut().enumerate() {
+                            let xv = _mm512_set1_ps(*x.add(t * cols + k + j));
+                            *a = _mm512_fmadd_ps(*c, xv, *a);
+                        }
+                    }
+                    k += LANES;
+                }
+                while k < k0 + depth {
+                    let col: [f32; LANES] = std::array::from_fn(|g| w.get(r + g, cols, k));
+                    let c = _mm512_loadu_ps(col.as_ptr());
+                    for (t, a) in acc.iter_mut().enumerate() {
+                        *a = _mm512_fmadd_ps(c, _mm512_set1_ps(*x.add(t * cols + k)), *a);
+                    }
+                    k += 1;
+                }
+                for (t, a) in acc.iter().enumerate() {
+                    let dst = out.add(t * len + o);
+                    _mm512_storeu_ps(dst, _mm512_add_ps(_mm512_loadu_ps(dst), *a));
+                }
+                k0 += depth;
+            }
+            r += LANES;
+        }
+        while r < range.end {
+            for t in 0..N {
+                let mut total = 0.0f32;
+                let mut k0 = 0;
+                for &depth in panels {
+                    let mut acc = 0.0f32;
+                    for k in k0..k0 + depth {
+                        acc = w.get(r, cols, k).mul_add(*x.add(t * cols + k), acc);
+                    }
+                    total += acc;
+                    k0 += depth;
+                }
+                *out.add(t * len + r - range.start) = total;
+            }
             r += 1;
         }
     }
