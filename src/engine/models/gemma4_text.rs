@@ -6,22 +6,25 @@
 //! last earlier layer of their type and keep no cache; sandwich norms, a dense GeGLU MLP
 //! (double-wide on KV-shared layers) plus, in the MoE variant, a routed expert branch; per-layer
 //! input embeddings (2B/4B models); a learned per-layer output scalar; and a soft-capped head.
+//! The attention (`gemma4_text_attention`) and the routed expert branch (`gemma4_text_moe`)
+//! are the files beside this one.
 
 use super::activations::{geglu, gelu_approx, logit_softcap, CompiledOp};
-use super::attention::sdpa;
 use super::decoder::{self, Decoder, LayerIo, LayerKind, LmHead};
+use super::gemma4_text_attention::{Attention, SharedKv};
+use super::gemma4_text_moe::MoeBranch;
 use super::mlp::GatedMlp;
-use super::rope::Rope;
-use super::switch::{mix_experts, top_k_indices, SwitchGlu};
 use super::{Caches, ForwardOpts, ForwardOut, LanguageModel, ModelSpec};
 use crate::engine::cache::{AttentionMask, KvCache};
 use crate::engine::error::{EngineError, Result};
 use crate::engine::nn::{weak_scalar, Embedding, Linear, RmsNorm};
 use crate::engine::weights::WeightStore;
-use mlx_rs::ops::indexing::{take_along_axis, IndexOp};
-use mlx_rs::{fast, ops, Array};
+use mlx_rs::ops::indexing::IndexOp;
+use mlx_rs::{ops, Array};
 use serde::Deserialize;
 use serde_json::{json, Value};
+
+pub use super::gemma4_text_attention::load_rope;
 
 /// The `layer_types` name of global (full-attention) layers.
 pub const FULL: &str = "full_attention";
@@ -113,116 +116,6 @@ impl Args {
                 SLIDING: {"partial_rotary_factor": 1.0, "rope_theta": 10000.0, "rope_type": "default"},
             })
         })
-    }
-}
-
-/// Keys/values (+ the position offset they were rotated at) a KV-shared layer reuses.
-#[derive(Clone)]
-struct SharedKv {
-    keys: Array,
-    values: Array,
-    offset: Array,
-}
-
-/// The key/value side of a layer that computes its own.
-struct KvProj {
-    k_proj: Linear,
-    v_proj: Option<Linear>,
-    k_norm: RmsNorm,
-}
-
-struct Attention {
-    q_proj: Linear,
-    kv: Option<KvProj>,
-    o_proj: Linear,
-    q_norm: RmsNorm,
-    n_heads: i32,
-    n_kv_heads: i32,
-    head_dim: i32,
-    eps: f32,
-    rope: Rope,
-}
-
-impl Attention {
-    fn forward(
-        &self,
-        x: &Array,
-        mask: &AttentionMask,
-        cache: Option<&mut dyn KvCache>,
-        shared: Option<&SharedKv>,
-    ) -> Result<(Array, SharedKv)> {
-        let (b, l) = (x.shape()[0], x.shape()[1]);
-        let heads = |t: Array, n: i32| t.reshape(&[b, l, n, self.head_dim]);
-        let queries = self
-            .q_norm
-            .forward(&heads(self.q_proj.forward(x)?, self.n_heads)?)?;
-        let (keys, values, offset, cache) = match (shared, &self.kv, cache) {
-            (Some(s), _, _) => (s.keys.clone(), s.values.clone(), s.offset.clone(), None),
-            (None, Some(kv), Some(cache)) => {
-                let keys = heads(kv.k_proj.forward(x)?, self.n_kv_heads)?;
-                let values = match &kv.v_proj {
-                    Some(v) => heads(v.forward(x)?, self.n_kv_heads)?,
-                    None => keys.clone(),
-                };
-                let offset = Array::from_int(cache.offset());
-                let keys = kv.k_norm.forward(&keys)?.transpose_axes(&[0, 2, 1, 3])?;
-                let keys = self.rope.apply_dynamic(&keys, &offset)?;
-                let values =
-                    fast::rms_norm(&values, None, self.eps)?.transpose_axes(&[0, 2, 1, 3])?;
-                (keys, values, offset, Some(cache))
-            }
-            _ => {
-                return Err(EngineError::Runtime(
-                    "gemma4 layer has neither its own key/value cache nor shared keys/values"
-                        .into(),
-                ))
-            }
-        };
-        let queries = queries.transpose_axes(&[0, 2, 1, 3])?;
-        let queries = self.rope.apply_dynamic(&queries, &offset)?;
-        let (keys, values) = match cache {
-            Some(c) => c.update_and_fetch(&keys, &values)?,
-            None => (keys, values),
-        };
-        let out = sdpa(&queries, &keys, &values, 1.0, mask)?;
-        let out = out.transpose_axes(&[0, 2, 1, 3])?.reshape(&[b, l, -1])?;
-        Ok((
-            self.o_proj.forward(&out)?,
-            SharedKv {
-                keys,
-                values,
-                offset,
-            },
-        ))
-    }
-}
-
-/// The routed-expert branch of the MoE variant (`Router` + `Experts`).
-struct MoeBranch {
-    proj: Linear,
-    scale: Array,
-    per_expert_scale: Array,
-    experts: SwitchGlu,
-    top_k: i32,
-    root_size: f64,
-    eps: f32,
-    pre_feedforward_layernorm_2: RmsNorm,
-    post_feedforward_layernorm_1: RmsNorm,
-    post_feedforward_layernorm_2: RmsNorm,
-}
-
-impl MoeBranch {
-    /// `Router`: `rms_norm(x, scale * hidden**-0.5)`, top-k of the projected scores, softmax
-    /// over the chosen ones, times each chosen expert's scale.
-    fn route(&self, x: &Array) -> Result<(Array, Array)> {
-        let w = self
-            .scale
-            .multiply(weak_scalar(self.root_size, &self.scale)?)?;
-        let scores = self.proj.forward(&fast::rms_norm(x, Some(&w), self.eps)?)?;
-        let idx = top_k_indices(&scores, self.top_k)?;
-        let weights = ops::softmax_axis(&take_along_axis(&scores, &idx, -1)?, -1, false)?;
-        let weights = weights.multiply(self.per_expert_scale.take_axis(&idx, 0)?)?;
-        Ok((idx, weights))
     }
 }
 
@@ -391,27 +284,6 @@ fn sanitize(w: &mut WeightStore, first_kv_shared: usize) -> Result<()> {
     Ok(())
 }
 
-/// The RoPE of one layer type (`rope_parameters[layer_type]`) for heads `head_dim` wide.
-pub fn load_rope(
-    spec: &ModelSpec,
-    a: &Args,
-    params: &Value,
-    layer_type: &str,
-    head_dim: i32,
-) -> Result<Rope> {
-    let p = params.get(layer_type).cloned().unwrap_or_else(|| json!({}));
-    let theta = match p.get("rope_theta") {
-        None => 10000.0,
-        Some(v) => v.as_f64().ok_or_else(|| {
-            spec.field_error(
-                &format!("rope_parameters.{layer_type}.rope_theta"),
-                "must be a number",
-            )
-        })?,
-    };
-    Rope::from_config(head_dim, theta, a.rope_traditional, Some(&p))
-}
-
 /// Builds the model from config.json and the checkpoint's tensors.
 pub fn build(spec: &ModelSpec, w: &mut WeightStore) -> Result<Box<dyn LanguageModel>> {
     let a: Args = spec.args()?;
@@ -425,87 +297,24 @@ pub fn build(spec: &ModelSpec, w: &mut WeightStore) -> Result<Box<dyn LanguageMo
     let mut layers = Vec::with_capacity(n);
     for (i, t) in types.iter().enumerate() {
         let p = format!("model.layers.{i}");
-        let sliding = t == SLIDING;
         let has_kv = i < first_kv_shared;
-        let head_dim = match a.global_head_dim {
-            Some(g) if !sliding && g != 0 => g,
-            _ => a.head_dim,
-        };
-        let k_eq_v = a.attention_k_eq_v && !sliding;
-        let n_kv_heads = match a.num_global_key_value_heads {
-            Some(g) if k_eq_v => g,
-            _ => a.num_key_value_heads,
-        };
-        let (qd, kvd) = (a.num_attention_heads * head_dim, n_kv_heads * head_dim);
-        let pa = format!("{p}.self_attn");
-        let kv = if has_kv {
-            Some(KvProj {
-                k_proj: Linear::load(w, &format!("{pa}.k_proj"), d, kvd, false)?,
-                v_proj: if k_eq_v {
-                    None
-                } else {
-                    Some(Linear::load(w, &format!("{pa}.v_proj"), d, kvd, false)?)
-                },
-                k_norm: RmsNorm::load(w, &format!("{pa}.k_norm"), head_dim, eps)?,
-            })
-        } else {
-            None
-        };
-        let attn = Attention {
-            q_proj: Linear::load(w, &format!("{pa}.q_proj"), d, qd, false)?,
-            kv,
-            o_proj: Linear::load(w, &format!("{pa}.o_proj"), qd, d, false)?,
-            q_norm: RmsNorm::load(w, &format!("{pa}.q_norm"), head_dim, eps)?,
-            n_heads: a.num_attention_heads,
-            n_kv_heads,
-            head_dim,
-            eps: eps as f32,
-            rope: load_rope(spec, &a, &rope_params, t, head_dim)?,
-        };
-        let double = a.use_double_wide_mlp && i >= first_kv_shared && first_kv_shared > 0;
+        let attn = Attention::load(
+            spec,
+            w,
+            &format!("{p}.self_attn"),
+            &a,
+            &rope_params,
+            t,
+            has_kv,
+        )?;
+        let double = a.use_double_wide_mlp && !has_kv && first_kv_shared > 0;
         let inter = a.intermediate_size * if double { 2 } else { 1 };
         let norm =
             |w: &mut WeightStore, name: &str| RmsNorm::load(w, &format!("{p}.{name}"), d, eps);
-        let moe = match (
-            a.enable_moe_block,
-            a.num_experts,
-            a.top_k_experts,
-            a.moe_intermediate_size,
-        ) {
-            (true, Some(e), Some(k), Some(mi)) => Some(MoeBranch {
-                proj: Linear::load(w, &format!("{p}.router.proj"), d, e, false)?,
-                scale: w.take(&format!("{p}.router.scale"), &[d])?,
-                per_expert_scale: w.take(&format!("{p}.router.per_expert_scale"), &[e])?,
-                experts: SwitchGlu::load(w, &format!("{p}.experts.switch_glu"), e, d, mi)?,
-                top_k: k,
-                root_size: (d as f64).powf(-0.5),
-                eps: eps as f32,
-                pre_feedforward_layernorm_2: norm(w, "pre_feedforward_layernorm_2")?,
-                post_feedforward_layernorm_1: norm(w, "post_feedforward_layernorm_1")?,
-                post_feedforward_layernorm_2: norm(w, "post_feedforward_layernorm_2")?,
-            }),
-            _ => None,
-        };
-        let per_layer = match per_layer_width {
-            Some(pw) => Some(PerLayerGate {
-                per_layer_input_gate: Linear::load(
-                    w,
-                    &format!("{p}.per_layer_input_gate"),
-                    d,
-                    pw,
-                    false,
-                )?,
-                per_layer_projection: Linear::load(
-                    w,
-                    &format!("{p}.per_layer_projection"),
-                    pw,
-                    d,
-                    false,
-                )?,
-                post_per_layer_input_norm: norm(w, "post_per_layer_input_norm")?,
-            }),
-            None => None,
-        };
+        let moe = MoeBranch::load(w, &p, &a)?;
+        let per_layer = per_layer_width
+            .map(|pw| PerLayerGate::load(w, &p, d, pw, eps))
+            .transpose()?;
         layers.push(Block {
             attn,
             mlp: GatedMlp::load(w, &format!("{p}.mlp"), d, inter, false)?,
@@ -516,34 +325,12 @@ pub fn build(spec: &ModelSpec, w: &mut WeightStore) -> Result<Box<dyn LanguageMo
             pre_feedforward_layernorm: norm(w, "pre_feedforward_layernorm")?,
             post_feedforward_layernorm: norm(w, "post_feedforward_layernorm")?,
             layer_scalar: w.take(&format!("{p}.layer_scalar"), &[1])?,
-            sliding,
+            sliding: t == SLIDING,
         });
     }
-    let per_layer_inputs = match per_layer_width {
-        Some(pw) => Some(PerLayerInputs {
-            embed_tokens_per_layer: Embedding::load(
-                w,
-                "model.embed_tokens_per_layer",
-                a.vocab_size_per_layer_input,
-                a.num_hidden_layers * pw,
-            )?,
-            per_layer_model_projection: Linear::load(
-                w,
-                "model.per_layer_model_projection",
-                d,
-                a.num_hidden_layers * pw,
-                false,
-            )?,
-            per_layer_projection_norm: RmsNorm::load(
-                w,
-                "model.per_layer_projection_norm",
-                pw,
-                eps,
-            )?,
-            width: pw,
-        }),
-        None => None,
-    };
+    let per_layer_inputs = per_layer_width
+        .map(|pw| PerLayerInputs::load(w, &a, pw))
+        .transpose()?;
     // For shared layers, the last earlier non-shared layer of the same type.
     let previous_kvs = (0..n)
         .map(|j| {
@@ -579,7 +366,62 @@ pub fn build(spec: &ModelSpec, w: &mut WeightStore) -> Result<Box<dyn LanguageMo
     }))
 }
 
+impl PerLayerGate {
+    /// Loads layer `prefix`'s gate for per-layer inputs `width` wide.
+    fn load(w: &mut WeightStore, prefix: &str, hidden: i32, width: i32, eps: f64) -> Result<Self> {
+        Ok(Self {
+            per_layer_input_gate: Linear::load(
+                w,
+                &format!("{prefix}.per_layer_input_gate"),
+                hidden,
+                width,
+                false,
+            )?,
+            per_layer_projection: Linear::load(
+                w,
+                &format!("{prefix}.per_layer_projection"),
+                width,
+                hidden,
+                false,
+            )?,
+            post_per_layer_input_norm: RmsNorm::load(
+                w,
+                &format!("{prefix}.post_per_layer_input_norm"),
+                hidden,
+                eps,
+            )?,
+        })
+    }
+}
+
 impl PerLayerInputs {
+    /// Loads the model-level tables for per-layer inputs `width` wide.
+    fn load(w: &mut WeightStore, a: &Args, width: i32) -> Result<Self> {
+        let all = a.num_hidden_layers * width;
+        Ok(Self {
+            embed_tokens_per_layer: Embedding::load(
+                w,
+                "model.embed_tokens_per_layer",
+                a.vocab_size_per_layer_input,
+                all,
+            )?,
+            per_layer_model_projection: Linear::load(
+                w,
+                "model.per_layer_model_projection",
+                a.hidden_size,
+                all,
+                false,
+            )?,
+            per_layer_projection_norm: RmsNorm::load(
+                w,
+                "model.per_layer_projection_norm",
+                width,
+                a.rms_norm_eps,
+            )?,
+            width,
+        })
+    }
+
     /// `_get_per_layer_inputs` + `_project_per_layer_inputs`: `[B, L, layers, width]`.
     fn compute(&self, inputs: &Array, h: &Array, layers: i32) -> Result<Array> {
         let shape = [layers, self.width];
@@ -616,13 +458,7 @@ impl Block {
             .forward_op(&self.pre_feedforward_layernorm.forward(&h)?, &mut fns.geglu)?;
         let ff = match &self.moe {
             None => dense,
-            Some(moe) => {
-                let h1 = moe.post_feedforward_layernorm_1.forward(&dense)?;
-                let (idx, weights) = moe.route(&h)?;
-                let h2 = moe.pre_feedforward_layernorm_2.forward(&h)?;
-                let h2 = mix_experts(&moe.experts.forward(&h2, &idx, &mut fns.geglu)?, &weights)?;
-                h1.add(moe.post_feedforward_layernorm_2.forward(&h2)?)?
-            }
+            Some(moe) => moe.forward(&dense, &h, &mut fns.geglu)?,
         };
         let mut h = h.add(self.post_feedforward_layernorm.forward(&ff)?)?;
         if let (Some(g), Some(pli)) = (&self.per_layer, per_layer_input) {

@@ -8,6 +8,8 @@ pub mod gated_delta;
 pub mod gemma2;
 pub mod gemma3_text;
 pub mod gemma4_text;
+mod gemma4_text_attention;
+mod gemma4_text_moe;
 pub mod host_step;
 pub mod llama;
 pub mod minicpm;
