@@ -98,7 +98,7 @@ pub fn run(args: DsparkInitArgs) -> anyhow::Result<()> {
         .into());
     }
     let dir = resolve_model(args.model.as_deref())?;
-    let session = Session::open(&dir, Forks::default())?;
+    let session = Session::open_traced(&dir, Forks::default(), super::progress::startup_trace())?;
     let opts = InitOptions {
         mask_token_id: args.mask_token_id,
         confidence_head: !args.no_confidence_head,

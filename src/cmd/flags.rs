@@ -153,7 +153,8 @@ pub fn open_session(
     forks: &ForkArgs,
 ) -> anyhow::Result<(crate::engine::session::Session, Forks)> {
     let forks = forks.forks()?;
-    let session = crate::engine::session::Session::open(dir, forks)?;
+    let session =
+        crate::engine::session::Session::open_traced(dir, forks, super::progress::startup_trace())?;
     for w in &session.model.plan.warnings {
         eprintln!("mlxb: warning: {w}");
     }

@@ -6,7 +6,7 @@ use super::flags::{open_session, ForkArgs};
 use crate::engine::error::EngineError;
 use crate::engine::generate::Speculator;
 use crate::engine::generate::{Flow, GenerationStats};
-use crate::engine::session::{trace_startup, Session};
+use crate::engine::session::Session;
 use crate::engine::text::{generate_text, TextEvent};
 use crate::spec::executor::Speculation;
 use crate::spec::factory::open_source;
@@ -82,7 +82,7 @@ pub fn run(args: GenerateArgs) -> anyhow::Result<()> {
     let dir = resolve_model(args.model.model.as_deref())?;
     let (mut session, forks) = open_session(&dir, &args.forks)?;
     let prompt_ids = prompt_ids(&args, &session)?;
-    trace_startup("prompt tokenized");
+    session.startup.mark("prompt tokenized");
     if args.spec_trace.is_some() && spec_opts.is_none() {
         return Err(EngineError::Input(
             "--spec-trace records speculative rounds; give a drafter (--drafter, --draft-model, --draft-kind, --draft-layers)".into(),
@@ -112,6 +112,7 @@ pub fn run(args: GenerateArgs) -> anyhow::Result<()> {
     let mut stdout = std::io::stdout();
     let params = args.sampling.text_params(&args.model);
     let speculator = spec.as_mut().map(|s| -> &mut dyn Speculator { s });
+    let startup = session.startup.clone();
     let outcome = generate_text(
         &mut session,
         &prompt_ids,
@@ -125,7 +126,7 @@ pub fn run(args: GenerateArgs) -> anyhow::Result<()> {
             };
             if stream && !seg.is_empty() {
                 if matches!(event, TextEvent::Token { step, .. } if step.index == 0) {
-                    trace_startup("first token out");
+                    startup.mark("first token out");
                 }
                 let _ = write!(stdout, "{seg}");
                 let _ = stdout.flush();

@@ -129,6 +129,7 @@ pub fn run(args: ParityArgs) -> anyhow::Result<()> {
     let mut ours = Vec::new();
     let plan = session.model.plan.clone();
     Generator::new(session.model.model.as_mut(), &mut sampler, &mut processors)
+        .with_startup(session.startup.clone())
         .with_plan(&plan)
         .run(&ids, &cfg, |s| {
             ours.push((s.token, s.logprobs.clone()));

@@ -1,9 +1,10 @@
 //! Draws the lower layers' [`Progress`] reports on stderr: notices as `mlxb: ...` lines,
 //! counted steps as indicatif bars (hidden when stderr is not a terminal).
 
+use crate::engine::startup::{StartupObserver, StartupTrace};
 use crate::progress::Progress;
 use indicatif::{ProgressBar, ProgressStyle};
-use std::sync::Mutex;
+use std::sync::{Arc, Mutex};
 
 /// mlxb's progress bar on stderr: `label [=====>    ] done/total unit elapsed (ETA ...)`.
 pub fn bar(label: &str, total: u64, unit: &str) -> ProgressBar {
@@ -60,5 +61,25 @@ impl Progress for Terminal {
                 bar.finish_and_clear();
             }
         }
+    }
+}
+
+/// With `MLXB_TRACE_STARTUP` set, a trace that prints each start-up step to stderr as it
+/// finishes (`startup: LABEL at MS ms`, MS since the exec of `mlxb`); otherwise one that
+/// prints nothing.
+pub fn startup_trace() -> StartupTrace {
+    if std::env::var_os("MLXB_TRACE_STARTUP").is_none() {
+        return StartupTrace::default();
+    }
+    StartupTrace::to(Arc::new(StartupLines))
+}
+
+/// Prints the start-up timeline.
+struct StartupLines;
+
+impl StartupObserver for StartupLines {
+    fn reached(&self, label: &str, at_ms: Option<f64>) {
+        let since_start = at_ms.map_or("?".to_owned(), |ms| format!("{ms:.0}"));
+        eprintln!("startup: {label} at {since_start} ms");
     }
 }

@@ -95,5 +95,6 @@ pub fn run(args: ServeArgs) -> anyhow::Result<()> {
         max_prompt_tokens: args.max_prompt_tokens,
         max_concurrent: args.max_concurrent,
         prefix_reuse: !args.no_prefix_reuse,
+        startup: super::progress::startup_trace(),
     })
 }

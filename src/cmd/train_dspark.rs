@@ -136,7 +136,8 @@ pub fn run(args: TrainDsparkArgs) -> anyhow::Result<()> {
         None
     };
     let dir = resolve_model(args.model.as_deref())?;
-    let mut session = Session::open(&dir, Forks::default())?;
+    let mut session =
+        Session::open_traced(&dir, Forks::default(), super::progress::startup_trace())?;
     if !session.tokenizer.has_chat_template() {
         return Err(EngineError::Input(format!(
             "{}: this model has no chat template, and train-dspark regenerates its training \

@@ -8,6 +8,7 @@ use super::models::activations::CompiledOp;
 use super::models::{Caches, ForwardOpts, LanguageModel};
 use super::plan::ForkPlan;
 use super::sample::{LogitsProcessors, Sampler};
+use super::startup::StartupTrace;
 use mlx_rs::ops::indexing::IndexOp;
 use mlx_rs::transforms::{async_eval, eval};
 use mlx_rs::{memory, ops, Array};
@@ -96,6 +97,8 @@ pub struct Generator<'a> {
     forced: Option<std::vec::IntoIter<u32>>,
     /// Where the caches go when the generation ends ([`Generator::with_carry`]).
     keep: Option<&'a mut Carry>,
+    /// Where the prompt's prefill and the first token are marked as start-up steps.
+    startup: StartupTrace,
 }
 
 /// KV caches handed from one generation to the next, so that a prompt sharing a prefix with
@@ -167,7 +170,14 @@ impl<'a> Generator<'a> {
             logprobs_op: None,
             forced: None,
             keep: None,
+            startup: StartupTrace::default(),
         }
+    }
+
+    /// Marks the end of the prompt's prefill and the first token computed on `startup`.
+    pub fn with_startup(mut self, startup: StartupTrace) -> Self {
+        self.startup = startup;
+        self
     }
 
     /// Starts from `carry`'s caches, which hold exactly the first `carry.reused` positions of
@@ -336,7 +346,7 @@ impl<'a> Generator<'a> {
             rest = &rest[n..];
             memory::clear_cache()?;
         }
-        super::session::trace_startup("prompt prefilled");
+        self.startup.mark("prompt prefilled");
         let last = Array::from_slice(rest, &[rest.len() as i32]);
         // The first token on MLX alone: its graph stays lazy and the host kernels' first-use
         // checks wait for the second token (same bits either way).
@@ -354,7 +364,7 @@ impl<'a> Generator<'a> {
             return spec.decode(self, prompt, first, logprobs, cfg, stats, &mut on_token);
         }
         eval([&y])?;
-        super::session::trace_startup("first token computed");
+        self.startup.mark("first token computed");
         let first_token_at = Instant::now();
         stats.prompt_time = first_token_at - start;
         let mut n = 0usize;

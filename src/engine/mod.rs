@@ -20,6 +20,7 @@ pub mod plan;
 pub mod runtime;
 pub mod sample;
 pub mod session;
+pub mod startup;
 pub mod text;
 pub mod tokenizer;
 pub mod weights;

@@ -3,6 +3,7 @@
 use super::error::Result;
 use super::forks::Forks;
 use super::models::{self, LoadedModel};
+use super::startup::StartupTrace;
 use super::tokenizer::Tokenizer;
 use std::path::{Path, PathBuf};
 
@@ -14,6 +15,8 @@ pub struct Session {
     pub tokenizer: Tokenizer,
     /// The model directory.
     pub dir: PathBuf,
+    /// Where opening it and each generation on it mark their start-up steps.
+    pub startup: StartupTrace,
 }
 
 impl Session {
@@ -22,15 +25,20 @@ impl Session {
     /// builds the model; MLX stays on this thread. With page-mapped weights (~0.04 s) the
     /// tokenizer is the longer of the two (`MLXB_TRACE_STARTUP=1` shows both).
     pub fn open(dir: &Path, forks: Forks) -> Result<Self> {
-        trace_startup("session open");
+        Self::open_traced(dir, forks, StartupTrace::default())
+    }
+
+    /// [`Session::open`], marking its steps on `startup` and keeping it for the generations.
+    pub fn open_traced(dir: &Path, forks: Forks, startup: StartupTrace) -> Result<Self> {
+        startup.mark("session open");
         let (tokenizer, model) = std::thread::scope(|scope| {
             let tokenizer = scope.spawn(|| {
                 let t = Tokenizer::load(dir);
-                trace_startup("tokenizer parsed");
+                startup.mark("tokenizer parsed");
                 t
             });
             let model = models::load(dir, forks);
-            trace_startup("model built");
+            startup.mark("model built");
             let tokenizer = tokenizer
                 .join()
                 .unwrap_or_else(|panic| std::panic::resume_unwind(panic));
@@ -41,35 +49,7 @@ impl Session {
             model,
             tokenizer,
             dir: dir.to_path_buf(),
+            startup,
         })
     }
-}
-
-/// With `MLXB_TRACE_STARTUP` set, prints to stderr how long after process start (exec of
-/// `mlxb`, 10 ms resolution) the start-up step `label` finished: the profile of issue #12.
-pub fn trace_startup(label: &str) {
-    if std::env::var_os("MLXB_TRACE_STARTUP").is_none() {
-        return;
-    }
-    let since_start = process_age_ms().map_or("?".to_owned(), |ms| format!("{ms:.0}"));
-    eprintln!("startup: {label} at {since_start} ms");
-}
-
-/// Milliseconds since this process started, from `/proc/self/stat` (Linux only).
-fn process_age_ms() -> Option<f64> {
-    let stat = std::fs::read_to_string("/proc/self/stat").ok()?;
-    // Field 22 (starttime, clock ticks since boot) counted after the `(comm)` field.
-    let after_comm = &stat[stat.rfind(')')? + 2..];
-    let ticks: f64 = after_comm.split_whitespace().nth(19)?.parse().ok()?;
-    let mut now = libc::timespec {
-        tv_sec: 0,
-        tv_nsec: 0,
-    };
-    // SAFETY: writes one timespec; sysconf has no preconditions.
-    let hz = unsafe {
-        libc::clock_gettime(libc::CLOCK_BOOTTIME, &mut now);
-        libc::sysconf(libc::_SC_CLK_TCK)
-    };
-    let now_ms = now.tv_sec as f64 * 1e3 + now.tv_nsec as f64 / 1e6;
-    Some(now_ms - ticks * 1e3 / hz.max(1) as f64)
 }

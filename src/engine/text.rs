@@ -101,7 +101,8 @@ pub fn generate_text(
     let mut text = String::new();
     let mut finish_reason = FinishReason::Length;
     let plan = session.model.plan.clone();
-    let mut generator = Generator::new(session.model.model.as_mut(), &mut sampler, &mut processors);
+    let mut generator = Generator::new(session.model.model.as_mut(), &mut sampler, &mut processors)
+        .with_startup(session.startup.clone());
     if let Some(carry) = carry {
         generator = generator.with_carry(carry, prompt_ids)?;
     }

@@ -74,6 +74,8 @@ pub struct ServeConfig {
     pub forks: crate::engine::forks::Forks,
     /// The parity tier the resolved forks keep (for the ready card).
     pub parity: crate::engine::forks::Tier,
+    /// Where the engine marks its start-up steps (`MLXB_TRACE_STARTUP`).
+    pub startup: crate::engine::startup::StartupTrace,
 }
 
 /// Loads the model, binds, prints the ready card and serves until Ctrl-C or SIGTERM; then
@@ -98,6 +100,7 @@ pub fn serve(cfg: ServeConfig) -> anyhow::Result<()> {
             prefill_step_size: cfg.prefill_step_size,
             prefix_reuse: cfg.prefix_reuse,
             forks: cfg.forks,
+            startup: cfg.startup.clone(),
         },
         jobs,
         metrics.clone(),

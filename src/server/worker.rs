@@ -14,6 +14,7 @@ use crate::engine::generate::Speculator;
 use crate::engine::generate::{Flow, GenerateConfig, Step};
 use crate::engine::runtime;
 use crate::engine::session::Session;
+use crate::engine::startup::StartupTrace;
 use crate::engine::text::{generate_text, TextEvent, TextParams};
 use crate::spec::executor::Speculation;
 use crate::spec::factory::{open_source, SpecOptions};
@@ -93,6 +94,8 @@ pub struct EngineConfig {
     pub prefix_reuse: bool,
     /// The forks the model is opened with.
     pub forks: Forks,
+    /// Where opening the model and each generation mark their start-up steps.
+    pub startup: StartupTrace,
 }
 
 /// Facts about the loaded model, for the ready card and request validation.
@@ -169,7 +172,7 @@ enum Ran {
 
 impl State {
     fn open(cfg: &EngineConfig) -> Result<Self> {
-        let session = Session::open(&cfg.dir, cfg.forks)?;
+        let session = Session::open_traced(&cfg.dir, cfg.forks, cfg.startup.clone())?;
         let drafter = match &cfg.spec {
             Some(opts) => Some((
                 open_source(opts, &session, cfg.forks, cfg.prefill_step_size)?,

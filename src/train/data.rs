@@ -77,18 +77,16 @@ fn reply(
         max_tokens: opts.max_tokens,
         ..GenerateConfig::default()
     };
-    Generator::new(session.model.model.as_mut(), &mut sampler, &mut processors).run(
-        prompt,
-        &cfg,
-        |s| {
+    Generator::new(session.model.model.as_mut(), &mut sampler, &mut processors)
+        .with_startup(session.startup.clone())
+        .run(prompt, &cfg, |s| {
             out.push(s.token);
             Ok(if eos.contains(&s.token) {
                 Flow::Stop
             } else {
                 Flow::Continue
             })
-        },
-    )?;
+        })?;
     Ok(out)
 }
 
