@@ -22,19 +22,12 @@ fn generate(dir: &Path) -> (i32, String) {
 
 fn expect_error(dir: &Path, needles: &[&str]) {
     let (code, err) = generate(dir);
-    assert_eq!(code, 2, "expected exit code 2, got {code}; stderr: {err}");
-    assert!(
-        !err.contains("panicked"),
-        "panic instead of an error: {err}"
+    common::assert_refused(
+        &format!("generate from {}", dir.display()),
+        code,
+        &err,
+        needles,
     );
-    assert_eq!(
-        err.trim().lines().count(),
-        1,
-        "error is not one line: {err}"
-    );
-    for n in needles {
-        assert!(err.contains(n), "error does not mention {n:?}: {err}");
-    }
 }
 
 #[test]

@@ -487,15 +487,9 @@ fn check_spec_quantized(dir: &Path, group: i32, kinds: &[DraftSpec]) {
         let plan = session.model.plan.clone();
         for (kind, draft_model, layers) in kinds.iter().cloned() {
             let opts = SpecOptions {
-                kind,
-                draft_model,
                 num_draft_tokens: 4,
                 draft_layers: layers,
-                ngram_max: 3,
-                ngram_min: 1,
-                verify: VerifyMode::Match,
-                dspark_min_conf: None,
-                dspark_prune: Default::default(),
+                ..common::spec_options(kind, draft_model.as_deref())
             };
             let source = open_source(&opts, &session, forks, 2048).unwrap();
             let mut sampler = Sampler::new(&SamplerConfig::default()).unwrap();

@@ -13,7 +13,7 @@ use mlxb::engine::session::Session;
 use mlxb::spec::assistant::config;
 use mlxb::spec::assistant::drafter::AssistantSource;
 use mlxb::spec::factory::{open_source, DraftKind, SpecOptions};
-use mlxb::spec::source::{DraftSource, TargetView, VerifyMode};
+use mlxb::spec::source::{DraftSource, TargetView};
 use serde_json::{json, Value};
 use std::path::Path;
 
@@ -75,17 +75,7 @@ fn assistant(config: &Value, seed: u32, extra: &[&str]) -> tempfile::TempDir {
 }
 
 fn options(path: &Path) -> SpecOptions {
-    SpecOptions {
-        kind: DraftKind::Assistant,
-        draft_model: Some(path.to_path_buf()),
-        num_draft_tokens: 3,
-        draft_layers: None,
-        ngram_max: 3,
-        ngram_min: 1,
-        verify: VerifyMode::Match,
-        dspark_min_conf: None,
-        dspark_prune: Default::default(),
-    }
+    common::spec_options(DraftKind::Assistant, Some(path))
 }
 
 fn prompt() -> Vec<u32> {
@@ -310,12 +300,7 @@ fn malformed_checkpoints_are_refused_with_exit_2() {
         let mut extra = draft.to_vec();
         extra.push(asst.path().to_str().unwrap());
         let (code, _, stderr) = generate(target, &extra);
-        assert_eq!(code, 2, "{what}: {stderr}");
-        assert_eq!(stderr.trim().lines().count(), 1, "{what}: {stderr}");
-        assert!(
-            stderr.contains(expect),
-            "{what}: `{stderr}` should mention `{expect}`"
-        );
+        common::assert_refused(what, code, &stderr, &[expect]);
     }
 }
 

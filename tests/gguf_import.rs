@@ -555,12 +555,7 @@ fn convert_fails(gguf: &Path, reason: &str) {
         "--out",
         out_dir.to_str().unwrap(),
     ]);
-    assert_eq!(code, 2, "{err}");
-    assert_eq!(err.trim().lines().count(), 1, "{err}");
-    assert!(
-        err.contains(gguf.to_str().unwrap()) && err.contains(reason),
-        "{err}"
-    );
+    common::assert_refused(reason, code, &err, &[gguf.to_str().unwrap(), reason]);
     assert!(!out_dir.exists());
     let staging: Vec<_> = std::fs::read_dir(scratch())
         .unwrap()

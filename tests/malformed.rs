@@ -159,12 +159,7 @@ impl Suite {
             stdin,
         );
         let what = format!("`mlxb {}` in {}", args.join(" "), dir.display());
-        assert_eq!(code, 2, "{what}: exit code; stderr: {err}");
-        assert!(!err.contains("panicked"), "{what}: panic: {err}");
-        assert_eq!(err.trim().lines().count(), 1, "{what}: not one line: {err}");
-        for n in needles {
-            assert!(err.contains(n), "{what}: error lacks {n:?}: {err}");
-        }
+        common::assert_refused(&what, code, &err, needles);
         let after = (snapshot(dir), snapshot(&fx.model), snapshot(&fx.drafter));
         assert!(
             before.0 == after.0,

@@ -237,9 +237,7 @@ fn sampling_uses_rejection_and_bad_input_exits_2() {
     ] {
         let p = fx.prompts(name, text);
         let (code, _, err) = run(&p, &ngram);
-        assert_eq!(code, 2, "{name}: {err}");
-        assert!(err.contains(want), "{name}: {err}");
-        assert_eq!(err.trim().lines().count(), 1, "{name}: {err}");
+        common::assert_refused(name, code, &err, &[want]);
     }
     let (code, _, err) = run(&data, &[]);
     assert_eq!(code, 2, "{err}");

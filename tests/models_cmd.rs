@@ -32,20 +32,7 @@ fn check_family(config: Value, dtype: &str, edits: &[BadEdit]) {
     for (field, edit) in edits {
         common::edit_config(dir.path(), edit);
         let (code, _, err) = models(&["--model", d]);
-        assert_eq!(
-            code, 2,
-            "expected exit 2 for a bad `{field}`; stderr: {err}"
-        );
-        assert!(
-            !err.contains("panicked"),
-            "panic instead of an error: {err}"
-        );
-        assert_eq!(
-            err.trim().lines().count(),
-            1,
-            "error is not one line: {err}"
-        );
-        assert!(err.contains(field), "error does not name `{field}`: {err}");
+        common::assert_refused(&format!("a bad `{field}`"), code, &err, &[field]);
         std::fs::write(dir.path().join("config.json"), &original).unwrap();
     }
 }

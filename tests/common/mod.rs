@@ -176,6 +176,50 @@ pub fn run_mlxb_json(args: &[&str], env: &[(&str, &str)]) -> (i32, serde_json::V
     )
 }
 
+/// Checks that mlxb refused `what` as it should: exit code 2, no panic, one line on stderr
+/// (`err`) that mentions every one of `needles`.
+#[track_caller]
+pub fn assert_refused(what: &str, code: i32, err: &str, needles: &[&str]) {
+    assert_eq!(
+        code, 2,
+        "{what}: expected exit code 2, got {code}; stderr: {err}"
+    );
+    assert!(
+        !err.contains("panicked"),
+        "{what}: panic instead of an error: {err}"
+    );
+    assert_eq!(
+        err.trim().lines().count(),
+        1,
+        "{what}: error is not one line: {err}"
+    );
+    for n in needles {
+        assert!(
+            err.contains(n),
+            "{what}: error does not mention {n:?}: {err}"
+        );
+    }
+}
+
+/// Drafter options for a `kind` drafter from `draft_model`: 3 tokens a round, token-match
+/// verification, and the n-gram and DSpark settings at their flag defaults.
+pub fn spec_options(
+    kind: mlxb::spec::factory::DraftKind,
+    draft_model: Option<&Path>,
+) -> mlxb::spec::factory::SpecOptions {
+    mlxb::spec::factory::SpecOptions {
+        kind,
+        draft_model: draft_model.map(Path::to_path_buf),
+        num_draft_tokens: 3,
+        draft_layers: None,
+        ngram_max: 3,
+        ngram_min: 1,
+        verify: mlxb::spec::source::VerifyMode::Match,
+        dspark_min_conf: None,
+        dspark_prune: Default::default(),
+    }
+}
+
 /// Rewrites `dir/config.json` through `f`.
 pub fn edit_config(dir: &Path, f: impl FnOnce(&mut serde_json::Value)) {
     let p = dir.join("config.json");
