@@ -231,6 +231,37 @@ fn prefix(a: &Array, n: i32) -> Array {
     a.index((Ellipsis, ..n, ..))
 }
 
+/// Grows a key/value pair of buffers by `n` zeroed positions along the sequence axis, shaped
+/// and typed like `keys` and `values` (allocating them when there are none); with `keep` the
+/// old buffers are first cut to their first `keep` positions.
+fn grow_kv(
+    buffers: (&mut Option<Array>, &mut Option<Array>),
+    keys: &Array,
+    values: &Array,
+    n: i32,
+    keep: Option<i32>,
+) -> Result<()> {
+    let (b, h) = (keys.shape()[0], keys.shape()[1]);
+    let new_k = ops::zeros_dtype(&[b, h, n, keys.shape()[3]], keys.dtype())?;
+    let new_v = ops::zeros_dtype(&[b, h, n, values.shape()[3]], values.dtype())?;
+    let (k_slot, v_slot) = buffers;
+    match (k_slot.take(), v_slot.take()) {
+        (Some(k), Some(v)) => {
+            let (k, v) = match keep {
+                Some(p) => (prefix(&k, p), prefix(&v, p)),
+                None => (k, v),
+            };
+            *k_slot = Some(ops::concatenate(&[k, new_k], 2)?);
+            *v_slot = Some(ops::concatenate(&[v, new_v], 2)?);
+        }
+        _ => {
+            *k_slot = Some(new_k);
+            *v_slot = Some(new_v);
+        }
+    }
+    Ok(())
+}
+
 impl KvCache for FullCache {
     fn offset(&self) -> i32 {
         self.offset
@@ -244,25 +275,9 @@ impl KvCache for FullCache {
             Some(k) => prev + s > k.shape()[2],
         };
         if need_grow {
-            let (b, h, d) = (keys.shape()[0], keys.shape()[1], keys.shape()[3]);
-            let dv = values.shape()[3];
             let n = (STEP + s - 1) / STEP * STEP;
-            let new_k = ops::zeros_dtype(&[b, h, n, d], keys.dtype())?;
-            let new_v = ops::zeros_dtype(&[b, h, n, dv], values.dtype())?;
-            match (self.keys.take(), self.values.take()) {
-                (Some(mut k), Some(mut v)) => {
-                    if prev % STEP != 0 {
-                        k = prefix(&k, prev);
-                        v = prefix(&v, prev);
-                    }
-                    self.keys = Some(ops::concatenate(&[k, new_k], 2)?);
-                    self.values = Some(ops::concatenate(&[v, new_v], 2)?);
-                }
-                _ => {
-                    self.keys = Some(new_k);
-                    self.values = Some(new_v);
-                }
-            }
+            let keep = (prev % STEP != 0).then_some(prev);
+            grow_kv((&mut self.keys, &mut self.values), keys, values, n, keep)?;
         }
         self.offset += s;
         let (k, v) = (self.keys.as_mut(), self.values.as_mut());
@@ -399,32 +414,21 @@ impl RotatingCache {
     }
 
     fn update_in_place(&mut self, keys: &Array, values: &Array) -> Result<(Array, Array)> {
-        let (b, h, s, d) = (
-            keys.shape()[0],
-            keys.shape()[1],
-            keys.shape()[2],
-            keys.shape()[3],
-        );
+        let s = keys.shape()[2];
         let prev = self.offset;
         let grow = match &self.keys {
             None => true,
             Some(k) => prev >= k.shape()[2] && k.shape()[2] < self.max_size,
         };
         if grow {
-            let dv = values.shape()[3];
             let new_size = STEP.min(self.max_size - prev);
-            let new_k = ops::zeros_dtype(&[b, h, new_size, d], keys.dtype())?;
-            let new_v = ops::zeros_dtype(&[b, h, new_size, dv], values.dtype())?;
-            match (self.keys.take(), self.values.take()) {
-                (Some(k), Some(v)) => {
-                    self.keys = Some(ops::concatenate(&[k, new_k], 2)?);
-                    self.values = Some(ops::concatenate(&[v, new_v], 2)?);
-                }
-                _ => {
-                    self.keys = Some(new_k);
-                    self.values = Some(new_v);
-                }
-            }
+            grow_kv(
+                (&mut self.keys, &mut self.values),
+                keys,
+                values,
+                new_size,
+                None,
+            )?;
             self.idx = prev;
         }
         let (Some(mut k), Some(mut v)) = (self.keys.take(), self.values.take()) else {

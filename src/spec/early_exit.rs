@@ -3,7 +3,7 @@
 //! the target's first K caches after the prompt (identical computations), so it costs no
 //! extra prefill.
 
-use super::autoregressive::CachedDrafter;
+use super::autoregressive::{CachedDrafter, ForwardFn};
 use super::source::{Draft, DraftSource, TargetView};
 use crate::engine::error::{EngineError, Result};
 use crate::engine::models::ForwardOpts;
@@ -23,11 +23,25 @@ impl EarlyExitSource {
         }
     }
 
-    fn opts(&self) -> ForwardOpts {
-        ForwardOpts {
+    /// Runs `step` on the drafter's caches with the target's first `layers` layers (then its
+    /// final norm and head) as the forward.
+    fn with_state<T>(
+        &mut self,
+        target: TargetView<'_>,
+        step: impl FnOnce(&mut CachedDrafter, &mut ForwardFn<'_>) -> Result<T>,
+    ) -> Result<T> {
+        let opts = ForwardOpts {
             exit_after: Some(self.layers),
             taps: Vec::new(),
-        }
+        };
+        let state = self
+            .state
+            .as_mut()
+            .ok_or_else(|| EngineError::Runtime("self drafter used before begin".into()))?;
+        let model = target.model;
+        step(state, &mut |x, c| {
+            Ok(model.forward_ext(x, c, &opts)?.logits)
+        })
     }
 }
 
@@ -59,15 +73,7 @@ impl DraftSource for EarlyExitSource {
     }
 
     fn draft(&mut self, target: TargetView<'_>, sequence: &[u32], n: usize) -> Result<Draft> {
-        let opts = self.opts();
-        let state = self
-            .state
-            .as_mut()
-            .ok_or_else(|| EngineError::Runtime("self drafter used before begin".into()))?;
-        let model = target.model;
-        let tokens = state.draft(sequence, n, &mut |x, c| {
-            Ok(model.forward_ext(x, c, &opts)?.logits)
-        })?;
+        let tokens = self.with_state(target, |state, forward| state.draft(sequence, n, forward))?;
         Ok(Draft {
             tokens,
             probs: None,
@@ -75,14 +81,6 @@ impl DraftSource for EarlyExitSource {
     }
 
     fn commit(&mut self, target: TargetView<'_>, committed: usize) -> Result<()> {
-        let opts = self.opts();
-        let state = self
-            .state
-            .as_mut()
-            .ok_or_else(|| EngineError::Runtime("self drafter used before begin".into()))?;
-        let model = target.model;
-        state.commit(committed, &mut |x, c| {
-            Ok(model.forward_ext(x, c, &opts)?.logits)
-        })
+        self.with_state(target, |state, forward| state.commit(committed, forward))
     }
 }
