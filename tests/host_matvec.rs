@@ -54,17 +54,33 @@ fn assert_same_bits(what: &str, h: &HostDense, w: &Array, x: &Array) {
     );
 }
 
-/// Checks one shape: a product the load-time check accepts equals MLX's bit for bit on three
-/// inputs; a refused one is judged by [`judge_refusal`].
-fn check_shape(rows: i32, cols: i32, dtype: Dtype, seed: u64, f32_required: bool) {
+/// A random `rows × cols` weight in `dtype`, pinned when the load-time check accepts its
+/// shape; a refused one is judged by [`judge_refusal`] and `None` returned.
+fn pinned_weight(
+    rows: i32,
+    cols: i32,
+    dtype: Dtype,
+    seed: u64,
+    f32_required: bool,
+) -> Option<(Array, HostDense)> {
     let key = random::key(seed).unwrap();
     let w = random::normal::<f32>(&[rows, cols][..], 0.0, 0.05, &key)
         .unwrap()
         .as_dtype(dtype)
         .unwrap();
-    let what = format!("{dtype:?} {rows}x{cols}");
     let Some(h) = HostDense::new(&w).unwrap() else {
-        return judge_refusal(&what, dtype, f32_required);
+        judge_refusal(&format!("{dtype:?} {rows}x{cols}"), dtype, f32_required);
+        return None;
+    };
+    Some((w, h))
+}
+
+/// Checks one shape: a product the load-time check accepts equals MLX's bit for bit on three
+/// inputs.
+fn check_shape(rows: i32, cols: i32, dtype: Dtype, seed: u64, f32_required: bool) {
+    let what = format!("{dtype:?} {rows}x{cols}");
+    let Some((w, h)) = pinned_weight(rows, cols, dtype, seed, f32_required) else {
+        return;
     };
     for (i, scale) in [1.0f32, 1e-3, 40.0].into_iter().enumerate() {
         let k = random::key(seed * 31 + i as u64).unwrap();
@@ -281,14 +297,10 @@ fn verify_blocks_of_up_to_sixteen_tokens_match_mlx_bit_for_bit() {
     let mut accepted = 0;
     for dtype in [Dtype::Float32, Dtype::Bfloat16, Dtype::Float16] {
         for (i, (rows, cols)) in shapes.into_iter().enumerate() {
-            let key = random::key(300 + i as u64).unwrap();
-            let w = random::normal::<f32>(&[rows, cols][..], 0.0, 0.05, &key)
-                .unwrap()
-                .as_dtype(dtype)
-                .unwrap();
             let what = format!("{dtype:?} {rows}x{cols}");
-            let Some(h) = HostDense::new(&w).unwrap() else {
-                judge_refusal(&what, dtype, common::f32_host_order_expected());
+            let f32_required = common::f32_host_order_expected();
+            let Some((w, h)) = pinned_weight(rows, cols, dtype, 300 + i as u64, f32_required)
+            else {
                 continue;
             };
             for tokens in 2..=16 {

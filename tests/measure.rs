@@ -138,6 +138,28 @@ fn greedy_reports_match_the_trace_and_vanilla() {
         assert!(f(&v["tokens_per_sec_vanilla"]) > 0.0 && f(&v["tokens_per_sec_spec"]) > 0.0);
         let ratio = f(&v["tokens_per_sec_spec"]) / f(&v["tokens_per_sec_vanilla"]);
         assert!((f(&v["speedup"]) - ratio).abs() < 1e-9 * ratio);
+        // A round's three parts are measured inside the speculative run, so together they fit
+        // in its wall time; the vanilla step is the vanilla run's time per token.
+        let part = |k: &str| {
+            let ms = f(&v[k]);
+            assert!(ms >= 0.0, "{drafter:?}: {k} = {ms}");
+            ms
+        };
+        let round_ms = part("draft_ms_per_round")
+            + part("verify_ms_per_round")
+            + part("rollback_ms_per_round");
+        assert!(f(&v["verify_ms_per_round"]) > 0.0, "{drafter:?}: {v}");
+        let spec_seconds = f(&v["generated_tokens"]) / f(&v["tokens_per_sec_spec"]);
+        let rounds = f(&v["target_forwards"]);
+        assert!(
+            round_ms * rounds / 1e3 <= spec_seconds * 1.0001,
+            "{drafter:?}: {v}"
+        );
+        let step_ms = 1e3 / f(&v["tokens_per_sec_vanilla"]);
+        assert!(
+            (f(&v["vanilla_step_ms"]) - step_ms).abs() < 1e-6 * step_ms,
+            "{v}"
+        );
 
         let trace = read_trace(&trace_path);
         check_against_trace(&v, &trace);

@@ -419,6 +419,8 @@ mod tests {
             n_depth: 512,
             samples_ts: vec![17.25, 18.5, 17.875],
             baseline_samples_ts: Some(vec![16.0, 17.0, 16.5]),
+            verify_cost_samples: vec![1.5, 1.25, 1.75],
+            baseline_verify_cost_samples: vec![2.0, 2.5, 2.25],
             mean_acceptance_length: Some(2.5),
             output: Some("changes".into()),
             keeps: Some("L1".into()),

@@ -1,4 +1,4 @@
-//! The start-up timeline (the profile of issue #12): the engine marks when each start-up step
+//! The start-up timeline: the engine marks when each start-up step
 //! finished (session open, tokenizer parsed, model built, prompt prefilled, first token
 //! computed) on a [`StartupTrace`]; a front end that wants the timeline hands one in with an
 //! observer and shows it.

@@ -170,6 +170,7 @@ impl Speculation<'_> {
             .last()
             .ok_or_else(|| EngineError::Runtime("empty sequence".into()))?;
         let emitted_before = out.emitted;
+        let drafting = Instant::now();
         let mut draft = if k > 0 {
             self.source.draft(
                 TargetView {
@@ -184,6 +185,8 @@ impl Speculation<'_> {
         };
         draft.tokens.truncate(k);
         let m = draft.tokens.len();
+        self.metrics.draft_seconds += drafting.elapsed().as_secs_f64();
+        let verifying = Instant::now();
 
         let base = gen.positions;
         let checkpoint = Checkpoint::take(&gen.caches, base);
@@ -202,7 +205,9 @@ impl Speculation<'_> {
             VerifyMode::Reject => accept_rejecting(gen, &logits, &input, &draft, out)?,
         };
         seq.extend_from_slice(&draft.tokens[..accepted]);
+        self.metrics.verify_seconds += verifying.elapsed().as_secs_f64();
 
+        let rolling_back = Instant::now();
         let keep = base + accepted + 1;
         let model = &mut *gen.model;
         let how = rewind(
@@ -215,6 +220,7 @@ impl Speculation<'_> {
         )?;
         gen.positions = keep;
         gen.plan.quantize(&mut gen.caches)?;
+        self.metrics.rollback_seconds += rolling_back.elapsed().as_secs_f64();
         self.metrics.record(m, accepted);
         if how == Rewind::Replayed {
             self.metrics.replays += 1;
@@ -239,6 +245,7 @@ impl Speculation<'_> {
             sink.record(&trace.with_note(note))?;
             *rounds += 1;
         }
+        let committing = Instant::now();
         self.source.commit(
             TargetView {
                 model: &mut *gen.model,
@@ -246,6 +253,7 @@ impl Speculation<'_> {
             },
             keep,
         )?;
+        self.metrics.draft_seconds += committing.elapsed().as_secs_f64();
         // The token after the accepted drafts (correction or bonus) is the next anchor.
         if let Some(next) = out.last {
             seq.push(next);

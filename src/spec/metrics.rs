@@ -1,7 +1,9 @@
 //! Acceptance metrics with vLLM's definitions: drafts = verify rounds that proposed at least
 //! one token, acceptance rate = accepted / drafted, mean acceptance length = 1 + accepted /
 //! drafts (the bonus/correction token included), per-position acceptance = accepted at
-//! position i / drafts.
+//! position i / drafts. Each round's wall time is split into the drafter's share (drafting and
+//! taking the committed tokens), the target's verify forward with acceptance, and the cache
+//! rollback, so the cost of a round can be read next to a vanilla decode step.
 
 use serde::Serialize;
 
@@ -22,6 +24,12 @@ pub struct SpecMetrics {
     pub target_forwards: usize,
     /// Rounds whose rollback needed snapshot + replay instead of a trim.
     pub replays: usize,
+    /// Seconds the drafter spent proposing and taking in committed tokens, all rounds.
+    pub draft_seconds: f64,
+    /// Seconds of the target's verify forwards and acceptance, all rounds.
+    pub verify_seconds: f64,
+    /// Seconds of cache rollback to the kept positions, all rounds.
+    pub rollback_seconds: f64,
 }
 
 impl SpecMetrics {
@@ -60,6 +68,35 @@ impl SpecMetrics {
             .collect()
     }
 
+    /// Milliseconds per round of `seconds` (one of the three parts of a round).
+    pub fn ms_per_round(&self, seconds: f64) -> f64 {
+        seconds * 1e3 / self.target_forwards.max(1) as f64
+    }
+
+    /// Adds another generation's counters and times to these.
+    pub fn add(&mut self, m: &SpecMetrics) {
+        self.drafter.clone_from(&m.drafter);
+        self.drafts += m.drafts;
+        self.drafted_tokens += m.drafted_tokens;
+        self.accepted_tokens += m.accepted_tokens;
+        self.target_forwards += m.target_forwards;
+        self.replays += m.replays;
+        self.draft_seconds += m.draft_seconds;
+        self.verify_seconds += m.verify_seconds;
+        self.rollback_seconds += m.rollback_seconds;
+        if self.accepted_per_position.len() < m.accepted_per_position.len() {
+            self.accepted_per_position
+                .resize(m.accepted_per_position.len(), 0);
+        }
+        for (t, a) in self
+            .accepted_per_position
+            .iter_mut()
+            .zip(&m.accepted_per_position)
+        {
+            *t += a;
+        }
+    }
+
     /// Lines printed after mlx-lm's footer in `generate --verbose`.
     pub fn footer(&self) -> String {
         let per: Vec<String> = self
@@ -91,6 +128,9 @@ impl SpecMetrics {
             "per_position_acceptance": self.per_position_rate(),
             "target_forwards": self.target_forwards,
             "replays": self.replays,
+            "draft_ms_per_round": self.ms_per_round(self.draft_seconds),
+            "verify_ms_per_round": self.ms_per_round(self.verify_seconds),
+            "rollback_ms_per_round": self.ms_per_round(self.rollback_seconds),
         })
     }
 }

@@ -63,28 +63,6 @@ pub fn generate(
     })
 }
 
-/// Adds one generation's counters to a running total.
-fn accumulate(total: &mut SpecMetrics, m: &SpecMetrics) {
-    total.drafter.clone_from(&m.drafter);
-    total.drafts += m.drafts;
-    total.drafted_tokens += m.drafted_tokens;
-    total.accepted_tokens += m.accepted_tokens;
-    total.target_forwards += m.target_forwards;
-    total.replays += m.replays;
-    if total.accepted_per_position.len() < m.accepted_per_position.len() {
-        total
-            .accepted_per_position
-            .resize(m.accepted_per_position.len(), 0);
-    }
-    for (t, a) in total
-        .accepted_per_position
-        .iter_mut()
-        .zip(&m.accepted_per_position)
-    {
-        *t += a;
-    }
-}
-
 /// Wall-clock decode speed over many generations.
 #[derive(Debug, Clone, Copy, Default)]
 struct Speed {
@@ -141,6 +119,14 @@ pub struct MeasureReport {
     pub tokens_per_sec_spec: f64,
     /// tokens_per_sec_spec / tokens_per_sec_vanilla.
     pub speedup: f64,
+    /// Milliseconds per round the drafter spent proposing and taking in committed tokens.
+    pub draft_ms_per_round: f64,
+    /// Milliseconds per round of the target's verify forward and acceptance.
+    pub verify_ms_per_round: f64,
+    /// Milliseconds per round of cache rollback.
+    pub rollback_ms_per_round: f64,
+    /// Milliseconds of one vanilla decode step (vanilla generation time / tokens).
+    pub vanilla_step_ms: f64,
     /// DSpark: ECE per position of the survival product with the checkpoint's temperatures.
     pub ece: Option<Vec<f64>>,
     /// DSpark: the same without temperatures (raw sigmoid confidences).
@@ -201,7 +187,7 @@ pub fn measure(
         vanilla.add(&v.stats);
         spec.add(&s.stats);
         if let Some(m) = &s.spec {
-            accumulate(&mut total, m);
+            total.add(m);
         }
         if let Some(t) = temps {
             rounds.extend(rounds_from_trace(&s.rounds, t));
@@ -245,6 +231,10 @@ pub fn measure(
         tokens_per_sec_vanilla: vanilla.tps(),
         tokens_per_sec_spec: spec.tps(),
         speedup: spec.tps() / vanilla.tps().max(1e-12),
+        draft_ms_per_round: total.ms_per_round(total.draft_seconds),
+        verify_ms_per_round: total.ms_per_round(total.verify_seconds),
+        rollback_ms_per_round: total.ms_per_round(total.rollback_seconds),
+        vanilla_step_ms: 1e3 / vanilla.tps().max(1e-12),
         ece: column(|p| p.ece_after),
         ece_before: column(|p| p.ece_before),
         auroc: column_opt(|p| p.auroc_after),
@@ -267,7 +257,8 @@ impl MeasureReport {
              drafts {}, drafted {}, accepted {}, target forwards {}\n\
              acceptance rate {:.3}, mean acceptance length {:.3}\n\
              per-position acceptance: [{}]\n\
-             decode: vanilla {:.2} tok/s, speculative {:.2} tok/s, speedup {:.3}x",
+             decode: vanilla {:.2} tok/s, speculative {:.2} tok/s, speedup {:.3}x\n\
+             round: draft {:.2} ms + verify {:.2} ms + rollback {:.2} ms = {:.2} vanilla steps of {:.2} ms",
             self.drafter,
             self.prompts,
             self.temp,
@@ -289,6 +280,12 @@ impl MeasureReport {
             self.tokens_per_sec_vanilla,
             self.tokens_per_sec_spec,
             self.speedup,
+            self.draft_ms_per_round,
+            self.verify_ms_per_round,
+            self.rollback_ms_per_round,
+            (self.draft_ms_per_round + self.verify_ms_per_round + self.rollback_ms_per_round)
+                / self.vanilla_step_ms.max(1e-9),
+            self.vanilla_step_ms,
         );
         if let Some(c) = &self.calibration {
             out.push_str("\n\nconfidence calibration (survival product vs prefix accepted):\n");
@@ -342,11 +339,16 @@ mod tests {
         let mut a = SpecMetrics::default();
         a.record(3, 2);
         a.record(0, 0);
+        a.draft_seconds = 0.25;
         let mut b = SpecMetrics::default();
         b.record(5, 5);
+        b.draft_seconds = 0.5;
+        b.verify_seconds = 0.3;
         let mut t = SpecMetrics::default();
-        accumulate(&mut t, &a);
-        accumulate(&mut t, &b);
+        t.add(&a);
+        t.add(&b);
+        assert_eq!((t.draft_seconds, t.verify_seconds), (0.75, 0.3));
+        assert_eq!(t.ms_per_round(t.draft_seconds), 250.0);
         assert_eq!(
             (
                 t.drafts,

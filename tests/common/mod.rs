@@ -176,6 +176,16 @@ pub fn run_mlxb_json(args: &[&str], env: &[(&str, &str)]) -> (i32, serde_json::V
     )
 }
 
+/// A `speculative` JSON object's counters, without its per-round times (which differ from run
+/// to run), so two runs can be compared for what they drafted and accepted.
+pub fn spec_counters(speculative: &serde_json::Value) -> serde_json::Value {
+    let mut v = speculative.clone();
+    if let Some(o) = v.as_object_mut() {
+        o.retain(|k, _| !k.ends_with("_ms_per_round"));
+    }
+    v
+}
+
 /// Checks that mlxb refused `what` as it should: exit code 2, no panic, one line on stderr
 /// (`err`) that mentions every one of `needles`.
 #[track_caller]

@@ -319,15 +319,6 @@ fn rows_into(
                     r = end;
                 }
             }
-            (Weights::F32(w), _) if tokens == 1 => {
-                x86::panels(&x86::RowsF32(w), cols, x, panels, range, out)
-            }
-            (Weights::Bf16(w), _) if tokens == 1 => {
-                x86::panels(&x86::RowsBf16(w), cols, x, panels, range, out)
-            }
-            (Weights::F16(w), _) if tokens == 1 => {
-                x86::panels(&x86::RowsF16(w), cols, x, panels, range, out)
-            }
             (Weights::F32(w), _) => {
                 x86::token_panels(&x86::RowsF32(w), cols, x, tokens, panels, range, out)
             }
@@ -499,74 +490,15 @@ mod x86 {
         }
     }
 
-    /// Per panel one FMA chain per output in `k` order, the panels added in order (OpenBLAS's
-    /// GEMM driver for f32; one panel of the whole depth is MLX's `simd_gemm` for 16-bit
-    /// weights). Sixteen outputs run side by side: a 16×16 block of weights transposed in
-    /// registers gives, for each `k`, the sixteen outputs' weights as one vector. Outputs past
-    /// the last whole group of sixteen, and depths past the last whole block, are done one
-    /// value at a time in the same order.
-    #[target_feature(enable = "avx512f,avx512bw,f16c,fma")]
-    pub(super) unsafe fn panels<R: Rows>(
-        w: &R,
-        cols: usize,
-        x: &[f32],
-        panels: &[usize],
-        range: Range<usize>,
-        out: &mut [f32],
-    ) {
-        let mut r = range.start;
-        while r + LANES <= range.end {
-            let mut total = _mm512_setzero_ps();
-            let mut k0 = 0;
-            for &depth in panels {
-                let mut acc = _mm512_setzero_ps();
-                let mut k = k0;
-                while k + LANES <= k0 + depth {
-                    if r + 2 * LANES <= range.end {
-                        for g in 0..LANES {
-                            w.prefetch(r + LANES + g, cols, k);
-                        }
-                    }
-                    let rows: [__m512; LANES] = std::array::from_fn(|g| w.load16(r + g, cols, k));
-                    for (j, c) in transpose16(rows).iter().enumerate() {
-                        acc = _mm512_fmadd_ps(*c, _mm512_set1_ps(*x.get_unchecked(k + j)), acc);
-                    }
-                    k += LANES;
-                }
-                while k < k0 + depth {
-                    let col: [f32; LANES] = std::array::from_fn(|g| w.get(r + g, cols, k));
-                    let c = _mm512_loadu_ps(col.as_ptr());
-                    acc = _mm512_fmadd_ps(c, _mm512_set1_ps(*x.get_unchecked(k)), acc);
-                    k += 1;
-                }
-                total = _mm512_add_ps(total, acc);
-                k0 += depth;
-            }
-            _mm512_storeu_ps(out.as_mut_ptr().add(r - range.start), total);
-            r += LANES;
-        }
-        while r < range.end {
-            let mut total = 0.0f32;
-            let mut k0 = 0;
-            for &depth in panels {
-                let mut acc = 0.0f32;
-                for k in k0..k0 + depth {
-                    acc = w.get(r, cols, k).mul_add(*x.get_unchecked(k), acc);
-                }
-                total += acc;
-                k0 += depth;
-            }
-            out[r - range.start] = total;
-            r += 1;
-        }
-    }
-
-    /// [`panels`]' order for a block of tokens: per panel one FMA chain per output and token in
-    /// `k` order, the panels added in order. Like [`panels`], a 16×16 block of weights is
-    /// transposed in registers so that each `k` gives sixteen outputs' weights as one vector;
-    /// that vector then meets up to eight tokens (one broadcast value each) before the next
-    /// block is read, so the weights are read and transposed once per eight tokens. `out`
-    /// (`tokens × range.len()`) must start at zero: each panel's sums are added to it.
+    /// Per panel one FMA chain per output and token in `k` order, the panels added in order
+    /// (OpenBLAS's GEMM driver for f32; one panel of the whole depth is MLX's `simd_gemm` for
+    /// 16-bit weights). Sixteen outputs run side by side: a 16×16 block of weights transposed in
+    /// registers gives, for each `k`, the sixteen outputs' weights as one vector, which then
+    /// meets up to eight tokens (one broadcast value each) before the next block is read, so
+    /// the weights are read and transposed once per eight tokens. Outputs past the last whole
+    /// group of sixteen, and depths past the last whole block, are done one value at a time in
+    /// the same order. `out` (`tokens × range.len()`) must start at zero: each panel's sums are
+    /// added to it.
     #[target_feature(enable = "avx512f,avx512bw,f16c,fma")]
     pub(super) unsafe fn token_panels<R: Rows>(
         w: &R,
