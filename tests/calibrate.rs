@@ -251,69 +251,119 @@ fn bad_input_exits_2_and_leaves_the_checkpoint_alone() {
         config,
         "a refused calibration changed the config"
     );
-    // train-dspark reads the same files, but regenerates through the chat template.
-    let ids = fx.prompts("only-ids.jsonl", "{\"prompt_ids\": [4, 5]}\n");
-    let out = fx.tmp.path().join("trained");
-    let train = |model: &Path, data: &Path| {
-        common::run_mlxb(&[
-            "train-dspark",
-            "--model",
-            s(model),
-            "--data",
-            s(data),
-            "--out",
-            s(&out),
-        ])
-    };
-    let (code, _, err) = train(&fx.target, &ids);
-    assert_eq!(code, 2, "{err}");
-    assert!(
-        err.contains("line 1") && err.contains("prompt_ids"),
-        "{err}"
-    );
-    assert!(!out.exists());
-
-    // A target without a chat template: train-dspark says what does work and advises no flag
-    // it lacks; generate, which has `--ignore-chat-template`, names it.
-    let plain = fx.tmp.path().join("plain-target");
-    common::copy_dir(&fx.target, &plain);
-    let tc = plain.join("tokenizer_config.json");
+    // A broken chat template: generate and calibrate name `--ignore-chat-template`, which
+    // feeds the prompts as plain text instead.
+    let broken = fx.tmp.path().join("broken-template");
+    common::copy_dir(&fx.target, &broken);
+    let tc = broken.join("tokenizer_config.json");
     let mut cfg: serde_json::Value =
         serde_json::from_str(&std::fs::read_to_string(&tc).unwrap()).unwrap();
-    cfg.as_object_mut().unwrap().remove("chat_template");
-    std::fs::write(&tc, cfg.to_string()).unwrap();
-    let chat = fx.prompts(
-        "chat.jsonl",
-        "{\"messages\": [{\"role\": \"user\", \"content\": \"a b c\"}]}\n",
-    );
-    let (code, _, err) = train(&plain, &chat);
-    common::assert_refused(
-        "train-dspark without a chat template",
-        code,
-        &err,
-        &["no chat template", "smollm2-135m-instruct"],
-    );
-    assert!(!err.contains("--ignore-chat-template"), "{err}");
-    assert!(!out.exists());
-    let generate_plain = || {
+    let generate = || {
         common::run_mlxb(&[
             "generate",
             "--model",
-            s(&plain),
+            s(&broken),
             "--prompt",
             "hi",
             "--max-tokens",
             "1",
         ])
     };
-    let (code, _, err) = generate_plain();
-    assert_eq!(code, 0, "a missing template is not used by generate: {err}");
     cfg["chat_template"] = serde_json::json!("{% for m in messages %}{{ m.content ");
     std::fs::write(&tc, cfg.to_string()).unwrap();
-    let (code, _, err) = generate_plain();
+    let (code, _, err) = generate();
     assert_eq!(code, 2, "{err}");
     assert!(
         err.contains("does not compile") && err.contains("--ignore-chat-template"),
         "{err}"
     );
+    let mut calibrate = fx.args("calibrate", &good, "8");
+    calibrate[2] = s(&broken);
+    calibrate.extend(["--drafter", s(&fx.drafter)]);
+    let (code, _, err) = common::run_mlxb(&calibrate);
+    common::assert_refused(
+        "calibrate with a broken template",
+        code,
+        &err,
+        &["does not compile", "--ignore-chat-template"],
+    );
+    assert_eq!(
+        std::fs::read(fx.drafter.join(checkpoint::DSPARK_CONFIG_FILE)).unwrap(),
+        config,
+        "a refused calibration changed the config"
+    );
+    calibrate.push("--ignore-chat-template");
+    let (code, _, err) = common::run_mlxb(&calibrate);
+    assert_eq!(code, 0, "--ignore-chat-template: {err}");
+}
+
+/// The sequences `train-dspark --cache-only` regenerates from `data` on `model`, as the cache
+/// holds them.
+fn cached_sequences(fx: &Fixture, model: &Path, data: &Path, extra: &[&str]) -> Vec<Vec<u32>> {
+    let out = tempfile::tempdir_in(fx.tmp.path()).unwrap();
+    let mut args = fx.args("train-dspark", data, "24");
+    args[2] = s(model);
+    let out_dir = out.path().join("drafter");
+    args.extend(["--out", s(&out_dir), "--cache-only"]);
+    args.extend(extra);
+    let (code, _, err) = common::run_mlxb(&args);
+    assert_eq!(code, 0, "{args:?}: {err}");
+    let cache = mlxb::train::data::read_cache(&out_dir.join("cache"), 1).unwrap();
+    assert!(!cache.is_empty(), "{args:?}: nothing cached");
+    for ex in &cache {
+        let prompt = ex.mask.iter().take_while(|m| !**m).count();
+        assert!(
+            prompt > 0 && ex.mask[prompt..].iter().all(|m| *m),
+            "{:?}",
+            ex.mask
+        );
+    }
+    cache.into_iter().map(|ex| ex.ids).collect()
+}
+
+#[test]
+fn base_models_read_prompts_as_plain_text() {
+    let fx = Fixture::new();
+    // The prompt as plain text: the tokenizer's own encoding of the turn's content, special
+    // tokens included (computed here with the tokenizers crate, not through mlxb).
+    let tokenizer = tokenizers::Tokenizer::from_file(fx.target.join("tokenizer.json")).unwrap();
+    let plain_prompt = tokenizer
+        .encode("the quick brown fox", true)
+        .unwrap()
+        .get_ids()
+        .to_vec();
+    let chat = fx.prompts(
+        "chat.jsonl",
+        "{\"messages\": [{\"role\": \"user\", \"content\": \"the quick brown fox\"}]}\n",
+    );
+    let starts_plain = |seqs: &[Vec<u32>]| seqs[0].starts_with(&plain_prompt);
+
+    // train-dspark takes `prompt_ids` lines as given.
+    let ids = fx.prompts("only-ids.jsonl", "{\"prompt_ids\": [4, 5]}\n");
+    let seqs = cached_sequences(&fx, &fx.target, &ids, &[]);
+    assert!(seqs[0].starts_with(&[4, 5]), "{seqs:?}");
+
+    // An instruct target renders the turn through its template unless told otherwise.
+    let templated = cached_sequences(&fx, &fx.target, &chat, &[]);
+    assert!(!starts_plain(&templated), "{templated:?}");
+    let ignored = cached_sequences(&fx, &fx.target, &chat, &["--ignore-chat-template"]);
+    assert!(starts_plain(&ignored), "{ignored:?} vs {plain_prompt:?}");
+
+    // A base target (no chat template) reads the turn as plain text, as generate does.
+    let base = fx.tmp.path().join("base-target");
+    common::copy_dir(&fx.target, &base);
+    let tc = base.join("tokenizer_config.json");
+    let mut cfg: serde_json::Value =
+        serde_json::from_str(&std::fs::read_to_string(&tc).unwrap()).unwrap();
+    cfg.as_object_mut().unwrap().remove("chat_template");
+    std::fs::write(&tc, cfg.to_string()).unwrap();
+    assert_eq!(cached_sequences(&fx, &base, &chat, &[]), ignored);
+    for cmd in ["measure", "calibrate"] {
+        let mut args = fx.args(cmd, &chat, "8");
+        args[2] = s(&base);
+        args.extend(["--drafter", s(&fx.drafter), "--json"]);
+        let (code, v, err) = common::run_mlxb_json(&args, &[]);
+        assert_eq!(code, 0, "{cmd} on a base model: {err}");
+        assert_eq!(v["prompts"], 1, "{cmd}: {v}");
+    }
 }

@@ -4,7 +4,7 @@
 //! into the checkpoint's `dspark.json` atomically.
 
 use super::common::resolve_model;
-use super::common::ModelArgs;
+use super::common::{ModelArgs, PromptFileArgs};
 use super::flags::{open_session, ForkArgs};
 use crate::engine::error::EngineError;
 use crate::engine::generate::GenerateConfig;
@@ -34,6 +34,8 @@ pub struct CalibrateArgs {
     /// Prompt file (JSONL: `prompt`, `messages` or `prompt_ids` per line).
     #[arg(long)]
     pub data: PathBuf,
+    #[command(flatten)]
+    pub prompt_file: PromptFileArgs,
     /// Tokens generated per prompt at most.
     #[arg(long, short = 'm', default_value_t = 256)]
     pub max_tokens: usize,
@@ -70,7 +72,9 @@ pub fn run(args: CalibrateArgs) -> anyhow::Result<()> {
     }
     let dir = resolve_model(args.model.model.as_deref())?;
     let (mut session, forks) = open_session(&dir, &args.forks)?;
-    let ids = prompts.token_ids(&session)?;
+    let ids = prompts
+        .token_ids(&session, args.prompt_file.use_chat_template())
+        .map_err(|e| args.prompt_file.explain(e))?;
     // Threshold 0 at every position: the whole block is proposed and verified.
     let mut source = DsparkSource::open(
         &args.drafter,

@@ -72,13 +72,41 @@ impl PromptArgs {
                 self.system_prompt.as_deref(),
                 !self.ignore_chat_template,
             )
-            .map_err(|e| match e {
-                e @ EngineError::ChatTemplate { .. } => EngineError::Input(format!(
-                    "{e}; pass --ignore-chat-template to feed the prompt as-is instead"
-                ))
-                .into(),
-                other => other.into(),
-            })
+            .map_err(|e| offer_template_flag(e, "the prompt as-is").into())
+    }
+}
+
+/// `--ignore-chat-template` for the subcommands that read prompt files (`train-dspark`,
+/// `calibrate`, `measure`).
+#[derive(Debug, Clone, Args)]
+pub struct PromptFileArgs {
+    /// Feed `prompt` and `messages` lines as plain text (the turns' contents joined by
+    /// newlines, with the tokenizer's special tokens) instead of through the chat template,
+    /// as for base models; `prompt_ids` lines are used as given either way.
+    #[arg(long)]
+    pub ignore_chat_template: bool,
+}
+
+impl PromptFileArgs {
+    /// Whether `prompt` and `messages` lines go through the chat template.
+    pub fn use_chat_template(&self) -> bool {
+        !self.ignore_chat_template
+    }
+
+    /// `e`, with `--ignore-chat-template` named as the way around a chat-template problem.
+    pub fn explain(&self, e: EngineError) -> EngineError {
+        offer_template_flag(e, "`prompt` and `messages` lines as plain text")
+    }
+}
+
+/// Turns a chat-template problem (missing, broken or unsupported template) into an input
+/// error that names `--ignore-chat-template`, which feeds `what` instead; other errors pass.
+fn offer_template_flag(e: EngineError, what: &str) -> EngineError {
+    match e {
+        e @ EngineError::ChatTemplate { .. } => EngineError::Input(format!(
+            "{e}; pass --ignore-chat-template to feed {what} instead"
+        )),
+        other => other,
     }
 }
 

@@ -3,7 +3,7 @@
 //! check.
 
 use super::common::resolve_model;
-use super::common::{ModelArgs, SamplingArgs, SpecArgs};
+use super::common::{ModelArgs, PromptFileArgs, SamplingArgs, SpecArgs};
 use super::flags::{open_session, ForkArgs};
 use crate::engine::error::EngineError;
 use crate::spec::dspark::checkpoint;
@@ -24,6 +24,8 @@ pub struct MeasureArgs {
     /// Prompt file (JSONL: `prompt`, `messages` or `prompt_ids` per line).
     #[arg(long)]
     pub data: PathBuf,
+    #[command(flatten)]
+    pub prompt_file: PromptFileArgs,
     #[command(flatten)]
     pub sampling: SamplingArgs,
     #[command(flatten)]
@@ -88,7 +90,9 @@ pub fn run(args: MeasureArgs) -> anyhow::Result<()> {
         .transpose()?;
     let dir = resolve_model(args.model.model.as_deref())?;
     let (mut session, forks) = open_session(&dir, &args.forks)?;
-    let ids = prompts.token_ids(&session)?;
+    let ids = prompts
+        .token_ids(&session, args.prompt_file.use_chat_template())
+        .map_err(|e| args.prompt_file.explain(e))?;
     let mut source = open_source(&opts, &session, forks, args.model.prefill_step_size)?;
     let mut drafting = Speculation::with_options(Box::new(source.as_mut()), &opts);
     let params = args.sampling.text_params(&args.model);

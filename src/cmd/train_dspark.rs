@@ -5,13 +5,13 @@
 //! (`OUT/model.safetensors` + `dspark.json` + `train-state.safetensors` every
 //! `--checkpoint-every` steps; `--resume` continues from the last one bit for bit).
 
-use super::common::resolve_model;
+use super::common::{resolve_model, PromptFileArgs};
 use crate::cmd::dspark_init::ShapeArgs;
 use crate::engine::error::EngineError;
 use crate::engine::forks::Forks;
 use crate::engine::session::Session;
 use crate::spec::dspark::checkpoint::{self, DsparkConfig, TargetFacts};
-use crate::train::data::{build_cache, read_prompts, RegenOptions};
+use crate::train::data::{build_cache, read_prompts, train_prompts, RegenOptions};
 use crate::train::forward::{Frozen, Params};
 use crate::train::init::init_for_session;
 use crate::train::optim::{AdamW, TrainOptions};
@@ -29,9 +29,11 @@ pub struct TrainDsparkArgs {
     /// Target model directory (or built-in name).
     #[arg(long)]
     pub model: Option<String>,
-    /// Prompt file (JSONL: `prompt` or `messages` per line).
+    /// Prompt file (JSONL: `prompt`, `messages` or `prompt_ids` per line).
     #[arg(long)]
     pub data: PathBuf,
+    #[command(flatten)]
+    pub prompt_file: PromptFileArgs,
     /// Output checkpoint directory.
     #[arg(long)]
     pub out: PathBuf,
@@ -138,15 +140,8 @@ pub fn run(args: TrainDsparkArgs) -> anyhow::Result<()> {
     let dir = resolve_model(args.model.as_deref())?;
     let mut session =
         Session::open_traced(&dir, Forks::default(), super::progress::startup_trace())?;
-    if !session.tokenizer.has_chat_template() {
-        return Err(EngineError::Input(format!(
-            "{}: this model has no chat template, and train-dspark regenerates its training \
-             data as chat turns through the target's template; train the drafter for a chat \
-             (instruct) model such as the default smollm2-135m-instruct",
-            dir.display()
-        ))
-        .into());
-    }
+    let prompts = train_prompts(&prompts, &session, args.prompt_file.use_chat_template())
+        .map_err(|e| args.prompt_file.explain(e))?;
     let (config, tensors, resumed) = match resumed {
         Some(r) => {
             r.config

@@ -1,8 +1,10 @@
 //! Prompt files shared by `train-dspark`, `calibrate` and `measure`: JSONL, one object per
 //! line with a `prompt` string (one user turn), a `messages` chat list (`role`/`content`), or a
 //! `prompt_ids` list of token ids fed as-is (no tokenizer, no chat template), so runs can be
-//! compared with other implementations token for token. Blank lines are skipped; every
-//! problem names the file and the line.
+//! compared with other implementations token for token. `prompt` and `messages` lines go
+//! through the chat template, or are fed as plain text (`--ignore-chat-template`, for base
+//! models). Other keys are ignored; blank lines are skipped; every problem names the file and
+//! the line.
 
 use crate::engine::chat_template::ChatMessage;
 use crate::engine::error::{EngineError, Result};
@@ -108,38 +110,54 @@ impl PromptFile {
         })
     }
 
-    /// Every prompt as the target's token ids: conversations through the chat template (plain
-    /// text with special tokens when the model has none), `prompt_ids` as given after a check
-    /// against the model's vocabulary.
-    pub fn token_ids(&self, session: &Session) -> Result<Vec<Vec<u32>>> {
-        let vocab = session.model.model.vocab_size() as i64;
+    /// Every prompt as the target's token ids: `prompt` and `messages` lines through the chat
+    /// template where [`renders_chat`] says so, else as plain text ([`plain_ids`]);
+    /// `prompt_ids` as given after a check against the model's vocabulary.
+    pub fn token_ids(&self, session: &Session, use_chat_template: bool) -> Result<Vec<Vec<u32>>> {
+        let chat = renders_chat(session, use_chat_template);
         self.prompts
             .iter()
             .map(|p| match &p.input {
-                PromptInput::Ids(ids) => match ids.iter().find(|&&t| t as i64 >= vocab) {
-                    Some(bad) => Err(EngineError::file(
-                        &self.path,
-                        format!(
-                            "line {}: `prompt_ids` has id {bad}, outside the model's vocabulary of {vocab} tokens; use ids below {vocab}",
-                            p.line
-                        ),
-                    )),
-                    None => Ok(ids.clone()),
-                },
-                PromptInput::Chat(msgs) => chat_ids(session, msgs),
+                PromptInput::Ids(ids) => self.checked_ids(session, p.line, ids),
+                PromptInput::Chat(msgs) if chat => chat_ids(session, msgs),
+                PromptInput::Chat(msgs) => plain_ids(session, msgs),
             })
             .collect()
     }
+
+    /// `ids` of line `line` after a check against the model's vocabulary.
+    pub fn checked_ids(&self, session: &Session, line: usize, ids: &[u32]) -> Result<Vec<u32>> {
+        let vocab = session.model.model.vocab_size() as i64;
+        match ids.iter().find(|&&t| t as i64 >= vocab) {
+            Some(bad) => Err(EngineError::file(
+                &self.path,
+                format!(
+                    "line {line}: `prompt_ids` has id {bad}, outside the model's vocabulary of {vocab} tokens; use ids below {vocab}"
+                ),
+            )),
+            None => Ok(ids.to_vec()),
+        }
+    }
+}
+
+/// Whether `prompt` and `messages` lines go through the chat template: unless
+/// `--ignore-chat-template` asked otherwise, when the model has one; a model without one (a
+/// base model) reads them as plain text, as `generate` feeds its prompt.
+pub fn renders_chat(session: &Session, use_chat_template: bool) -> bool {
+    use_chat_template && session.tokenizer.has_chat_template()
 }
 
 /// A conversation's prompt ids, as `generate` builds them for one user turn.
 fn chat_ids(session: &Session, msgs: &[ChatMessage]) -> Result<Vec<u32>> {
     let tok = &session.tokenizer;
-    if tok.has_chat_template() {
-        return tok.encode(&tok.apply_chat_template(msgs, true)?, false);
-    }
+    tok.encode(&tok.apply_chat_template(msgs, true)?, false)
+}
+
+/// A conversation as plain text, as `generate --ignore-chat-template` feeds a prompt: the
+/// turns' contents joined by newlines, encoded with the tokenizer's special tokens.
+pub fn plain_ids(session: &Session, msgs: &[ChatMessage]) -> Result<Vec<u32>> {
     let text: Vec<&str> = msgs.iter().map(|m| m.content.as_str()).collect();
-    tok.encode(&text.join("\n"), true)
+    session.tokenizer.encode(&text.join("\n"), true)
 }
 
 #[cfg(test)]
