@@ -390,18 +390,18 @@ impl Twins {
 }
 
 /// Whether this machine's f32 products must take the `--host-matvec` path. That path sums in
-/// the order of OpenBLAS's SkylakeX or Haswell kernels (`engine::kernels::mlx_order`, both
-/// measured against MLX); where OpenBLAS runs one of those the engine's load-time check must
-/// accept f32 products. Elsewhere MLX may sum f32 in another order, the check refuses those
+/// the order of OpenBLAS's SkylakeX, Cooperlake or Haswell kernels (`engine::kernels::mlx_order`,
+/// each measured against MLX); where OpenBLAS runs one of those the engine's load-time check
+/// must accept f32 products. Elsewhere MLX may sum f32 in another order, the check refuses those
 /// products and they stay on MLX: the suites then check that fallback (whatever is accepted
 /// equals MLX bit for bit, logits unchanged) and say so on stderr.
 pub fn f32_host_order_expected() -> bool {
     let core = mlxb::engine::runtime::blas_core();
-    let expected = matches!(core.as_deref(), Some("SkylakeX" | "Haswell"));
+    let expected = matches!(core.as_deref(), Some("SkylakeX" | "Cooperlake" | "Haswell"));
     if !expected {
         eprintln!(
-            "OpenBLAS core {core:?} is neither SkylakeX nor Haswell: f32 host products may be \
-             refused here, so this test checks the fallback to MLX for them"
+            "OpenBLAS core {core:?} is not SkylakeX, Cooperlake or Haswell: f32 host products \
+             may be refused here, so this test checks the fallback to MLX for them"
         );
     }
     expected

@@ -22,7 +22,8 @@
 //!   `+ 2`, `+ 1`).
 //! - **f32, Panels** (OpenBLAS's GEMM driver, every other f32 product; on `HASWELL` kernels
 //!   every f32 product): `K` cut into panels of at most the kernel set's depth (448 on
-//!   `SKYLAKEX`, 320 on `HASWELL`; a remainder below twice that is halved, rounding up), each
+//!   `SKYLAKEX`, 320 on `COOPERLAKE` and `HASWELL`; a remainder below twice that is halved,
+//!   rounding up), each
 //!   panel a fused multiply-add chain from zero in `k` order, the panels added to the output in
 //!   order. Each output of each token is its own chain, so a block of tokens sums every value
 //!   exactly as that token alone would.
@@ -73,8 +74,13 @@ pub enum F32Kernels {
     /// `SKYLAKEX` (AVX-512 Intel): small products on the small-matrix kernel
     /// ([`Order::Lanes`]), the rest in panels of 448.
     SkylakeX,
-    /// `HASWELL` (AVX2; also what 0.3.21 picks on AMD Zen 4): no small-matrix kernel, every
-    /// product in panels of 320 (measured against MLX on a Zen 4 host, `tests/host_matvec.rs`).
+    /// `COOPERLAKE` (AVX-512 with bf16, Intel and AMD Zen 4 hosts): SkylakeX's small-matrix
+    /// kernel, the rest in panels of 320 (measured against MLX on a Zen 4 host that OpenBLAS
+    /// 0.3.21 reports as Cooperlake, with 8-token blocks of depth 576, 1001 and 1536).
+    Cooperlake,
+    /// `HASWELL` (AVX2; also what 0.3.21 picks on some AMD Zen 4 hosts): no small-matrix
+    /// kernel, every product in panels of 320 (measured against MLX on a Zen 4 host,
+    /// `tests/host_matvec.rs`).
     Haswell,
 }
 
@@ -85,6 +91,7 @@ impl F32Kernels {
     pub fn of_core(core: Option<&str>) -> Self {
         match core {
             Some("Haswell" | "Zen") => F32Kernels::Haswell,
+            Some("Cooperlake") => F32Kernels::Cooperlake,
             _ => F32Kernels::SkylakeX,
         }
     }
@@ -99,7 +106,7 @@ impl F32Kernels {
     pub fn panel_depth(self) -> usize {
         match self {
             F32Kernels::SkylakeX => 448,
-            F32Kernels::Haswell => 320,
+            F32Kernels::Cooperlake | F32Kernels::Haswell => 320,
         }
     }
 
@@ -114,7 +121,7 @@ impl F32Kernels {
         let outputs = rows * tokens;
         let mnk = outputs as f64 * cols as f64;
         let small = mnk <= SMALL_MAX_MNK && outputs <= SMALL_MAX_OUTPUTS && cols >= SMALL_MIN_DEPTH;
-        if small && self == F32Kernels::SkylakeX {
+        if small && self != F32Kernels::Haswell {
             Order::Lanes
         } else {
             Order::Panels(panels(cols, self.panel_depth()))
@@ -659,7 +666,7 @@ mod tests {
     }
 
     #[test]
-    fn small_f32_products_take_the_lane_order_on_skylakex_only() {
+    fn small_f32_products_take_the_lane_order_on_avx512_kernel_sets_only() {
         let sk = F32Kernels::SkylakeX;
         assert_eq!(sk.order(576, 576), Order::Lanes);
         assert_eq!(sk.order(192, 576), Order::Lanes);
@@ -674,6 +681,16 @@ mod tests {
             Order::Panels(vec![320, 320, 320, 288, 288])
         );
         assert_eq!(hw.order(7, 40), Order::Panels(vec![40]));
+        let cl = F32Kernels::Cooperlake;
+        assert_eq!(cl.order(576, 1536), Order::Lanes);
+        assert_eq!(
+            cl.block_order(576, 1536, 8),
+            Order::Panels(vec![320, 320, 320, 288, 288])
+        );
+        assert_eq!(
+            cl.block_order(576, 1001, 8),
+            Order::Panels(vec![320, 320, 181, 180])
+        );
     }
 
     #[test]
@@ -681,6 +698,10 @@ mod tests {
         assert_eq!(F32Kernels::of_core(Some("Haswell")), F32Kernels::Haswell);
         assert_eq!(F32Kernels::of_core(Some("Zen")), F32Kernels::Haswell);
         assert_eq!(F32Kernels::of_core(Some("SkylakeX")), F32Kernels::SkylakeX);
+        assert_eq!(
+            F32Kernels::of_core(Some("Cooperlake")),
+            F32Kernels::Cooperlake
+        );
         assert_eq!(F32Kernels::of_core(None), F32Kernels::SkylakeX);
     }
 
