@@ -361,6 +361,15 @@ fn assert_train_files_complete(out: &Path) {
             Array::load_safetensors(&p).unwrap();
         } else if name == "manifest.json" {
             serde_json::from_slice::<Value>(&std::fs::read(&p).unwrap()).unwrap();
+        } else if name == "sequences.jsonl" {
+            // Appended line by line: every whole line is a record; a kill may leave a torn
+            // last line without its newline, which a resumed run cuts off.
+            let text = std::fs::read_to_string(&p).unwrap();
+            let whole = text.rfind('\n').map_or(0, |i| i + 1);
+            for line in text[..whole].lines() {
+                serde_json::from_str::<Value>(line)
+                    .unwrap_or_else(|e| panic!("{}: torn line {line:?}: {e}", p.display()));
+            }
         }
     }
 }

@@ -580,3 +580,112 @@ fn cli_trains_and_refuses_bad_input_with_exit_2() {
         );
     }
 }
+
+/// `--sequences-only` stops after the regeneration stage; a copied sequences file is the only
+/// source of a later run's hidden-state cache (nothing is regenerated: the edited reply is
+/// what gets cached), and a file from other prompts or settings is refused untouched.
+#[test]
+fn regenerated_sequences_are_a_reusable_stage() {
+    let tmp = tempfile::tempdir().unwrap();
+    let t = tmp.path().join("target");
+    common::make_model(&t, &common::tiny_llama(json!({})), "f32", None);
+    let data = tmp.path().join("p.jsonl");
+    std::fs::write(
+        &data,
+        "{\"prompt\": \"hello there\"}\n{\"prompt\": \"a b c\"}\n",
+    )
+    .unwrap();
+    let path = |p: &Path| p.to_str().unwrap().to_owned();
+    let run = |out: &Path, extra: &[&str]| {
+        let mut a = vec![
+            "train-dspark".to_owned(),
+            "--model".into(),
+            path(&t),
+            "--data".into(),
+            path(&data),
+            "--out".into(),
+            path(out),
+            "--max-tokens".into(),
+            "24".into(),
+            "--markov-rank".into(),
+            "16".into(),
+        ];
+        a.extend(extra.iter().map(|s| s.to_string()));
+        let a: Vec<&str> = a.iter().map(String::as_str).collect();
+        common::run_mlxb(&a)
+    };
+    let first = tmp.path().join("first");
+    let (code, out, err) = run(&first, &["--sequences-only"]);
+    assert_eq!(code, 0, "{err}");
+    let seq_file = first.join("cache/sequences.jsonl");
+    assert!(out.contains("regenerated 2 sequences"), "{out}");
+    assert!(
+        !first.join("cache/manifest.json").exists(),
+        "no hidden states yet"
+    );
+    let text = std::fs::read_to_string(&seq_file).unwrap();
+    let lines: Vec<serde_json::Value> = text
+        .lines()
+        .map(|l| serde_json::from_str(l).unwrap())
+        .collect();
+    assert_eq!(lines.len(), 3, "{text}");
+    assert_eq!(lines[0]["max_tokens"], 24);
+
+    // Edit the second reply: the cache built from the copy must hold the edited ids.
+    let mut edited = lines.clone();
+    let from = edited[2]["reply_from"].as_u64().unwrap() as usize;
+    let mut ids: Vec<u64> = edited[2]["ids"]
+        .as_array()
+        .unwrap()
+        .iter()
+        .map(|v| v.as_u64().unwrap())
+        .collect();
+    ids.truncate(from);
+    ids.extend((0..20).map(|i| 7 + i % 5));
+    edited[2]["ids"] = json!(ids);
+    let copy = tmp.path().join("copy.jsonl");
+    let body: String = edited.iter().map(|v| format!("{v}\n")).collect();
+    std::fs::write(&copy, &body).unwrap();
+    let second = tmp.path().join("second");
+    let (code, out, err) = run(&second, &["--sequences", &path(&copy), "--cache-only"]);
+    assert_eq!(code, 0, "{err}");
+    assert!(out.contains("cached"), "{out}");
+    let cache = mlxb::train::data::read_cache(&second.join("cache"), 1).unwrap();
+    let cached: Vec<Vec<u64>> = cache
+        .iter()
+        .map(|e| e.ids.iter().map(|&t| t as u64).collect())
+        .collect();
+    assert!(cached.contains(&ids), "{cached:?}");
+    assert_eq!(
+        std::fs::read_to_string(&copy).unwrap(),
+        body,
+        "the file was changed"
+    );
+
+    // Other settings or other prompts: exit 2, the file untouched.
+    let third = tmp.path().join("third");
+    let (code, _, err) = run(
+        &third,
+        &[
+            "--sequences",
+            &path(&copy),
+            "--seed",
+            "7",
+            "--sequences-only",
+        ],
+    );
+    common::assert_refused(
+        "another seed",
+        code,
+        &err,
+        &["other settings", "--sequences"],
+    );
+    std::fs::write(
+        &data,
+        "{\"prompt\": \"hello there\"}\n{\"prompt\": \"x y z\"}\n",
+    )
+    .unwrap();
+    let (code, _, err) = run(&third, &["--sequences", &path(&copy), "--sequences-only"]);
+    common::assert_refused("other prompts", code, &err, &["line 3", "--sequences"]);
+    assert_eq!(std::fs::read_to_string(&copy).unwrap(), body);
+}

@@ -11,10 +11,13 @@ use crate::engine::error::EngineError;
 use crate::engine::forks::Forks;
 use crate::engine::session::Session;
 use crate::spec::dspark::checkpoint::{self, DsparkConfig, TargetFacts};
-use crate::train::data::{build_cache, read_prompts, train_prompts, RegenOptions};
+use crate::train::data::{
+    build_cache, read_prompts, regenerate_all, sequences_header, train_prompts, RegenOptions,
+};
 use crate::train::forward::{Frozen, Params};
 use crate::train::init::init_for_session;
 use crate::train::optim::{AdamW, TrainOptions};
+use crate::train::sequences::SequenceFile;
 use crate::train::state::{load_state, STATE_FILE};
 use crate::train::trainer::Trainer;
 use clap::Args;
@@ -40,6 +43,13 @@ pub struct TrainDsparkArgs {
     /// Target-cache directory (default `OUT/cache`).
     #[arg(long)]
     pub cache: Option<PathBuf>,
+    /// The regenerated sequences (JSONL of token ids, default `CACHE/sequences.jsonl`): a
+    /// stopped run resumes it; a copy lets another machine skip regeneration.
+    #[arg(long, value_name = "FILE")]
+    pub sequences: Option<PathBuf>,
+    /// Only regenerate the sequences (the slow stage), then stop.
+    #[arg(long, conflicts_with = "cache_only")]
+    pub sequences_only: bool,
     /// The shape of a new drafter (ignored with --resume).
     #[command(flatten)]
     pub shape: ShapeArgs,
@@ -167,14 +177,24 @@ pub fn run(args: TrainDsparkArgs) -> anyhow::Result<()> {
         max_tokens: args.max_tokens,
         seed: args.seed,
     };
-    let examples = build_cache(
-        &mut session,
-        &prompts,
-        &taps,
-        &cache,
-        &regen,
-        &super::progress::Terminal::default(),
-    )?;
+    let seq_path = args
+        .sequences
+        .clone()
+        .unwrap_or_else(|| cache.join("sequences.jsonl"));
+    let header = sequences_header(&session, &regen)?;
+    let mut sequences = SequenceFile::open(&seq_path, &header, &prompts)?;
+    let progress = super::progress::Terminal::default();
+    regenerate_all(&mut session, &prompts, &mut sequences, &regen, &progress)?;
+    if args.sequences_only {
+        println!(
+            "regenerated {} sequences in {} (sha256 of ids {})",
+            sequences.done().len(),
+            seq_path.display(),
+            sequences.digest()
+        );
+        return Ok(());
+    }
+    let examples = build_cache(&mut session, &sequences, &taps, &cache, &progress)?;
     if args.cache_only {
         println!("cached {} sequences in {}", examples.len(), cache.display());
         return Ok(());

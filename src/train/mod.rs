@@ -18,5 +18,6 @@ pub mod loss;
 pub mod measure;
 pub mod optim;
 pub mod prompts;
+pub mod sequences;
 pub mod state;
 pub mod trainer;
