@@ -887,3 +887,181 @@ fn rejection_sampling_with_sampled_proposals_runs() {
         m.to_json()
     );
 }
+
+/// A speculators-format draft vocabulary of `ids` (ascending target ids): `d2t` offsets and the
+/// `t2d` mask over the tiny targets' 384 ids.
+fn with_draft_vocab(t: &mut HashMap<String, Array>, ids: &[i64]) {
+    let offsets: Vec<i64> = ids.iter().enumerate().map(|(i, &t)| t - i as i64).collect();
+    t.insert(
+        "d2t".into(),
+        Array::from_slice(&offsets, &[offsets.len() as i32]),
+    );
+    let mut marks = vec![false; 384];
+    for &id in ids {
+        if let Some(m) = marks.get_mut(id as usize) {
+            *m = true;
+        }
+    }
+    t.insert("t2d".into(), Array::from_slice(&marks, &[384]));
+}
+
+/// A reduced draft vocabulary only narrows what can be proposed: covering every id it drafts
+/// exactly what the full drafter drafts, round by round; covering the even ids it proposes
+/// only even ids; output equals vanilla greedy decoding either way, and sampled proposals
+/// (rejection rule, distributions spread back onto the target's ids) run to the end.
+/// Malformed maps are refused with one sentence.
+#[test]
+fn reduced_draft_vocabulary_is_draft_side_only() {
+    let dir = target(&common::tiny_llama(json!({})));
+    let prompt = prompt(384);
+    let mut session = Session::open(dir.path(), Forks::default()).unwrap();
+    let (vanilla, _) = common::greedy_ids(session.model.model.as_mut(), &prompt, None, 3, GEN);
+    let full = drafter(dir.path(), &opts(SeqHead::Rnn), |_, _| {});
+    let all: Vec<i64> = (0..384).collect();
+    let whole = drafter(dir.path(), &opts(SeqHead::Rnn), |_, t| {
+        with_draft_vocab(t, &all)
+    });
+    let even: Vec<i64> = (0..384).step_by(2).collect();
+    let half = drafter(dir.path(), &opts(SeqHead::Rnn), |_, t| {
+        with_draft_vocab(t, &even)
+    });
+    let (full_ids, full_log, _) = recorded(&mut session, full.path(), &prompt, None);
+    let (whole_ids, whole_log, _) = recorded(&mut session, whole.path(), &prompt, None);
+    let (half_ids, half_log, m) = recorded(&mut session, half.path(), &prompt, None);
+    assert_eq!(full_ids, vanilla);
+    assert_eq!(whole_ids, vanilla);
+    assert_eq!(half_ids, vanilla, "a reduced vocabulary changed the output");
+    assert_eq!(
+        whole_log, full_log,
+        "the whole vocabulary drafted otherwise"
+    );
+    assert!(m.drafts > 5, "{:?}", m.to_json());
+    assert!(
+        half_log.iter().all(|r| r.block.iter().all(|t| t % 2 == 0)),
+        "an odd id was drafted: {half_log:?}"
+    );
+
+    {
+        use mlxb::engine::generate::{Flow, GenerateConfig, Generator};
+        use mlxb::engine::sample::{self, LogitsProcessors, ProcessorConfig, Sampler};
+        use mlxb::spec::executor::Speculation;
+        let model = session.model.model.as_mut();
+        let source = DsparkSource::open(half.path(), &*model, None, Forks::default()).unwrap();
+        sample::seed(3).unwrap();
+        let mut sampler = Sampler::new(&mlxb::engine::sample::SamplerConfig {
+            temp: 1.0,
+            ..Default::default()
+        })
+        .unwrap();
+        let mut processors = LogitsProcessors::new(&ProcessorConfig::default()).unwrap();
+        let mut spec = Speculation::new(Box::new(source), 3, VerifyMode::Reject);
+        let g = Generator::new(model, &mut sampler, &mut processors).with_speculation(&mut spec);
+        let mut n = 0;
+        let cfg = GenerateConfig {
+            max_tokens: GEN,
+            prefill_step_size: 2048,
+        };
+        g.run(&prompt, &cfg, |_| {
+            n += 1;
+            Ok(Flow::Continue)
+        })
+        .unwrap();
+        assert_eq!(n, GEN);
+        assert!(spec.metrics.drafts > 5, "{:?}", spec.metrics.to_json());
+    }
+
+    let model = session.model.model.as_ref();
+    let refused = |edit: &dyn Fn(&mut HashMap<String, Array>), needle: &str| {
+        let ck = drafter(dir.path(), &opts(SeqHead::Rnn), |_, t| edit(t));
+        let e = open_error(model, ck.path());
+        assert!(e.contains(needle), "{needle}: {e}");
+    };
+    refused(&|t| with_draft_vocab(t, &[5, 3]), "ascend");
+    refused(&|t| with_draft_vocab(t, &[0, 384]), "ascend");
+    refused(
+        &|t| {
+            with_draft_vocab(t, &[1, 2]);
+            t.insert("t2d".into(), Array::from_slice(&[true; 384], &[384]));
+        },
+        "disagree",
+    );
+    refused(
+        &|t| {
+            t.insert("t2d".into(), Array::from_slice(&[true; 384], &[384]));
+        },
+        "without `d2t`",
+    );
+}
+
+/// `mlxb dspark-vocab` keeps the most frequent reply tokens of a sequences file (prompt tokens
+/// not counted, ties to the lower id) as `d2t`/`t2d`; the drafter then proposes only those and
+/// output is unchanged. Bad input exits 2 and leaves the weights as they were.
+#[test]
+fn dspark_vocab_keeps_the_most_frequent_reply_tokens() {
+    let dir = target(&common::tiny_llama(json!({})));
+    let prompt = prompt(384);
+    let ck = drafter(dir.path(), &opts(SeqHead::Markov), |_, _| {});
+    let tmp = tempfile::tempdir().unwrap();
+    let seqs = tmp.path().join("sequences.jsonl");
+    // Replies: 7 five times, 3 and 11 four times each, 200 once; the prompts' 9s do not count.
+    let line = |j: usize, ids: &[u32], from: usize| {
+        json!({"prompt": j, "prompt_sha256": "x", "ids": ids, "reply_from": from}).to_string()
+    };
+    let text = [
+        json!({"mlxb_sequences": 1, "vocab_size": 384}).to_string(),
+        line(0, &[9, 9, 9, 7, 7, 3, 11, 200], 3),
+        line(1, &[9, 7, 7, 7, 3, 3, 3, 11, 11, 11], 1),
+    ]
+    .join("\n")
+        + "\n";
+    std::fs::write(&seqs, text).unwrap();
+    let weights = ck.path().join("model.safetensors");
+    let run = |seq: &Path, size: &str| {
+        common::run_mlxb_json(
+            &[
+                "dspark-vocab",
+                "--drafter",
+                ck.path().to_str().unwrap(),
+                "--sequences",
+                seq.to_str().unwrap(),
+                "--size",
+                size,
+                "--json",
+            ],
+            &[],
+        )
+    };
+    let before = std::fs::read(&weights).unwrap();
+    let (code, _, err) = run(&seqs, "0");
+    common::assert_refused("--size 0", code, &err, &["--size"]);
+    let not_seqs = tmp.path().join("prompts.jsonl");
+    std::fs::write(&not_seqs, "{\"prompt\": \"hi\"}\n").unwrap();
+    let (code, _, err) = run(&not_seqs, "3");
+    common::assert_refused("a prompt file", code, &err, &["sequences header"]);
+    assert_eq!(std::fs::read(&weights).unwrap(), before, "a refusal wrote");
+
+    let (code, v, err) = run(&seqs, "3");
+    assert_eq!(code, 0, "{err}");
+    assert_eq!(v["draft_vocab"], 3);
+    assert_eq!(v["distinct_reply_tokens"], 4);
+    assert_eq!(v["reply_tokens"], 14);
+    assert!(
+        (v["coverage"].as_f64().unwrap() - 13.0 / 14.0).abs() < 1e-12,
+        "{v}"
+    );
+    let t = Array::load_safetensors(&weights).unwrap();
+    let d2t: Vec<i64> = t["d2t"].as_slice::<i64>().to_vec();
+    let kept: Vec<i64> = d2t.iter().enumerate().map(|(i, o)| i as i64 + o).collect();
+    assert_eq!(kept, vec![3, 7, 11]);
+    let marks = t["t2d"].as_slice::<bool>();
+    assert_eq!(marks.len(), 384);
+    assert!((0..384).all(|i| marks[i] == [3, 7, 11].contains(&i)));
+
+    let mut session = Session::open(dir.path(), Forks::default()).unwrap();
+    let (vanilla, _) = common::greedy_ids(session.model.model.as_mut(), &prompt, None, 3, GEN);
+    let (ids, log, _) = recorded(&mut session, ck.path(), &prompt, None);
+    assert_eq!(ids, vanilla);
+    assert!(log
+        .iter()
+        .all(|r| r.block.iter().all(|t| [3, 7, 11].contains(t))));
+}

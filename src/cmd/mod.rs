@@ -5,6 +5,7 @@ pub mod calibrate;
 pub mod common;
 pub mod convert;
 pub mod dspark_init;
+pub mod dspark_vocab;
 pub mod flags;
 pub mod generate;
 pub mod measure;
@@ -51,6 +52,8 @@ pub enum Command {
     Convert(convert::ConvertArgs),
     /// Write a randomly initialised DSpark drafter for a target.
     DsparkInit(dspark_init::DsparkInitArgs),
+    /// Give a DSpark drafter a reduced draft vocabulary: the target's most frequent reply tokens.
+    DsparkVocab(dspark_vocab::DsparkVocabArgs),
     /// List the supported model types, or check whether `--model DIR` is supported and why not.
     Models(models::ModelsArgs),
     /// Regenerate data with the target, cache its hidden states and train a DSpark drafter.
@@ -82,6 +85,7 @@ pub fn run(cli: Cli) -> ExitCode {
         Command::Serve(a) => serve::run(a),
         Command::Convert(a) => convert::run(a),
         Command::DsparkInit(a) => dspark_init::run(a),
+        Command::DsparkVocab(a) => dspark_vocab::run(a),
         Command::Models(a) => models::run(a),
         Command::TrainDspark(a) => train_dspark::run(a),
         Command::Calibrate(a) => calibrate::run(a),

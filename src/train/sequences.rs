@@ -79,6 +79,65 @@ pub fn hex(bytes: &[u8]) -> String {
     bytes.iter().map(|b| format!("{b:02x}")).collect()
 }
 
+/// The whole lines of the file at `path` (a missing file has none): its header, its records
+/// (each checked to be the next prompt's, with its reply inside its ids) and the byte length
+/// of those lines; a torn last line is left out.
+fn read_lines(path: &Path) -> Result<(Option<Value>, Vec<Line>, usize)> {
+    let bad = |why: String| EngineError::file(path, why);
+    let text = match std::fs::read(path) {
+        Ok(bytes) => String::from_utf8(bytes)
+            .map_err(|_| bad("is not UTF-8 text; is it a sequences file?".into()))?,
+        Err(e) if e.kind() == std::io::ErrorKind::NotFound => String::new(),
+        Err(e) => return Err(bad(format!("cannot read it ({e})"))),
+    };
+    // Only whole lines count: a write cut off by a kill leaves no newline behind it.
+    let whole = text.rfind('\n').map_or(0, |i| i + 1);
+    let mut lines = text[..whole].lines();
+    let Some(first) = lines.next() else {
+        return Ok((None, Vec::new(), 0));
+    };
+    let header = serde_json::from_str::<Value>(first)
+        .ok()
+        .filter(|h| h.get("mlxb_sequences").is_some())
+        .ok_or_else(|| bad("line 1 is not a sequences header; is it a sequences file?".into()))?;
+    let mut records = Vec::new();
+    for (j, line) in lines.enumerate() {
+        let l: Line = serde_json::from_str(line).map_err(|e| {
+            bad(format!(
+                "line {}: not a sequence ({e}); is the file damaged?",
+                j + 2
+            ))
+        })?;
+        if l.prompt != j || l.reply_from > l.ids.len() {
+            return Err(bad(format!(
+                "line {}: not the sequence of prompt {j}; is the file damaged?",
+                j + 2
+            )));
+        }
+        records.push(l);
+    }
+    Ok((Some(header), records, whole))
+}
+
+/// Reads a sequences file for use elsewhere (its header and sequences), without appending.
+pub fn read_sequences(path: &Path) -> Result<(Value, Vec<Sequence>)> {
+    let (header, lines, _) = read_lines(path)?;
+    let header = header.ok_or_else(|| {
+        EngineError::file(
+            path,
+            "holds no sequences; run `train-dspark --sequences-only` to make it",
+        )
+    })?;
+    let seqs = lines
+        .into_iter()
+        .map(|l| Sequence {
+            ids: l.ids,
+            reply_from: l.reply_from,
+        })
+        .collect();
+    Ok((header, seqs))
+}
+
 /// A sequences file open for appending, with the sequences it already holds.
 pub struct SequenceFile {
     path: PathBuf,
@@ -92,17 +151,9 @@ impl SequenceFile {
     /// Nothing is changed when it is refused.
     pub fn open(path: &Path, header: &Value, prompts: &[TrainPrompt]) -> Result<Self> {
         let bad = |why: String| EngineError::file(path, why);
-        let text = match std::fs::read(path) {
-            Ok(bytes) => String::from_utf8(bytes)
-                .map_err(|_| bad("is not UTF-8 text; is it a sequences file?".into()))?,
-            Err(e) if e.kind() == std::io::ErrorKind::NotFound => String::new(),
-            Err(e) => return Err(bad(format!("cannot read it ({e})"))),
-        };
-        // Only whole lines count: a write cut off by a kill leaves no newline behind it.
-        let whole = text.rfind('\n').map_or(0, |i| i + 1);
-        let mut lines = text[..whole].lines();
+        let (have, lines, whole) = read_lines(path)?;
         let mut done = Vec::new();
-        match lines.next() {
+        match have {
             None => {
                 if let Some(dir) = path.parent().filter(|d| !d.as_os_str().is_empty()) {
                     std::fs::create_dir_all(dir).map_err(|e| {
@@ -111,31 +162,21 @@ impl SequenceFile {
                 }
                 crate::engine::fsutil::write_atomic(path, format!("{header}\n").as_bytes())?;
             }
-            Some(first) => {
-                let have: Value = serde_json::from_str(first).unwrap_or(Value::Null);
+            Some(have) => {
                 if &have != header {
                     return Err(bad(format!(
-                        "was regenerated with other settings or another target ({first}, here {header}); use another --sequences file"
+                        "was regenerated with other settings or another target ({have}, here {header}); use another --sequences file"
                     )));
                 }
-                let held = lines.clone().count();
-                if held > prompts.len() {
+                if lines.len() > prompts.len() {
                     return Err(bad(format!(
-                        "holds {held} sequences, more than the {} prompts given; use the prompt file it was built from or another --sequences file",
+                        "holds {} sequences, more than the {} prompts given; use the prompt file it was built from or another --sequences file",
+                        lines.len(),
                         prompts.len()
                     )));
                 }
-                for (j, line) in lines.enumerate() {
-                    let l: Line = serde_json::from_str(line).map_err(|e| {
-                        bad(format!(
-                            "line {}: not a sequence ({e}); is the file damaged?",
-                            j + 2
-                        ))
-                    })?;
-                    let ok = l.prompt == j
-                        && l.reply_from <= l.ids.len()
-                        && prompts.get(j).map(prompt_digest) == Some(l.prompt_sha256);
-                    if !ok {
+                for (j, l) in lines.into_iter().enumerate() {
+                    if prompts.get(j).map(prompt_digest) != Some(l.prompt_sha256) {
                         return Err(bad(format!(
                             "line {}: regenerated from another prompt than line {} of this prompt file; use another --sequences file",
                             j + 2,
@@ -222,7 +263,7 @@ mod tests {
     fn resumes_after_the_last_whole_line_and_checks_prompts() {
         let dir = tempfile::tempdir().unwrap();
         let path = dir.path().join("s.jsonl");
-        let header = serde_json::json!({"max_tokens": 8});
+        let header = serde_json::json!({"mlxb_sequences": 1, "max_tokens": 8});
         let p = prompts();
         let mut f = SequenceFile::open(&path, &header, &p).unwrap();
         f.append(&p[0], Sequence::new(&[0, 1], &[7, 8])).unwrap();
@@ -245,7 +286,7 @@ mod tests {
 
         // Other settings, or other prompts, are refused and leave the file as it was.
         let before = std::fs::read(&path).unwrap();
-        let other = serde_json::json!({"max_tokens": 9});
+        let other = serde_json::json!({"mlxb_sequences": 1, "max_tokens": 9});
         let e = SequenceFile::open(&path, &other, &p).err().unwrap();
         assert!(e.to_string().contains("other settings"), "{e}");
         let mut q = prompts();

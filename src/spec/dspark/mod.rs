@@ -3,7 +3,7 @@
 //! prunes each block's draft length.
 //!
 //! Files: `checkpoint` (config, the two on-disk formats, the one loader and its checks),
-//! `module` (the network), `drafter` (the [`crate::spec::source::DraftSource`] and the
+//! `module` (the network), `vocab` (a reduced draft vocabulary), `drafter` (the [`crate::spec::source::DraftSource`] and the
 //! drafting loop), `shipped` (where `--drafter default` points). Making, training and
 //! calibrating drafters is not inference and lives in [`crate::train`].
 
@@ -11,3 +11,4 @@ pub mod checkpoint;
 pub mod drafter;
 pub mod module;
 pub mod shipped;
+pub mod vocab;

@@ -8,7 +8,8 @@
 //!   cached context and to itself with no mask (non-causal); its keys/values are dropped after
 //!   the pass, so the cache only ever holds committed context;
 //! - **base logits** `U = lm_head(norm(h))` for the whole block in one call (the target's head,
-//!   or the checkpoint's own copy);
+//!   or the checkpoint's own copy), over the reduced draft vocabulary when the checkpoint has
+//!   one ([`super::vocab`]);
 //! - **sequential heads** (Markov / RNN / gated) add a prefix-dependent bias step by step, and
 //!   the **confidence head** `w [h_k; W1[x_{k-1}]] + b` scores each step (a logit).
 //!
@@ -17,6 +18,7 @@
 //! then the block runs over the same cache, which is trimmed back by γ.
 
 use super::checkpoint::{DsparkConfig, LayerStyle, SeqHead};
+use super::vocab::DraftVocab;
 use crate::engine::cache::{AttentionMask, CacheSnapshot, FullCache, KvCache};
 use crate::engine::error::Result;
 use crate::engine::models::activations::{geglu, softcap_graph, swiglu, CompiledOp};
@@ -27,6 +29,7 @@ use crate::engine::models::{Caches, LanguageModel};
 use crate::engine::nn::{weak_scalar, Embedding, Linear, RmsNorm};
 use crate::engine::weights::WeightStore;
 use mlx_rs::ops::indexing::{argmax_axis, IndexOp};
+use mlx_rs::transforms::eval;
 use mlx_rs::{fast, ops, random, Array, Dtype};
 
 /// Gemma4's value path: values get a scale-free RMSNorm (and no RoPE) before they are cached.
@@ -99,7 +102,7 @@ pub struct BlockOut {
 pub struct Sampled {
     /// Drafted tokens `[γ]` (uint32).
     pub tokens: Array,
-    /// Corrected logits `z_k` `[γ, V]`.
+    /// Corrected logits `z_k` `[γ, V]` (`[γ, Vd]` over a reduced draft vocabulary).
     pub logits: Array,
     /// Confidence logits `[γ]` (before the sigmoid), when the checkpoint has a confidence head.
     pub confidence: Option<Array>,
@@ -119,6 +122,13 @@ pub struct DsparkModule {
     seq: Option<SequentialHead>,
     confidence: Option<Linear>,
     act: CompiledOp,
+    /// The reduced draft vocabulary, when the checkpoint has one.
+    vocab: Option<DraftVocab>,
+    /// The output head's rows for the draft ids, transposed `[d, Vd]` (built at the first block
+    /// from the head in use, the target's or the checkpoint's own).
+    draft_head: Option<Array>,
+    /// The sequential head's output map restricted to the draft ids, transposed `[r, Vd]`.
+    draft_w2: Option<Array>,
 }
 
 /// Gemma4 checkpoints with K==V have no `v_proj`: values are the raw `k_proj` output, so the
@@ -235,6 +245,21 @@ impl DsparkModule {
         } else {
             None
         };
+        let vocab = DraftVocab::read(w, v)?;
+        if vocab.is_some() && c.final_logit_softcapping.is_some() {
+            return Err(w.err(
+                "has a reduced draft vocabulary (`d2t`) for a target whose logits are soft-capped; mlxb restricts only heads without soft-capping".into(),
+            ));
+        }
+        let draft_w2 = match (&vocab, &seq) {
+            (Some(vocab), Some(s)) => {
+                let dtype = s.w1.forward(&Array::from_slice(&[0u32], &[1]))?.dtype();
+                let m = vocab.restrict(|x| s.w2.forward(x), r, dtype)?;
+                eval([&m])?;
+                Some(m)
+            }
+            _ => None,
+        };
         Ok(Self {
             config: config.clone(),
             fc: Linear::load(w, "fc", c.num_taps() * d, d, false)?,
@@ -250,6 +275,9 @@ impl DsparkModule {
             } else {
                 swiglu(compiled)
             },
+            vocab,
+            draft_head: None,
+            draft_w2,
         })
     }
 
@@ -361,7 +389,21 @@ impl DsparkModule {
             };
         }
         let hidden = self.norm.forward(&h)?.squeeze_axes(&[0])?;
-        let base_logits = self.head(target, &hidden)?;
+        let base_logits = match &self.vocab {
+            None => self.head(target, &hidden)?,
+            Some(vocab) => {
+                if self.draft_head.is_none() {
+                    let d = self.config.hidden_size;
+                    let m = vocab.restrict(|x| self.head(target, x), d, hidden.dtype())?;
+                    eval([&m])?;
+                    self.draft_head = Some(m);
+                }
+                match &self.draft_head {
+                    Some(m) => hidden.matmul(m)?,
+                    None => self.head(target, &hidden)?,
+                }
+            }
+        };
         Ok(BlockOut {
             hidden,
             base_logits,
@@ -381,9 +423,13 @@ impl DsparkModule {
             let u = out.base_logits.index(k..k + 1);
             let e = self.seq.as_ref().map(|s| s.w1.forward(&prev)).transpose()?;
             let z = match (&self.seq, &e) {
-                (Some(s), Some(e)) => {
-                    u.add(&s.bias(&h, e, &mut state, self.config.markov_rank)?)?
-                }
+                (Some(s), Some(e)) => u.add(&s.bias(
+                    &h,
+                    e,
+                    &mut state,
+                    self.config.markov_rank,
+                    self.draft_w2.as_ref(),
+                )?)?,
                 _ => u,
             };
             if let Some(c) = &self.confidence {
@@ -397,10 +443,18 @@ impl DsparkModule {
                 let scaled = z
                     .as_dtype(Dtype::Float32)?
                     .multiply(Array::from_f32((1.0 / temp) as f32))?;
-                probs.push(ops::softmax_axis(&scaled, -1, true)?);
+                let p = ops::softmax_axis(&scaled, -1, true)?;
+                probs.push(match &self.vocab {
+                    Some(vocab) => vocab.to_target_probs(&p, self.config.vocab_size)?,
+                    None => p,
+                });
                 random::categorical(&scaled, -1, None, None)?
             } else {
                 argmax_axis(&z, -1, false)?
+            };
+            let x = match &self.vocab {
+                Some(vocab) => vocab.to_target(&x)?,
+                None => x,
             };
             tokens.push(x.clone());
             logits.push(z);
@@ -422,8 +476,16 @@ impl DsparkModule {
 impl SequentialHead {
     /// The bias `[1, V]` for one step from the post-norm hidden `h` `[1, d]` and the previous
     /// token's Markov embedding `e = W1[x_{k-1}]` `[1, r]`; `state` is the RNN's `s_{k-1}`
-    /// (`None` = `s_0 = 0`).
-    fn bias(&self, h: &Array, e: &Array, state: &mut Option<Array>, r: i32) -> Result<Array> {
+    /// (`None` = `s_0 = 0`). With `draft_w2` (`W2` restricted to a reduced draft vocabulary,
+    /// `[r, Vd]`) the bias covers the draft ids only.
+    fn bias(
+        &self,
+        h: &Array,
+        e: &Array,
+        state: &mut Option<Array>,
+        r: i32,
+        draft_w2: Option<&Array>,
+    ) -> Result<Array> {
         let dtype = e.dtype();
         let h = h.as_dtype(dtype)?;
         let inner = match (self.kind, &self.proj) {
@@ -448,6 +510,9 @@ impl SequentialHead {
             }
             _ => e.clone(),
         };
-        self.w2.forward(&inner)
+        match draft_w2 {
+            Some(m) => Ok(inner.matmul(m)?),
+            None => self.w2.forward(&inner),
+        }
     }
 }
