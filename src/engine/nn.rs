@@ -199,6 +199,20 @@ impl Linear {
         }
     }
 
+    /// [`Linear::dense`] whose products take the host path (`--host-matvec`) when `host_matvec`
+    /// is on, on the same terms as a loaded layer's (checked against MLX per shape).
+    pub fn dense_host(weight: Array, host_matvec: bool) -> Self {
+        let host = (host_matvec
+            && [Dtype::Float32, Dtype::Bfloat16, Dtype::Float16].contains(&weight.dtype())
+            && weight.ndim() == 2)
+            .then(|| Rc::new(HostCell::Dense(HostDenseCell::default())));
+        Self {
+            weight: LinearWeight::Dense(weight),
+            bias: None,
+            host,
+        }
+    }
+
     /// One layer computing `layers`' outputs side by side: weights (and biases) concatenated
     /// along the output axis, so `x @ W.T` is one matmul whose column blocks are the layers'
     /// outputs. All layers must be dense, or quantized with the same spec, and all biased or

@@ -119,6 +119,9 @@ impl DsparkSource {
         ckpt.config.check_target(&facts, &ckpt.dir)?;
         let dtype = target.embed(&Array::from_slice(&[0i32], &[1, 1]))?.dtype();
         cast_floats(&mut ckpt.weights, dtype)?;
+        // The drafter's products take the host kernels on the same terms as the target's.
+        ckpt.weights.set_host_kernel(forks.host_q4());
+        ckpt.weights.set_host_matvec(forks.host_dense());
         let module =
             DsparkModule::build(&ckpt.config, &mut ckpt.weights, forks.compiled_activations)?;
         ckpt.weights.finish()?;

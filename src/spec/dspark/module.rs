@@ -29,7 +29,6 @@ use crate::engine::models::{Caches, LanguageModel};
 use crate::engine::nn::{weak_scalar, Embedding, Linear, RmsNorm};
 use crate::engine::weights::WeightStore;
 use mlx_rs::ops::indexing::{argmax_axis, IndexOp};
-use mlx_rs::transforms::eval;
 use mlx_rs::{fast, ops, random, Array, Dtype};
 
 /// Gemma4's value path: values get a scale-free RMSNorm (and no RoPE) before they are cached.
@@ -124,11 +123,13 @@ pub struct DsparkModule {
     act: CompiledOp,
     /// The reduced draft vocabulary, when the checkpoint has one.
     vocab: Option<DraftVocab>,
-    /// The output head's rows for the draft ids, transposed `[d, Vd]` (built at the first block
-    /// from the head in use, the target's or the checkpoint's own).
-    draft_head: Option<Array>,
-    /// The sequential head's output map restricted to the draft ids, transposed `[r, Vd]`.
-    draft_w2: Option<Array>,
+    /// The output head restricted to the draft ids `[d] → [Vd]` (built at the first block from
+    /// the head in use, the target's or the checkpoint's own).
+    draft_head: Option<Linear>,
+    /// The sequential head's output map restricted to the draft ids `[r] → [Vd]`.
+    draft_w2: Option<Linear>,
+    /// Whether dense products take the host path (`--host-matvec`), for the restricted maps.
+    host_matvec: bool,
 }
 
 /// Gemma4 checkpoints with K==V have no `v_proj`: values are the raw `k_proj` output, so the
@@ -254,9 +255,7 @@ impl DsparkModule {
         let draft_w2 = match (&vocab, &seq) {
             (Some(vocab), Some(s)) => {
                 let dtype = s.w1.forward(&Array::from_slice(&[0u32], &[1]))?.dtype();
-                let m = vocab.restrict(|x| s.w2.forward(x), r, dtype)?;
-                eval([&m])?;
-                Some(m)
+                Some(vocab.restrict(|x| s.w2.forward(x), r, dtype, w.host_matvec())?)
             }
             _ => None,
         };
@@ -278,6 +277,7 @@ impl DsparkModule {
             vocab,
             draft_head: None,
             draft_w2,
+            host_matvec: w.host_matvec(),
         })
     }
 
@@ -394,12 +394,12 @@ impl DsparkModule {
             Some(vocab) => {
                 if self.draft_head.is_none() {
                     let d = self.config.hidden_size;
-                    let m = vocab.restrict(|x| self.head(target, x), d, hidden.dtype())?;
-                    eval([&m])?;
+                    let head = |x: &Array| self.head(target, x);
+                    let m = vocab.restrict(head, d, hidden.dtype(), self.host_matvec)?;
                     self.draft_head = Some(m);
                 }
                 match &self.draft_head {
-                    Some(m) => hidden.matmul(m)?,
+                    Some(m) => m.forward(&hidden)?,
                     None => self.head(target, &hidden)?,
                 }
             }
@@ -476,15 +476,15 @@ impl DsparkModule {
 impl SequentialHead {
     /// The bias `[1, V]` for one step from the post-norm hidden `h` `[1, d]` and the previous
     /// token's Markov embedding `e = W1[x_{k-1}]` `[1, r]`; `state` is the RNN's `s_{k-1}`
-    /// (`None` = `s_0 = 0`). With `draft_w2` (`W2` restricted to a reduced draft vocabulary,
-    /// `[r, Vd]`) the bias covers the draft ids only.
+    /// (`None` = `s_0 = 0`). With `draft_w2` (`W2` restricted to a reduced draft vocabulary)
+    /// the bias covers the draft ids only.
     fn bias(
         &self,
         h: &Array,
         e: &Array,
         state: &mut Option<Array>,
         r: i32,
-        draft_w2: Option<&Array>,
+        draft_w2: Option<&Linear>,
     ) -> Result<Array> {
         let dtype = e.dtype();
         let h = h.as_dtype(dtype)?;
@@ -510,9 +510,6 @@ impl SequentialHead {
             }
             _ => e.clone(),
         };
-        match draft_w2 {
-            Some(m) => Ok(inner.matmul(m)?),
-            None => self.w2.forward(&inner),
-        }
+        draft_w2.unwrap_or(&self.w2).forward(&inner)
     }
 }

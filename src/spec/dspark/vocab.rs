@@ -9,6 +9,7 @@
 //! output never changes; a token outside the set simply cannot be proposed.
 
 use crate::engine::error::Result;
+use crate::engine::nn::Linear;
 use crate::engine::weights::WeightStore;
 use mlx_rs::ops::indexing::IndexOp;
 use mlx_rs::{ops, Array, Dtype};
@@ -78,18 +79,21 @@ impl DraftVocab {
         self.size
     }
 
-    /// The columns of a map's full output `[.., V]` that the draft ids keep, as a matrix
-    /// `[n, Vd]`: `map` applied to the identity `[n, n]` gives its weights exactly (each output
-    /// one product with 1.0), so this works for dense and quantized maps alike.
+    /// A map `[n] → [V]` restricted to the draft ids, as a dense layer `[n] → [Vd]` (its weight
+    /// `[Vd, n]` row-major, evaluated; on the host path when `host_matvec`): `map` applied to
+    /// the identity `[n, n]` gives its weights exactly (each output one product with 1.0), so
+    /// this works for dense and quantized maps alike.
     pub fn restrict(
         &self,
         map: impl Fn(&Array) -> Result<Array>,
         n: i32,
         dtype: Dtype,
-    ) -> Result<Array> {
+        host_matvec: bool,
+    ) -> Result<Linear> {
         let eye = ops::eye::<f32>(n, None, None)?.as_dtype(dtype)?;
-        let full = map(&eye)?;
-        Ok(full.take_axis(&self.target_ids, -1)?)
+        let rows = map(&eye)?.t().take_axis(&self.target_ids, 0)?;
+        rows.eval()?;
+        Ok(Linear::dense_host(rows, host_matvec))
     }
 
     /// The target ids of draft ids `[..]`.
