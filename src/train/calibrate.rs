@@ -17,7 +17,7 @@
 //! note already carries every position's confidence, so calibration needs no second path.
 
 use crate::engine::error::{EngineError, Result};
-use crate::spec::dspark::checkpoint::{self, DsparkConfig, Format};
+use crate::spec::dspark::checkpoint::{self, DsparkConfig};
 use crate::spec::trace::RoundTrace;
 use serde::Serialize;
 use serde_json::Value;
@@ -181,14 +181,7 @@ pub fn fit_thresholds(
 /// The config of the checkpoint at `dir` if a calibration can be written into it (an
 /// mlxb-format drafter with a confidence head), so a long calibration run fails up front.
 pub fn check_patchable(dir: &Path) -> Result<DsparkConfig> {
-    let dir = checkpoint::checkpoint_dir(dir);
-    let (config, format) = checkpoint::read_config(&dir)?;
-    if format != Format::Mlxb {
-        return Err(EngineError::file(
-            &dir,
-            "only mlxb-format drafters (dspark.json) can be patched with a calibration",
-        ));
-    }
+    let (dir, config) = checkpoint::patchable(dir, "a calibration")?;
     if !config.confidence_head {
         return Err(EngineError::file(
             &dir,

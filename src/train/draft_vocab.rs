@@ -4,7 +4,7 @@
 //! `d2t`/`t2d` tensors.
 
 use crate::engine::error::{EngineError, Result};
-use crate::spec::dspark::checkpoint::{self, Format, WEIGHTS_FILE};
+use crate::spec::dspark::checkpoint::{self, WEIGHTS_FILE};
 use crate::train::sequences::read_sequences;
 use mlx_rs::Array;
 use serde::Serialize;
@@ -71,14 +71,7 @@ pub fn choose(path: &Path, vocab: i32, size: usize) -> Result<VocabChoice> {
 /// replacing any earlier ones; `model.safetensors` is rewritten atomically (temp file +
 /// rename), every other tensor and `dspark.json` untouched. Only mlxb-format drafters.
 pub fn write(dir: &Path, ids: &[u32], vocab: i32) -> Result<()> {
-    let dir = checkpoint::checkpoint_dir(dir);
-    let (_, format) = checkpoint::read_config(&dir)?;
-    if format != Format::Mlxb {
-        return Err(EngineError::file(
-            &dir,
-            "only mlxb-format drafters (dspark.json) can be given a draft vocabulary",
-        ));
-    }
+    let (dir, _) = checkpoint::patchable(dir, "a draft vocabulary")?;
     let path = dir.join(WEIGHTS_FILE);
     let (mut tensors, meta) = Array::load_safetensors_with_metadata(&path)
         .map_err(|e| EngineError::file(&path, format!("cannot read the weights ({e})")))?;

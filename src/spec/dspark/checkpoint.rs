@@ -432,6 +432,20 @@ pub fn target_rope(v: &Value) -> (f64, Option<Value>) {
     (theta, scaling)
 }
 
+/// The directory and config of the mlxb-format checkpoint at `path`, which `what` (a patch,
+/// e.g. "a calibration") is about to rewrite; DeepSpec-format checkpoints are refused.
+pub fn patchable(path: &Path, what: &str) -> Result<(PathBuf, DsparkConfig)> {
+    let dir = checkpoint_dir(path);
+    let (config, format) = read_config(&dir)?;
+    if format != Format::Mlxb {
+        return Err(EngineError::file(
+            &dir,
+            format!("only mlxb-format drafters (dspark.json) can be given {what}"),
+        ));
+    }
+    Ok((dir, config))
+}
+
 /// Writes `config` as `dspark.json` in `dir` atomically (temp file + rename): a reader sees the
 /// old file or the new one, never a torn one.
 pub fn write_config(dir: &Path, config: &DsparkConfig) -> Result<()> {
