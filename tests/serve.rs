@@ -150,10 +150,31 @@ fn speculative_serving_is_lossless() {
     let other = "What is the capital of France? Paris is the capital of France.";
     let want_other = generate(other, 40, &[]);
     let model = model().to_str().unwrap();
-    let drafters: [&[&str]; 3] = [
+    // A random DSpark drafter for the tiny target (lossless whatever it proposes).
+    let tmp = tempfile::tempdir().unwrap();
+    let dspark = tmp.path().join("dspark");
+    let dspark = dspark.to_str().unwrap();
+    let (code, _, err) = common::run_mlxb(&[
+        "dspark-init",
+        "--model",
+        model,
+        "--out",
+        dspark,
+        "--layers",
+        "1",
+        "--gamma",
+        "4",
+        "--markov-rank",
+        "16",
+        "--tap-layers",
+        "0",
+    ]);
+    assert_eq!(code, 0, "{err}");
+    let drafters: [&[&str]; 4] = [
         &["--draft-kind", "ngram", "--num-draft-tokens", "3"],
         &["--draft-kind", "model", "--draft-model", model],
         &["--draft-kind", "self", "--draft-layers", "1"],
+        &["--drafter", dspark, "--dspark-min-conf", "0"],
     ];
     for flags in drafters {
         let s = Server::start(flags);
