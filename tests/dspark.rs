@@ -772,23 +772,7 @@ fn cli_init_and_generate() {
     let dir = target(&common::tiny_llama(json!({})));
     let ck = tempfile::tempdir().unwrap();
     let (m, c) = (dir.path().to_str().unwrap(), ck.path().to_str().unwrap());
-    let init_args = [
-        "dspark-init",
-        "--model",
-        m,
-        "--out",
-        c,
-        "--layers",
-        "1",
-        "--gamma",
-        "4",
-        "--markov-rank",
-        "16",
-        "--tap-layers",
-        "0,2",
-        "--seq-head",
-        "gated",
-    ];
+    let init_args = common::dspark_init_args(m, c, &["--tap-layers", "0,2", "--seq-head", "gated"]);
     let (code, _, err) = common::run_mlxb_json(&init_args, &[]);
     assert_eq!(code, 0, "{err}");
     let (config, _) = checkpoint::read_config(ck.path()).unwrap();

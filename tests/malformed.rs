@@ -30,19 +30,11 @@ fn fixture() -> &'static Fixture {
         config["num_hidden_layers"] = json!(2);
         common::make_model(&model, &config, "f32", None);
         let drafter = root.path().join("drafter");
-        let (code, _, err) = common::run_mlxb(&[
-            "dspark-init",
-            "--model",
+        let (code, _, err) = common::run_mlxb(&common::dspark_init_args(
             model.to_str().unwrap(),
-            "--out",
             drafter.to_str().unwrap(),
-            "--layers",
-            "1",
-            "--gamma",
-            "4",
-            "--markov-rank",
-            "16",
-        ]);
+            &[],
+        ));
         assert_eq!(code, 0, "dspark-init failed: {err}");
         let prompts = root.path().join("prompts.jsonl");
         std::fs::write(&prompts, "{\"prompt\": \"hello there\"}\n").unwrap();

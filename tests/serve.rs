@@ -154,21 +154,11 @@ fn speculative_serving_is_lossless() {
     let tmp = tempfile::tempdir().unwrap();
     let dspark = tmp.path().join("dspark");
     let dspark = dspark.to_str().unwrap();
-    let (code, _, err) = common::run_mlxb(&[
-        "dspark-init",
-        "--model",
+    let (code, _, err) = common::run_mlxb(&common::dspark_init_args(
         model,
-        "--out",
         dspark,
-        "--layers",
-        "1",
-        "--gamma",
-        "4",
-        "--markov-rank",
-        "16",
-        "--tap-layers",
-        "0",
-    ]);
+        &["--tap-layers", "0"],
+    ));
     assert_eq!(code, 0, "{err}");
     let drafters: [&[&str]; 4] = [
         &["--draft-kind", "ngram", "--num-draft-tokens", "3"],

@@ -12,11 +12,12 @@ use crate::engine::forks::Forks;
 use crate::engine::session::Session;
 use crate::spec::dspark::checkpoint::{self, DsparkConfig, TargetFacts};
 use crate::train::data::{
-    build_cache, read_prompts, regenerate_all, sequences_header, train_prompts, RegenOptions,
+    build_cache, regenerate_all, sequences_header, train_prompts, RegenOptions,
 };
 use crate::train::forward::{Frozen, Params};
 use crate::train::init::init_for_session;
 use crate::train::optim::{AdamW, TrainOptions};
+use crate::train::prompts::PromptFile;
 use crate::train::sequences::SequenceFile;
 use crate::train::state::{load_state, STATE_FILE};
 use crate::train::trainer::Trainer;
@@ -118,7 +119,7 @@ fn read_resume_state(out: &Path) -> anyhow::Result<ResumeState> {
 /// Entry point of `mlxb train-dspark`.
 pub fn run(args: TrainDsparkArgs) -> anyhow::Result<()> {
     // Check every input before anything is written.
-    let prompts = read_prompts(&args.data)?;
+    let prompts = PromptFile::read(&args.data)?;
     let exists = checkpoint::is_artifact(&args.out);
     if exists && !args.resume {
         return Err(EngineError::file(

@@ -22,7 +22,7 @@ use crate::engine::sample::{self, LogitsProcessors, ProcessorConfig, Sampler, Sa
 use crate::engine::session::Session;
 use crate::progress::Progress;
 use crate::train::prompts::{plain_ids, renders_chat, PromptFile, PromptInput};
-use crate::train::sequences::{hex, Sequence, SequenceFile};
+use crate::train::sequences::{Sequence, SequenceFile};
 use mlx_rs::{Array, Dtype};
 use serde_json::Value;
 use std::collections::HashMap;
@@ -32,11 +32,6 @@ use std::path::{Path, PathBuf};
 pub const SHARD: usize = 16;
 /// DeepSpec drops samples with fewer loss tokens than this.
 pub const MIN_LOSS_TOKENS: usize = 14;
-
-/// Reads and checks a prompt file (see [`crate::train::prompts`]).
-pub fn read_prompts(path: &Path) -> Result<PromptFile> {
-    PromptFile::read(path)
-}
 
 /// One training prompt, as the target continues it.
 #[derive(Debug, Clone, PartialEq, Eq)]
@@ -264,13 +259,10 @@ fn check_manifest(dir: &Path, sequences: &SequenceFile, tap_layers: &[usize]) ->
 /// The header of a sequences file: what decides the regenerated sequences besides the prompts
 /// (the target's config and vocabulary, the reply budget, the seed and the sampler).
 pub fn sequences_header(session: &Session, opts: &RegenOptions) -> Result<Value> {
-    use sha2::{Digest, Sha256};
-    let config = session.dir.join("config.json");
-    let bytes = std::fs::read(&config)
-        .map_err(|e| EngineError::file(&config, format!("cannot read it ({e})")))?;
+    let config_sha256 = crate::convert::registry::sha256_file(&session.dir.join("config.json"))?;
     Ok(serde_json::json!({
         "mlxb_sequences": 1,
-        "target_config_sha256": hex(&Sha256::digest(&bytes)),
+        "target_config_sha256": config_sha256,
         "vocab_size": session.model.model.vocab_size(),
         "max_tokens": opts.max_tokens, "seed": opts.seed,
         "sampling": {"temp": 0.7, "top_p": 0.8, "top_k": 20},

@@ -89,9 +89,5 @@ pub fn write(dir: &Path, ids: &[u32], vocab: i32) -> Result<()> {
         Array::from_slice(&offsets, &[offsets.len() as i32]),
     );
     tensors.insert("t2d".into(), Array::from_slice(&marks, &[vocab]));
-    let tmp = dir.join(format!("tmp-{WEIGHTS_FILE}"));
-    Array::save_safetensors(tensors.iter(), &meta, &tmp)
-        .map_err(|e| EngineError::file(&tmp, format!("cannot write the weights ({e})")))?;
-    std::fs::rename(&tmp, &path)
-        .map_err(|e| EngineError::file(&dir, format!("cannot write {WEIGHTS_FILE} ({e})")))
+    checkpoint::write_weights(&dir, &tensors, Some(&meta))
 }

@@ -13,6 +13,7 @@
 //! with other prompts.
 
 use super::data::TrainPrompt;
+use crate::convert::registry::hex;
 use crate::engine::error::{EngineError, Result};
 use serde::{Deserialize, Serialize};
 use serde_json::Value;
@@ -72,11 +73,6 @@ pub fn prompt_digest(prompt: &TrainPrompt) -> String {
         TrainPrompt::Ids(ids) => serde_json::json!({ "prompt_ids": ids }),
     };
     hex(&Sha256::digest(v.to_string().as_bytes()))
-}
-
-/// Lower-case hex of `bytes`.
-pub fn hex(bytes: &[u8]) -> String {
-    bytes.iter().map(|b| format!("{b:02x}")).collect()
 }
 
 /// The whole lines of the file at `path` (a missing file has none): its header, its records

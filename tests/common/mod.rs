@@ -176,6 +176,26 @@ pub fn run_mlxb_json(args: &[&str], env: &[(&str, &str)]) -> (i32, serde_json::V
     )
 }
 
+/// The `mlxb dspark-init` command line for a small drafter of a tiny target: one layer, γ = 4,
+/// Markov rank 16, then `extra` flags (taps, head, ...).
+pub fn dspark_init_args<'a>(model: &'a str, out: &'a str, extra: &[&'a str]) -> Vec<&'a str> {
+    let mut args = vec![
+        "dspark-init",
+        "--model",
+        model,
+        "--out",
+        out,
+        "--layers",
+        "1",
+        "--gamma",
+        "4",
+        "--markov-rank",
+        "16",
+    ];
+    args.extend_from_slice(extra);
+    args
+}
+
 /// A `speculative` JSON object's counters, without its per-round times (which differ from run
 /// to run), so two runs can be compared for what they drafted and accepted.
 pub fn spec_counters(speculative: &serde_json::Value) -> serde_json::Value {

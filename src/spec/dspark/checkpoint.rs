@@ -463,10 +463,20 @@ pub fn write_config(dir: &Path, config: &DsparkConfig) -> Result<()> {
 pub fn save(dir: &Path, config: &DsparkConfig, tensors: &HashMap<String, Array>) -> Result<()> {
     std::fs::create_dir_all(dir)
         .map_err(|e| EngineError::file(dir, format!("cannot create the directory ({e})")))?;
+    write_weights(dir, tensors, None)?;
+    write_config(dir, config)
+}
+
+/// Writes `tensors` (with safetensors `metadata`) as `model.safetensors` in `dir` atomically
+/// (temp file + rename).
+pub fn write_weights(
+    dir: &Path,
+    tensors: &HashMap<String, Array>,
+    metadata: Option<&HashMap<String, String>>,
+) -> Result<()> {
     let tmp = dir.join(format!("tmp-{WEIGHTS_FILE}"));
-    Array::save_safetensors(tensors.iter(), None, &tmp)
+    Array::save_safetensors(tensors.iter(), metadata, &tmp)
         .map_err(|e| EngineError::file(&tmp, format!("cannot write the weights ({e})")))?;
     std::fs::rename(&tmp, dir.join(WEIGHTS_FILE))
-        .map_err(|e| EngineError::file(dir, format!("cannot write {WEIGHTS_FILE} ({e})")))?;
-    write_config(dir, config)
+        .map_err(|e| EngineError::file(dir, format!("cannot write {WEIGHTS_FILE} ({e})")))
 }
