@@ -392,16 +392,17 @@ impl DsparkModule {
         let base_logits = match &self.vocab {
             None => self.head(target, &hidden)?,
             Some(vocab) => {
-                if self.draft_head.is_none() {
-                    let d = self.config.hidden_size;
-                    let head = |x: &Array| self.head(target, x);
-                    let m = vocab.restrict(head, d, hidden.dtype(), self.host_matvec)?;
-                    self.draft_head = Some(m);
-                }
-                match &self.draft_head {
-                    Some(m) => m.forward(&hidden)?,
-                    None => self.head(target, &hidden)?,
-                }
+                let restricted = match self.draft_head.take() {
+                    Some(m) => m,
+                    None => {
+                        let d = self.config.hidden_size;
+                        let head = |x: &Array| self.head(target, x);
+                        vocab.restrict(head, d, hidden.dtype(), self.host_matvec)?
+                    }
+                };
+                let logits = restricted.forward(&hidden);
+                self.draft_head = Some(restricted);
+                logits?
             }
         };
         Ok(BlockOut {

@@ -14,11 +14,10 @@ use crate::engine::weights::WeightStore;
 use mlx_rs::ops::indexing::IndexOp;
 use mlx_rs::{ops, Array, Dtype};
 
-/// The draft ids' target ids and the output maps restricted to them.
+/// The draft ids' target ids.
 pub struct DraftVocab {
     /// Target id of each draft id `[Vd]` (uint32, ascending).
     target_ids: Array,
-    size: usize,
 }
 
 impl DraftVocab {
@@ -69,14 +68,13 @@ impl DraftVocab {
         }
         let ids: Vec<u32> = ids.iter().map(|&t| t as u32).collect();
         Ok(Some(Self {
-            size: ids.len(),
             target_ids: Array::from_slice(&ids, &[ids.len() as i32]),
         }))
     }
 
     /// Draft ids.
     pub fn size(&self) -> usize {
-        self.size
+        self.target_ids.size()
     }
 
     /// A map `[n] → [V]` restricted to the draft ids, as a dense layer `[n] → [Vd]` (its weight
@@ -108,7 +106,7 @@ impl DraftVocab {
         let zeros = ops::zeros_dtype(&[n, vocab], probs.dtype())?;
         let idx = ops::broadcast_to(
             self.target_ids.index((ops::indexing::NewAxis, ..)),
-            &[n, self.size as i32],
+            &[n, self.size() as i32],
         )?;
         Ok(zeros.put_along_axis(&idx, probs, -1)?)
     }
