@@ -31,10 +31,11 @@ pub fn run(args: DsparkVocabArgs) -> anyhow::Result<()> {
     if args.size == 0 {
         return Err(EngineError::Input("--size must be at least 1".into()).into());
     }
-    let (config, _) = checkpoint::read_config(&checkpoint::checkpoint_dir(&args.drafter))?;
+    // A drafter that cannot be patched is refused before the sequences are read.
+    let (dir, config) = checkpoint::patchable(&args.drafter, "a draft vocabulary")?;
     let vocab = config.vocab_size;
     let choice = choose(&args.sequences, vocab, args.size)?;
-    write(&args.drafter, &choice.ids, vocab)?;
+    write(&dir, &choice.ids, vocab)?;
     if args.json {
         println!(
             "{}",

@@ -69,9 +69,9 @@ pub fn choose(path: &Path, vocab: i32, size: usize) -> Result<VocabChoice> {
 
 /// Writes `ids` as the drafter's `d2t` (offsets) and `t2d` (mask over `vocab`) tensors,
 /// replacing any earlier ones; `model.safetensors` is rewritten atomically (temp file +
-/// rename), every other tensor and `dspark.json` untouched. Only mlxb-format drafters.
+/// rename), every other tensor and `dspark.json` untouched. `dir` is an mlxb-format drafter's
+/// directory ([`checkpoint::patchable`]).
 pub fn write(dir: &Path, ids: &[u32], vocab: i32) -> Result<()> {
-    let (dir, _) = checkpoint::patchable(dir, "a draft vocabulary")?;
     let path = dir.join(WEIGHTS_FILE);
     let (mut tensors, meta) = Array::load_safetensors_with_metadata(&path)
         .map_err(|e| EngineError::file(&path, format!("cannot read the weights ({e})")))?;
@@ -82,12 +82,15 @@ pub fn write(dir: &Path, ids: &[u32], vocab: i32) -> Result<()> {
         .collect();
     let mut marks = vec![false; vocab as usize];
     for &t in ids {
-        marks[t as usize] = true;
+        let mark = marks.get_mut(t as usize).ok_or_else(|| {
+            EngineError::Runtime(format!("draft id {t} is outside the {vocab} target ids"))
+        })?;
+        *mark = true;
     }
     tensors.insert(
         "d2t".into(),
         Array::from_slice(&offsets, &[offsets.len() as i32]),
     );
     tensors.insert("t2d".into(), Array::from_slice(&marks, &[vocab]));
-    checkpoint::write_weights(&dir, &tensors, Some(&meta))
+    checkpoint::write_weights(dir, &tensors, Some(&meta))
 }
