@@ -12,10 +12,11 @@ use mlxb::engine::forks::Forks;
 use mlxb::engine::models::{self, LanguageModel};
 use mlxb::spec::dspark::checkpoint::{self, DsparkConfig, SeqHead};
 use mlxb::spec::dspark::module::DsparkModule;
+use mlxb::train::draft_vocab::vocab_tensors;
 use mlxb::train::example::{anchor_batch, extract_example, sample_anchors, Example, SplitMix};
-use mlxb::train::forward::{Frozen, Params};
+use mlxb::train::forward::{DraftHead, Frozen, Params};
 use mlxb::train::init::{init, InitOptions};
-use mlxb::train::loss::{loss_sums, total_loss};
+use mlxb::train::loss::{loss_sums, total_loss, Target, VocabMap};
 use mlxb::train::optim::{AdamW, TrainOptions};
 use mlxb::train::state::load_state;
 use mlxb::train::trainer::{step_loss, Trainer};
@@ -40,10 +41,12 @@ fn to_json(a: &Array) -> serde_json::Value {
     json!({"shape": shape, "data": flat})
 }
 
-#[test]
-fn loss_terms_match_numpy() {
+/// Checks the loss sums against the numpy oracle; with `keep`, the drafter scores only those
+/// target ids (a reduced draft vocabulary) and the oracle spreads its distribution over all.
+fn check_loss_against_numpy(keep: Option<&[u32]>) {
     let (a, g, v) = (3, 4, 11);
-    let logits = rand(&[a, g, v], 1, 2.0);
+    let vd = keep.map_or(v, |k| k.len() as i32);
+    let logits = rand(&[a, g, vd], 1, 2.0);
     let target_logits = rand(&[a, g, v], 2, 2.0);
     let conf = rand(&[a, g], 3, 1.5);
     let targets = Array::from_slice(
@@ -58,7 +61,9 @@ fn loss_terms_match_numpy() {
         }
     }
     let weights = Array::from_slice(&w, &[a, g]);
-    let sums = loss_sums(&logits, &target_logits, Some(&conf), &targets, &weights).unwrap();
+    let map = keep.map(|k| VocabMap::new(k, v as usize));
+    let target = Target::new(&target_logits, &targets, map.as_ref()).unwrap();
+    let sums = loss_sums(&logits, &target, Some(&conf), &weights).unwrap();
     let total = total_loss(&sums).unwrap();
     eval(sums.iter().chain([&total])).unwrap();
 
@@ -98,7 +103,7 @@ fn loss_terms_match_numpy() {
         &req,
         json!({
             "logits": nested(&logits), "target_logits": nested(&target_logits),
-            "conf": nested(&conf), "targets": t, "weights": nested(&weights),
+            "conf": nested(&conf), "targets": t, "weights": nested(&weights), "keep": keep,
         })
         .to_string(),
     )
@@ -122,6 +127,18 @@ fn loss_terms_match_numpy() {
         (mine - want).abs() <= 1e-4 * want.abs().max(1.0),
         "total: {mine} vs {want}"
     );
+}
+
+#[test]
+fn loss_terms_match_numpy() {
+    check_loss_against_numpy(None);
+}
+
+#[test]
+fn reduced_vocabulary_loss_matches_numpy() {
+    // Targets 4 and 7 (among others) fall outside: no cross-entropy there, and the target's
+    // mass outside the kept ids counts in full in L1.
+    check_loss_against_numpy(Some(&[0, 2, 3, 5, 8, 9]));
 }
 
 #[test]
@@ -211,57 +228,80 @@ fn opts(steps: u64) -> TrainOptions {
 #[test]
 fn training_forward_matches_the_inference_module() {
     for head in [SeqHead::None, SeqHead::Markov, SeqHead::Gated, SeqHead::Rnn] {
-        let fx = fixture(head);
-        let params = Params::from_tensors(&fx.config, &fx.tensors).unwrap();
-        let frozen = Frozen::new(&fx.config, &params, fx.target.as_ref()).unwrap();
-        let ex = &fx.examples[0];
-        let anchors = [7usize, 12];
-        let b = anchor_batch(ex, &anchors, fx.config.block_size, fx.config.mask_token_id);
-        let (z, conf) = frozen.forward(&params.values, ex, &b).unwrap();
-        // The module, run the inference way on the same anchors.
-        let ck = tempfile::tempdir().unwrap();
-        checkpoint::save(ck.path(), &fx.config, &fx.tensors).unwrap();
-        let mut c = checkpoint::load(ck.path()).unwrap();
-        let mut module = DsparkModule::build(&c.config, &mut c.weights, false).unwrap();
-        let taps = ex
-            .taps
-            .as_dtype(mlx_rs::Dtype::Float32)
-            .unwrap()
-            .expand_dims(0)
+        check_forward_against_module(head, None);
+    }
+}
+
+#[test]
+fn reduced_vocabulary_forward_matches_the_inference_module() {
+    // Every third target id: the training head's rows and the inference module's restricted
+    // head (read from the saved `d2t`/`t2d`) must score the same draft ids alike.
+    let keep: Vec<u32> = (0..384).step_by(3).collect();
+    for head in [SeqHead::None, SeqHead::Markov] {
+        check_forward_against_module(head, Some(keep.clone()));
+    }
+}
+
+/// The training forward's logits (and confidences) of two anchors against the inference
+/// module's, on a drafter with the given head and, with `keep`, a reduced draft vocabulary.
+fn check_forward_against_module(head: SeqHead, keep: Option<Vec<u32>>) {
+    let mut fx = fixture(head);
+    let params = Params::from_tensors(&fx.config, &fx.tensors).unwrap();
+    let draft_head = keep
+        .clone()
+        .map(|ids| DraftHead::new(ids, fx.target.as_ref(), &fx.config).unwrap());
+    if let Some(ids) = &keep {
+        fx.tensors
+            .extend(vocab_tensors(ids, fx.config.vocab_size).unwrap());
+    }
+    let frozen = Frozen::new(&fx.config, &params, fx.target.as_ref(), draft_head).unwrap();
+    let ex = &fx.examples[0];
+    let anchors = [7usize, 12];
+    let b = anchor_batch(ex, &anchors, fx.config.block_size, fx.config.mask_token_id);
+    let (z, conf) = frozen.forward(&params.values, ex, &b).unwrap();
+    // The module, run the inference way on the same anchors.
+    let ck = tempfile::tempdir().unwrap();
+    checkpoint::save(ck.path(), &fx.config, &fx.tensors).unwrap();
+    let mut c = checkpoint::load(ck.path()).unwrap();
+    let mut module = DsparkModule::build(&c.config, &mut c.weights, false).unwrap();
+    let taps = ex
+        .taps
+        .as_dtype(mlx_rs::Dtype::Float32)
+        .unwrap()
+        .expand_dims(0)
+        .unwrap();
+    for (a, &p) in anchors.iter().enumerate() {
+        let mut caches = module.new_caches();
+        let f = module
+            .context_features(&taps.index((.., ..p as i32, ..)))
             .unwrap();
-        for (a, &p) in anchors.iter().enumerate() {
-            let mut caches = module.new_caches();
-            let f = module
-                .context_features(&taps.index((.., ..p as i32, ..)))
-                .unwrap();
-            module.extend_context(&f, &mut caches).unwrap();
-            let out = module
-                .block(fx.target.as_ref(), ex.ids[p], &mut caches)
-                .unwrap();
-            let s = module.sample(&out, ex.ids[p], 0.0).unwrap();
-            // Slot 0's previous token is the anchor in both; later slots are teacher-forced in
-            // training, so only the head-less logits agree there.
-            let slots = if head == SeqHead::None { 5 } else { 1 };
-            let mine = z.index((a as i32, ..slots));
-            let theirs = s.logits.index(..slots);
-            let diff = mine
-                .subtract(&theirs)
+        module.extend_context(&f, &mut caches).unwrap();
+        let out = module
+            .block(fx.target.as_ref(), ex.ids[p], &mut caches)
+            .unwrap();
+        let s = module.sample(&out, ex.ids[p], 0.0).unwrap();
+        // Slot 0's previous token is the anchor in both; later slots are teacher-forced in
+        // training, so only the head-less logits agree there.
+        let slots = if head == SeqHead::None { 5 } else { 1 };
+        let mine = z.index((a as i32, ..slots));
+        let theirs = s.logits.index(..slots);
+        let diff = mine
+            .subtract(&theirs)
+            .unwrap()
+            .abs()
+            .unwrap()
+            .max(None)
+            .unwrap();
+        let diff = diff.item_cast::<f32>();
+        assert!(diff < 2e-4, "{head:?} anchor {p}: logits differ by {diff}");
+        if let (Some(cm), Some(ct)) = (&conf, &s.confidence) {
+            let d = cm
+                .index((a as i32, 0))
+                .subtract(ct.index(0))
                 .unwrap()
                 .abs()
-                .unwrap()
-                .max(None)
                 .unwrap();
-            let diff = diff.item_cast::<f32>();
-            assert!(diff < 2e-4, "{head:?} anchor {p}: logits differ by {diff}");
-            if let (Some(cm), Some(ct)) = (&conf, &s.confidence) {
-                let d = cm
-                    .index((a as i32, 0))
-                    .subtract(ct.index(0))
-                    .unwrap()
-                    .abs()
-                    .unwrap();
-                assert!(d.item_cast::<f32>() < 2e-4, "{head:?} confidence differs");
-            }
+            assert!(d.item_cast::<f32>() < 2e-4, "{head:?} confidence differs");
         }
     }
 }
@@ -274,7 +314,7 @@ fn trainer<'a>(
 ) -> Trainer<'a> {
     let params = Params::from_tensors(&fx.config, &fx.tensors).unwrap();
     Trainer {
-        frozen: Frozen::new(&fx.config, frozen_params, fx.target.as_ref()).unwrap(),
+        frozen: Frozen::new(&fx.config, frozen_params, fx.target.as_ref(), None).unwrap(),
         opt: AdamW::new(&params).unwrap(),
         params,
         opts: o,
@@ -579,6 +619,110 @@ fn cli_trains_and_refuses_bad_input_with_exit_2() {
             "{name}: --resume kept the older drafter"
         );
     }
+}
+
+/// `--draft-vocab N` trains on the N most frequent reply tokens: the checkpoint carries them
+/// as `d2t`/`t2d` (each one a reply token of the regenerated sequences, the most frequent
+/// first), `--resume` keeps them whatever N it is given, and decoding with the drafter emits
+/// the target's own greedy text.
+#[test]
+fn cli_trains_on_a_reduced_draft_vocabulary() {
+    let tmp = tempfile::tempdir().unwrap();
+    let t = tmp.path().join("target");
+    common::make_model(&t, &common::tiny_llama(json!({})), "f32", None);
+    let data = tmp.path().join("p.jsonl");
+    std::fs::write(
+        &data,
+        "{\"prompt\": \"hello there\"}\n{\"prompt\": \"a b c\"}\n{\"prompt\": \"zzz\"}\n",
+    )
+    .unwrap();
+    let out = tmp.path().join("ck");
+    let (t_s, d_s, o_s) = (
+        t.to_str().unwrap(),
+        data.to_str().unwrap(),
+        out.to_str().unwrap(),
+    );
+    let train = |extra: &[&str]| {
+        let mut a = vec![
+            "train-dspark",
+            "--model",
+            t_s,
+            "--data",
+            d_s,
+            "--out",
+            o_s,
+            "--iters",
+            "2",
+            "--batch",
+            "2",
+            "--max-tokens",
+            "24",
+            "--markov-rank",
+            "8",
+            "--gamma",
+            "4",
+        ];
+        a.extend(extra);
+        common::run_mlxb(&a)
+    };
+    let (code, _, err) = train(&["--draft-vocab", "0"]);
+    common::assert_refused("--draft-vocab 0", code, &err, &["--draft-vocab"]);
+    let (code, _, err) = train(&["--draft-vocab", "12"]);
+    assert_eq!(code, 0, "{err}");
+    let weights = out.join(checkpoint::WEIGHTS_FILE);
+    let tensors = Array::load_safetensors(&weights).unwrap();
+    let ids = mlxb::train::draft_vocab::ids_of(&tensors)
+        .unwrap()
+        .expect("d2t saved");
+    assert_eq!(ids.len(), 12);
+    assert!(ids.windows(2).all(|w| w[0] < w[1]));
+    // The kept ids are the 12 most frequent reply tokens of the sequences (counted here).
+    let (_, seqs) =
+        mlxb::train::sequences::read_sequences(&out.join("cache/sequences.jsonl")).unwrap();
+    let mut counts: HashMap<u32, usize> = HashMap::new();
+    for s in &seqs {
+        for &t in &s.ids[s.reply_from..] {
+            *counts.entry(t).or_default() += 1;
+        }
+    }
+    let least_kept = ids
+        .iter()
+        .map(|t| counts.get(t).copied().unwrap_or(0))
+        .min();
+    let most_left = counts
+        .iter()
+        .filter(|(t, _)| !ids.contains(t))
+        .map(|(_, &c)| c)
+        .max()
+        .unwrap_or(0);
+    assert!(
+        least_kept.unwrap() >= most_left.max(1),
+        "not the most frequent"
+    );
+    // Resume keeps the saved vocabulary.
+    let before = Array::load_safetensors(&weights).unwrap();
+    let (code, _, err) = train(&["--resume", "--draft-vocab", "5"]);
+    assert_eq!(code, 0, "{err}");
+    let after = Array::load_safetensors(&weights).unwrap();
+    assert_eq!(common::bits(&after["d2t"]), common::bits(&before["d2t"]));
+    // Lossless with the drafter attached.
+    let gen = |extra: &[&str]| {
+        let mut a = vec![
+            "generate",
+            "--model",
+            t_s,
+            "--prompt",
+            "hello there",
+            "--max-tokens",
+            "16",
+            "--ignore-chat-template",
+        ];
+        a.extend(extra);
+        let (code, stdout, err) = common::run_mlxb(&a);
+        assert_eq!(code, 0, "{err}");
+        stdout
+    };
+    assert_eq!(gen(&["--drafter", o_s]), gen(&[]));
 }
 
 /// `--sequences-only` stops after the regeneration stage; a copied sequences file is the only

@@ -14,7 +14,8 @@ use crate::spec::dspark::checkpoint::{self, DsparkConfig, TargetFacts};
 use crate::train::data::{
     build_cache, regenerate_all, sequences_header, train_prompts, RegenOptions,
 };
-use crate::train::forward::{Frozen, Params};
+use crate::train::draft_vocab;
+use crate::train::forward::{DraftHead, Frozen, Params};
 use crate::train::init::init_for_session;
 use crate::train::optim::{AdamW, TrainOptions};
 use crate::train::prompts::PromptFile;
@@ -54,6 +55,12 @@ pub struct TrainDsparkArgs {
     /// The shape of a new drafter (ignored with --resume).
     #[command(flatten)]
     pub shape: ShapeArgs,
+    /// Train on a reduced draft vocabulary: the N most frequent reply tokens of the sequences,
+    /// saved as the drafter's `d2t`/`t2d` (as `mlxb dspark-vocab` chooses them). The output
+    /// head's work per step shrinks to those rows. With --resume the checkpoint's own
+    /// vocabulary is kept.
+    #[arg(long, value_name = "N")]
+    pub draft_vocab: Option<usize>,
     /// Optimizer steps (default: --epochs over the cached sequences).
     #[arg(long)]
     pub iters: Option<u64>,
@@ -135,9 +142,13 @@ pub fn run(args: TrainDsparkArgs) -> anyhow::Result<()> {
         )
         .into());
     }
-    if args.batch == 0 || args.anchors == 0 || args.checkpoint_every == 0 {
+    if args.batch == 0
+        || args.anchors == 0
+        || args.checkpoint_every == 0
+        || args.draft_vocab == Some(0)
+    {
         return Err(EngineError::Input(
-            "--batch, --anchors and --checkpoint-every must be at least 1".into(),
+            "--batch, --anchors, --checkpoint-every and --draft-vocab must be at least 1".into(),
         )
         .into());
     }
@@ -232,7 +243,25 @@ pub fn run(args: TrainDsparkArgs) -> anyhow::Result<()> {
             (params, opt)
         }
     };
-    let frozen = Frozen::new(&config, &params, session.model.model.as_ref())?;
+    let draft_ids = match (draft_vocab::ids_of(&tensors)?, args.draft_vocab) {
+        (Some(ids), _) => Some(ids),
+        (None, Some(size)) if !args.resume => {
+            let choice = draft_vocab::choose(&seq_path, config.vocab_size, size)?;
+            eprintln!(
+                "draft vocabulary: {} of {} distinct reply tokens ({:.2} % of the reply tokens)",
+                choice.ids.len(),
+                choice.distinct,
+                100.0 * choice.coverage
+            );
+            Some(choice.ids)
+        }
+        (None, _) => None,
+    };
+    let target = session.model.model.as_ref();
+    let head = draft_ids
+        .map(|ids| DraftHead::new(ids, target, &config))
+        .transpose()?;
+    let frozen = Frozen::new(&config, &params, target, head)?;
     let mut trainer = Trainer {
         frozen,
         params,

@@ -8,6 +8,7 @@ use crate::spec::dspark::checkpoint::{self, WEIGHTS_FILE};
 use crate::train::sequences::read_sequences;
 use mlx_rs::Array;
 use serde::Serialize;
+use std::collections::HashMap;
 use std::path::Path;
 
 /// What [`choose`] kept.
@@ -67,14 +68,9 @@ pub fn choose(path: &Path, vocab: i32, size: usize) -> Result<VocabChoice> {
     })
 }
 
-/// Writes `ids` as the drafter's `d2t` (offsets) and `t2d` (mask over `vocab`) tensors,
-/// replacing any earlier ones; `model.safetensors` is rewritten atomically (temp file +
-/// rename), every other tensor and `dspark.json` untouched. `dir` is an mlxb-format drafter's
-/// directory ([`checkpoint::patchable`]).
-pub fn write(dir: &Path, ids: &[u32], vocab: i32) -> Result<()> {
-    let path = dir.join(WEIGHTS_FILE);
-    let (mut tensors, meta) = Array::load_safetensors_with_metadata(&path)
-        .map_err(|e| EngineError::file(&path, format!("cannot read the weights ({e})")))?;
+/// The speculators-format tensors of a draft vocabulary: `d2t` (each draft id's offset to its
+/// target id) and `t2d` (a mask over the target's `vocab` ids).
+pub fn vocab_tensors(ids: &[u32], vocab: i32) -> Result<[(String, Array); 2]> {
     let offsets: Vec<i64> = ids
         .iter()
         .enumerate()
@@ -87,10 +83,39 @@ pub fn write(dir: &Path, ids: &[u32], vocab: i32) -> Result<()> {
         })?;
         *mark = true;
     }
-    tensors.insert(
-        "d2t".into(),
-        Array::from_slice(&offsets, &[offsets.len() as i32]),
-    );
-    tensors.insert("t2d".into(), Array::from_slice(&marks, &[vocab]));
+    Ok([
+        (
+            "d2t".into(),
+            Array::from_slice(&offsets, &[offsets.len() as i32]),
+        ),
+        ("t2d".into(), Array::from_slice(&marks, &[vocab])),
+    ])
+}
+
+/// The target ids of a checkpoint's `d2t` tensor (`i + d2t[i]`), or `None` without one.
+pub fn ids_of(tensors: &HashMap<String, Array>) -> Result<Option<Vec<u32>>> {
+    let Some(d2t) = tensors.get("d2t") else {
+        return Ok(None);
+    };
+    let offsets = d2t.as_dtype(mlx_rs::Dtype::Int64)?;
+    Ok(Some(
+        offsets
+            .as_slice::<i64>()
+            .iter()
+            .enumerate()
+            .map(|(i, &o)| (i as i64 + o) as u32)
+            .collect(),
+    ))
+}
+
+/// Writes `ids` as the drafter's `d2t`/`t2d` tensors ([`vocab_tensors`]), replacing any earlier
+/// ones; `model.safetensors` is rewritten atomically (temp file + rename), every other tensor
+/// and `dspark.json` untouched. `dir` is an mlxb-format drafter's directory
+/// ([`checkpoint::patchable`]).
+pub fn write(dir: &Path, ids: &[u32], vocab: i32) -> Result<()> {
+    let path = dir.join(WEIGHTS_FILE);
+    let (mut tensors, meta) = Array::load_safetensors_with_metadata(&path)
+        .map_err(|e| EngineError::file(&path, format!("cannot read the weights ({e})")))?;
+    tensors.extend(vocab_tensors(ids, vocab)?);
     checkpoint::write_weights(dir, &tensors, Some(&meta))
 }

@@ -11,13 +11,17 @@
 use crate::engine::error::{EngineError, Result};
 use crate::engine::models::LanguageModel;
 use crate::spec::dspark::checkpoint::{DsparkConfig, LayerStyle, SeqHead};
+use crate::spec::dspark::vocab::DraftVocab;
 use mlx_rs::error::Exception;
 use mlx_rs::ops::indexing::IndexOp;
 use mlx_rs::{fast, ops, Array, Dtype};
 use std::collections::{BTreeMap, HashMap};
 
 use super::example::{AnchorBatch, Example};
-use super::loss::loss_sums;
+use super::loss::{loss_sums, Target, VocabMap};
+
+/// The draft-vocabulary tensors of a checkpoint: fixed by the chosen ids, never trained.
+const VOCAB_TENSORS: [&str; 2] = ["d2t", "t2d"];
 
 fn exc(e: EngineError) -> Exception {
     Exception::custom(e.to_string())
@@ -43,7 +47,11 @@ impl Params {
         }
         let sorted: BTreeMap<&String, &Array> = tensors
             .iter()
-            .filter(|(k, _)| !k.starts_with("embed_tokens.") && !k.starts_with("lm_head."))
+            .filter(|(k, _)| {
+                !k.starts_with("embed_tokens.")
+                    && !k.starts_with("lm_head.")
+                    && !VOCAB_TENSORS.contains(&k.as_str())
+            })
             .collect();
         if sorted.keys().any(|k| k.ends_with(".scales")) {
             return Err(EngineError::Input(
@@ -158,6 +166,40 @@ pub struct Frozen<'a> {
     index: HashMap<String, usize>,
     target: &'a dyn LanguageModel,
     rope: (f32, f32),
+    head: Option<DraftHead>,
+}
+
+/// A reduced draft vocabulary as training sees it: the drafter scores only these target ids,
+/// exactly as it will at inference ([`crate::spec::dspark::vocab`]), so training spends its
+/// output-head work where proposals can land.
+pub struct DraftHead {
+    /// The chosen target ids, ascending.
+    pub ids: Vec<u32>,
+    map: VocabMap,
+    /// The target's output head at the draft ids `[Vd, d]` (f32).
+    rows: Array,
+}
+
+impl DraftHead {
+    /// The head of `ids` (ascending target ids) over `target`'s output head. Refuses
+    /// soft-capped targets, as inference does.
+    pub fn new(ids: Vec<u32>, target: &dyn LanguageModel, config: &DsparkConfig) -> Result<Self> {
+        if config.final_logit_softcapping.is_some() {
+            return Err(EngineError::Input(
+                "a reduced draft vocabulary needs a target without soft-capped logits; train this drafter without --draft-vocab".into(),
+            ));
+        }
+        let rows = DraftVocab::from_ids(&ids).rows(
+            |x| target.lm_head(x),
+            config.hidden_size,
+            Dtype::Float32,
+        )?;
+        Ok(Self {
+            map: VocabMap::new(&ids, config.vocab_size as usize),
+            ids,
+            rows,
+        })
+    }
 }
 
 impl<'a> Frozen<'a> {
@@ -166,6 +208,7 @@ impl<'a> Frozen<'a> {
         config: &'a DsparkConfig,
         params: &Params,
         target: &'a dyn LanguageModel,
+        head: Option<DraftHead>,
     ) -> Result<Self> {
         Ok(Self {
             config,
@@ -176,6 +219,7 @@ impl<'a> Frozen<'a> {
                 .collect(),
             target,
             rope: rope_params(config)?,
+            head,
         })
     }
 
@@ -188,6 +232,11 @@ impl<'a> Frozen<'a> {
 
     fn opt<'p>(&self, p: &'p [Array], name: &str) -> Option<&'p Array> {
         self.index.get(name).map(|&i| &p[i])
+    }
+
+    /// The reduced draft vocabulary trained on, if any.
+    pub fn draft_head(&self) -> Option<&DraftHead> {
+        self.head.as_ref()
     }
 
     /// The teacher-forced forward of one sequence's anchors: corrected logits `[A, γ, V]` and
@@ -275,8 +324,11 @@ impl<'a> Frozen<'a> {
             h = h.add(&linear(&act, w("mlp.down_proj.weight")?, None)?)?;
         }
         let hidden = fast::rms_norm(&h, Some(self.get(p, "norm.weight")?), eps)?;
-        let base_logits =
-            f32_(&self.target.lm_head(&hidden).map_err(exc)?)?.reshape(&[a, g, -1])?;
+        let base_logits = match &self.head {
+            Some(head) => linear(&hidden, &head.rows, None)?,
+            None => f32_(&self.target.lm_head(&hidden).map_err(exc)?)?,
+        }
+        .reshape(&[a, g, -1])?;
         let hidden = hidden.reshape(&[a, g, d])?;
         let e = match self.opt(p, "markov_head.markov_w1.weight") {
             Some(w1) => Some(w1.take_axis(&b.prev_ids, 0)?),
@@ -296,11 +348,12 @@ impl<'a> Frozen<'a> {
                     SeqHead::Rnn => self.rnn(p, &hidden, e)?,
                     _ => e.clone(),
                 };
-                base_logits.add(&linear(
-                    &inner,
-                    self.get(p, "markov_head.markov_w2.weight")?,
-                    None,
-                )?)?
+                let w2 = self.get(p, "markov_head.markov_w2.weight")?;
+                let w2 = match &self.head {
+                    Some(head) => w2.take_axis(&head.map.target_ids, 0)?,
+                    None => w2.clone(),
+                };
+                base_logits.add(&linear(&inner, &w2, None)?)?
             }
         };
         let conf = match self.opt(p, "confidence_head.proj.weight") {
@@ -350,6 +403,7 @@ impl<'a> Frozen<'a> {
         let (z, conf) = self.forward(p, ex, b)?;
         let rows = ex.last_hidden.take_axis(&b.target_rows, 0)?;
         let tl = mlx_rs::stop_gradient(&self.target.lm_head(&rows).map_err(exc)?)?;
-        loss_sums(&z, &tl, conf.as_ref(), &b.targets, &b.weights)
+        let target = Target::new(&tl, &b.targets, self.head.as_ref().map(|h| &h.map))?;
+        loss_sums(&z, &target, conf.as_ref(), &b.weights)
     }
 }

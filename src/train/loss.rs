@@ -10,25 +10,103 @@ pub const LOSS_WEIGHTS: (f32, f32, f32) = (0.1, 0.9, 1.0);
 /// `loss_decay_gamma` of DeepSpec's code: position weights `exp(-k / 4)`.
 pub const LOSS_DECAY: f32 = 4.0;
 
+/// A reduced draft vocabulary seen from the target's ids: which target id is which draft id.
+pub struct VocabMap {
+    /// The draft ids' target ids `[Vd]` (uint32, ascending).
+    pub target_ids: Array,
+    /// Each target id's draft id `[V]` (int32; 0 where it has none).
+    draft_of: Array,
+    /// Whether each target id has a draft id `[V]` (f32 0/1).
+    kept: Array,
+}
+
+impl VocabMap {
+    /// The map of `ids` (ascending target ids below `vocab`).
+    pub fn new(ids: &[u32], vocab: usize) -> Self {
+        let mut draft_of = vec![0i32; vocab];
+        let mut kept = vec![0f32; vocab];
+        for (i, &t) in ids.iter().enumerate() {
+            draft_of[t as usize] = i as i32;
+            kept[t as usize] = 1.0;
+        }
+        Self {
+            target_ids: Array::from_slice(ids, &[ids.len() as i32]),
+            draft_of: Array::from_slice(&draft_of, &[vocab as i32]),
+            kept: Array::from_slice(&kept, &[vocab as i32]),
+        }
+    }
+}
+
+/// The target's side of the loss at each supervised position.
+pub struct Target {
+    /// The target's next-token probabilities over the drafter's vocabulary `[.., Vd]` (the
+    /// full vocabulary, or a reduced draft vocabulary's columns).
+    probs: Array,
+    /// The target's probability mass outside a reduced draft vocabulary `[..]` (`None` = 0).
+    outside: Option<Array>,
+    /// Supervised next tokens as drafter ids `[..]`.
+    ids: Array,
+    /// 1 where the supervised token has a drafter id, 0 where a reduced vocabulary lacks it
+    /// (no cross-entropy there) `[..]`; `None` = all 1.
+    ce_mask: Option<Array>,
+}
+
+impl Target {
+    /// The target side from its logits over the full vocabulary `[.., V]` and the supervised
+    /// target ids `[..]`, seen through `map` when the drafter has a reduced vocabulary.
+    pub fn new(
+        logits: &Array,
+        ids: &Array,
+        map: Option<&VocabMap>,
+    ) -> std::result::Result<Self, Exception> {
+        let pt = ops::softmax_axis(&logits.as_dtype(Dtype::Float32)?, -1, true)?;
+        let pt = mlx_rs::stop_gradient(&pt)?;
+        Ok(match map {
+            None => Self {
+                probs: pt,
+                outside: None,
+                ids: ids.clone(),
+                ce_mask: None,
+            },
+            Some(m) => {
+                let probs = pt.take_axis(&m.target_ids, -1)?;
+                let outside = Array::from_f32(1.0).subtract(&probs.sum_axis(-1, false)?)?;
+                Self {
+                    probs,
+                    outside: Some(ops::maximum(&outside, Array::from_f32(0.0))?),
+                    ids: m.draft_of.take_axis(ids, 0)?,
+                    ce_mask: Some(m.kept.take_axis(ids, 0)?),
+                }
+            }
+        })
+    }
+}
+
 /// Weighted sums of the three loss terms and of the weights (scalars, f32):
-/// `(Σw·CE, Σw·L1, Σw·BCE, Σw)`. `logits`/`target_logits` `[.., V]`, `conf` `[..]` logits,
-/// `targets` ids `[..]`, `weights` `[..]`. `c*` is detached.
+/// `(Σw·CE, Σw·L1, Σw·BCE, Σw)`. `logits` `[.., Vd]`, `conf` `[..]` logits, `weights` `[..]`.
+/// L1 is the distance between the draft and target distributions over the whole target
+/// vocabulary: mass the target puts outside a reduced vocabulary counts in full. `c*` is
+/// detached.
 pub fn loss_sums(
     logits: &Array,
-    target_logits: &Array,
+    target: &Target,
     conf: Option<&Array>,
-    targets: &Array,
     weights: &Array,
 ) -> std::result::Result<[Array; 4], Exception> {
     let z = logits.as_dtype(Dtype::Float32)?;
     let lse = z.logsumexp_axis(-1, true)?;
     let logp = z.subtract(&lse)?;
-    let picked = take_along_axis(&logp, &targets.expand_dims(-1)?, -1)?.squeeze_axes(&[-1])?;
-    let ce = picked.negative()?;
+    let picked = take_along_axis(&logp, &target.ids.expand_dims(-1)?, -1)?.squeeze_axes(&[-1])?;
+    let ce = match &target.ce_mask {
+        Some(m) => picked.negative()?.multiply(m)?,
+        None => picked.negative()?,
+    };
     let pd = logp.exp()?;
-    let pt = ops::softmax_axis(&target_logits.as_dtype(Dtype::Float32)?, -1, true)?;
-    let pt = mlx_rs::stop_gradient(&pt)?;
-    let l1 = pd.subtract(&pt)?.abs()?.sum_axis(-1, false)?;
+    let l1 = pd.subtract(&target.probs)?.abs()?.sum_axis(-1, false)?;
+    let l1 = match &target.outside {
+        Some(o) => l1.add(o)?,
+        None => l1,
+    };
     let w = weights.as_dtype(Dtype::Float32)?;
     let bce = match conf {
         Some(c) => {

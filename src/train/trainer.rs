@@ -17,6 +17,7 @@ use mlx_rs::{ops, Array, Dtype};
 use std::collections::HashMap;
 use std::path::PathBuf;
 
+use super::draft_vocab::vocab_tensors;
 use super::example::{anchor_batch, sample_anchors, AnchorBatch, Example, SplitMix};
 use super::forward::{Frozen, Params};
 use super::loss::total_loss;
@@ -163,18 +164,24 @@ impl<'a> Trainer<'a> {
 
     /// Writes only the drafter from the current parameters.
     pub fn save_drafter(&self) -> Result<()> {
-        checkpoint::save(
-            &self.out,
-            self.frozen.config,
-            &self.params.to_tensors(self.save_dtype)?,
-        )
+        checkpoint::save(&self.out, self.frozen.config, &self.drafter_tensors()?)
+    }
+
+    /// The drafter's tensors: the parameters in the save dtype, and the draft vocabulary's
+    /// `d2t`/`t2d` when it trains on one.
+    fn drafter_tensors(&self) -> Result<HashMap<String, Array>> {
+        let mut tensors = self.params.to_tensors(self.save_dtype)?;
+        if let Some(head) = self.frozen.draft_head() {
+            tensors.extend(vocab_tensors(&head.ids, self.frozen.config.vocab_size)?);
+        }
+        Ok(tensors)
     }
 
     /// Whether `on_disk` (a drafter's tensors) is exactly the drafter the current parameters
     /// save as: same names, dtypes, shapes and bits. A run killed between [`Self::save`]'s two
     /// writes leaves an older drafter next to a newer state; `--resume` checks this to repair it.
     pub fn drafter_matches(&self, on_disk: &HashMap<String, Array>) -> Result<bool> {
-        let current = self.params.to_tensors(self.save_dtype)?;
+        let current = self.drafter_tensors()?;
         if current.len() != on_disk.len() {
             return Ok(false);
         }

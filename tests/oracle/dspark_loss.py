@@ -1,7 +1,10 @@
 """Numpy oracle for the DSpark training loss (dspark-spec.md §2.4).
 
-Reads a JSON file {logits, target_logits, conf, targets, weights} (nested lists) and prints
-the weighted sums [sum w*CE, sum w*L1, sum w*BCE, sum w] and the total loss as JSON."""
+Reads a JSON file {logits, target_logits, conf, targets, weights, keep} (nested lists) and
+prints the weighted sums [sum w*CE, sum w*L1, sum w*BCE, sum w] and the total loss as JSON.
+With `keep` (target ids, ascending) the drafter's logits cover only those ids: its
+distribution is spread onto the full vocabulary with zeros elsewhere, cross-entropy counts only
+where the target token is kept, and L1 is taken over the full vocabulary."""
 import json
 import sys
 
@@ -20,9 +23,17 @@ def softmax(x):
     return e / e.sum(-1, keepdims=True)
 
 
-pd, pt = softmax(z), softmax(tl)
-logp = np.log(pd)
-ce = -np.take_along_axis(logp, tgt[..., None], -1)[..., 0]
+pt = softmax(tl)
+keep = d.get("keep")
+if keep is None:
+    pd = softmax(z)
+    ce = -np.take_along_axis(np.log(pd), tgt[..., None], -1)[..., 0]
+else:
+    pd = np.zeros_like(pt)
+    pd[..., keep] = softmax(z)
+    kept = np.isin(tgt, keep)
+    picked = np.take_along_axis(pd, tgt[..., None], -1)[..., 0]
+    ce = np.where(kept, -np.log(np.where(kept, picked, 1.0)), 0.0)
 l1 = np.abs(pd - pt).sum(-1)
 cstar = np.clip(1 - 0.5 * l1, 0, 1)
 sig = 1 / (1 + np.exp(-conf))

@@ -72,6 +72,14 @@ impl DraftVocab {
         }))
     }
 
+    /// A vocabulary of the given target ids (ascending, as [`crate::train::draft_vocab`]
+    /// chooses them).
+    pub fn from_ids(ids: &[u32]) -> Self {
+        Self {
+            target_ids: Array::from_slice(ids, &[ids.len() as i32]),
+        }
+    }
+
     /// Draft ids.
     pub fn size(&self) -> usize {
         self.target_ids.size()
@@ -88,10 +96,21 @@ impl DraftVocab {
         dtype: Dtype,
         host_matvec: bool,
     ) -> Result<Linear> {
+        Ok(Linear::dense_host(self.rows(map, n, dtype)?, host_matvec))
+    }
+
+    /// The rows of a map `[n] → [V]` at the draft ids, `[Vd, n]`, evaluated (see
+    /// [`Self::restrict`]).
+    pub fn rows(
+        &self,
+        map: impl Fn(&Array) -> Result<Array>,
+        n: i32,
+        dtype: Dtype,
+    ) -> Result<Array> {
         let eye = ops::eye::<f32>(n, None, None)?.as_dtype(dtype)?;
         let rows = map(&eye)?.t().take_axis(&self.target_ids, 0)?;
         rows.eval()?;
-        Ok(Linear::dense_host(rows, host_matvec))
+        Ok(rows)
     }
 
     /// The target ids of draft ids `[..]`.
