@@ -725,6 +725,76 @@ fn cli_trains_on_a_reduced_draft_vocabulary() {
     assert_eq!(gen(&["--drafter", o_s]), gen(&[]));
 }
 
+/// A sequences file grown by a later regeneration stage keeps the cache shards of its earlier
+/// sequences (same bytes, same inode) and adds the rest; the partial last shard is rebuilt.
+/// A cache built with other tapped layers is refused, untouched.
+#[test]
+fn a_grown_sequences_file_keeps_its_cache_shards() {
+    let tmp = tempfile::tempdir().unwrap();
+    let t = tmp.path().join("target");
+    common::make_model(&t, &common::tiny_llama(json!({})), "f32", None);
+    let data = tmp.path().join("p.jsonl");
+    let prompts = |n: usize| -> String {
+        (0..n)
+            .map(|i| format!("{{\"prompt\": \"prompt number {i}\"}}\n"))
+            .collect()
+    };
+    let out = tmp.path().join("ck");
+    let cache = out.join("cache");
+    let (t_s, d_s, o_s) = (
+        t.to_str().unwrap(),
+        data.to_str().unwrap(),
+        out.to_str().unwrap(),
+    );
+    let run = |extra: &[&str]| {
+        let mut a = vec![
+            "train-dspark",
+            "--model",
+            t_s,
+            "--data",
+            d_s,
+            "--out",
+            o_s,
+            "--max-tokens",
+            "20",
+            "--cache-only",
+            "--ignore-chat-template",
+        ];
+        a.extend(extra);
+        common::run_mlxb(&a)
+    };
+    use std::os::unix::fs::MetadataExt;
+    let inode = |k: usize| {
+        std::fs::metadata(cache.join(format!("shard-{k:05}.safetensors")))
+            .unwrap()
+            .ino()
+    };
+    std::fs::write(&data, prompts(20)).unwrap();
+    let (code, _, err) = run(&[]);
+    assert_eq!(code, 0, "{err}");
+    let (first, first_bytes) = (
+        inode(0),
+        std::fs::read(cache.join("shard-00000.safetensors")).unwrap(),
+    );
+    let partial = inode(1);
+    std::fs::write(&data, prompts(36)).unwrap();
+    let (code, _, err) = run(&[]);
+    assert_eq!(code, 0, "{err}");
+    assert_eq!(inode(0), first, "shard 0 was rebuilt");
+    assert_eq!(
+        std::fs::read(cache.join("shard-00000.safetensors")).unwrap(),
+        first_bytes
+    );
+    assert_ne!(inode(1), partial, "the partial shard was kept");
+    let manifest: serde_json::Value =
+        serde_json::from_slice(&std::fs::read(cache.join("manifest.json")).unwrap()).unwrap();
+    assert_eq!(manifest["shards"].as_array().unwrap().len(), 3);
+    let before = snapshot(&cache);
+    let (code, _, err) = run(&["--tap-layers", "0,1"]);
+    common::assert_refused("other taps", code, &err, &["other taps", "--cache"]);
+    assert_eq!(snapshot(&cache), before);
+}
+
 /// `--sequences-only` stops after the regeneration stage; a copied sequences file is the only
 /// source of a later run's hidden-state cache (nothing is regenerated: the edited reply is
 /// what gets cached), and a file from other prompts or settings is refused untouched.

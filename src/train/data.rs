@@ -22,7 +22,7 @@ use crate::engine::sample::{self, LogitsProcessors, ProcessorConfig, Sampler, Sa
 use crate::engine::session::Session;
 use crate::progress::Progress;
 use crate::train::prompts::{plain_ids, renders_chat, PromptFile, PromptInput};
-use crate::train::sequences::{Sequence, SequenceFile};
+use crate::train::sequences::{digest_of, Sequence, SequenceFile};
 use mlx_rs::{Array, Dtype};
 use serde_json::Value;
 use std::collections::HashMap;
@@ -233,26 +233,64 @@ pub fn read_cache(dir: &Path, shards: usize) -> Result<Vec<Example>> {
     Ok(out)
 }
 
-/// Writes the cache's manifest, or checks an existing one: a cache built from other sequences
-/// or taps is refused (untouched) rather than mixed.
-fn check_manifest(dir: &Path, sequences: &SequenceFile, tap_layers: &[usize]) -> Result<()> {
-    let want = serde_json::json!({
-        "sequences": sequences.done().len(), "sequences_sha256": sequences.digest(),
-        "tap_layers": tap_layers, "shard_size": SHARD,
-    });
-    let path = dir.join("manifest.json");
-    match std::fs::read_to_string(&path) {
-        Ok(text) => {
+/// The cache's manifest: the taps and shard size it was built with, and the digest
+/// ([`digest_of`]) of the sequences behind each shard. Per-shard digests let a sequences file
+/// grow by later regeneration stages while the shards of its earlier sequences stay valid.
+struct Manifest {
+    path: PathBuf,
+    /// Per shard, the digest of the sequences it was built from (empty = unknown).
+    shards: Vec<String>,
+    tap_layers: Vec<usize>,
+}
+
+impl Manifest {
+    /// Reads the manifest of `dir`, or starts an empty one; a cache built with other taps or
+    /// another shard size is refused (untouched) rather than mixed.
+    fn open(dir: &Path, tap_layers: &[usize]) -> Result<Self> {
+        let path = dir.join("manifest.json");
+        let mut shards = Vec::new();
+        if let Ok(text) = std::fs::read_to_string(&path) {
             let have: Value = serde_json::from_str(&text).unwrap_or(Value::Null);
-            if have != want {
+            let same = have["tap_layers"] == serde_json::json!(tap_layers)
+                && have["shard_size"] == serde_json::json!(SHARD);
+            if !same {
                 return Err(EngineError::file(
                     dir,
-                    "this cache was built from other sequences, taps or settings; use another --cache directory",
+                    "this cache was built with other taps or settings; use another --cache directory",
                 ));
             }
-            Ok(())
+            shards = have["shards"]
+                .as_array()
+                .map(|a| {
+                    a.iter()
+                        .map(|d| d.as_str().unwrap_or("").to_owned())
+                        .collect()
+                })
+                .unwrap_or_default();
         }
-        Err(_) => crate::engine::fsutil::write_atomic(&path, want.to_string().as_bytes()),
+        Ok(Self {
+            path,
+            shards,
+            tap_layers: tap_layers.to_vec(),
+        })
+    }
+
+    /// Whether shard `k` exists and was built from sequences with `digest`.
+    fn holds(&self, dir: &Path, k: usize, digest: &str) -> bool {
+        shard_path(dir, k).is_file() && self.shards.get(k).map(String::as_str) == Some(digest)
+    }
+
+    /// Records shard `k` as built from sequences with `digest` (atomically; the shard itself is
+    /// written first, so a kill in between only makes the next run rebuild it).
+    fn record(&mut self, k: usize, digest: String) -> Result<()> {
+        if self.shards.len() <= k {
+            self.shards.resize(k + 1, String::new());
+        }
+        self.shards[k] = digest;
+        let text = serde_json::json!({
+            "tap_layers": self.tap_layers, "shard_size": SHARD, "shards": self.shards,
+        });
+        crate::engine::fsutil::write_atomic(&self.path, text.to_string().as_bytes())
     }
 }
 
@@ -294,10 +332,11 @@ pub fn regenerate_all(
     Ok(())
 }
 
-/// Builds (or resumes) the hidden-state cache of the sequences in `file` (the first
-/// `sequences` of them) in `dir` and returns its examples; sequences with fewer than
-/// [`MIN_LOSS_TOKENS`] reply tokens are left out. Each cached sequence is reported to
-/// `progress`.
+/// Builds (or resumes) the hidden-state cache of the sequences in `file` in `dir` and returns
+/// its examples; sequences with fewer than [`MIN_LOSS_TOKENS`] reply tokens are left out.
+/// Shards whose sequences are unchanged (by [`Manifest`]'s digests) are kept, so a sequences
+/// file grown by a later regeneration stage only adds shards. Each cached sequence is reported
+/// to `progress`.
 pub fn build_cache(
     session: &mut Session,
     file: &SequenceFile,
@@ -307,16 +346,23 @@ pub fn build_cache(
 ) -> Result<Vec<Example>> {
     std::fs::create_dir_all(dir)
         .map_err(|e| EngineError::file(dir, format!("cannot create the cache directory ({e})")))?;
-    check_manifest(dir, file, tap_layers)?;
+    let mut manifest = Manifest::open(dir, tap_layers)?;
     let sequences = file.done();
     let shards = sequences.len().div_ceil(SHARD);
     progress.begin("caching", sequences.len() as u64, "sequences");
     for k in 0..shards {
-        if shard_path(dir, k).is_file() {
+        let range = k * SHARD..sequences.len().min((k + 1) * SHARD);
+        let digest = digest_of(&sequences[range.clone()]);
+        if manifest.holds(dir, k, &digest) {
             continue;
         }
         let mut samples = Vec::new();
-        for (j, seq) in sequences.iter().enumerate().skip(k * SHARD).take(SHARD) {
+        for (j, seq) in sequences
+            .iter()
+            .enumerate()
+            .take(range.end)
+            .skip(range.start)
+        {
             if seq.loss_tokens() >= MIN_LOSS_TOKENS {
                 samples.push(extract_example(
                     session.model.model.as_mut(),
@@ -328,6 +374,7 @@ pub fn build_cache(
             progress.set(j as u64 + 1);
         }
         write_shard(dir, k, &samples)?;
+        manifest.record(k, digest)?;
     }
     progress.end();
     read_cache(dir, shards)

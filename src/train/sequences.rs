@@ -234,17 +234,23 @@ impl SequenceFile {
     /// The sha256 of the sequences' ids (not of the file's bytes), which names the hidden-state
     /// cache built from them.
     pub fn digest(&self) -> String {
-        let mut h = Sha256::new();
-        for s in &self.done {
-            h.update(
-                serde_json::json!([s.reply_from, s.ids])
-                    .to_string()
-                    .as_bytes(),
-            );
-            h.update(b"\n");
-        }
-        hex(&h.finalize())
+        digest_of(&self.done)
     }
+}
+
+/// The sha256 of `sequences`' ids (reply start and ids, one JSON line each), as
+/// [`SequenceFile::digest`] and the cache's per-shard record name them.
+pub fn digest_of(sequences: &[Sequence]) -> String {
+    let mut h = Sha256::new();
+    for s in sequences {
+        h.update(
+            serde_json::json!([s.reply_from, s.ids])
+                .to_string()
+                .as_bytes(),
+        );
+        h.update(b"\n");
+    }
+    hex(&h.finalize())
 }
 
 #[cfg(test)]
