@@ -142,13 +142,15 @@ pub fn run(args: TrainDsparkArgs) -> anyhow::Result<()> {
         )
         .into());
     }
-    if args.batch == 0
-        || args.anchors == 0
-        || args.checkpoint_every == 0
-        || args.draft_vocab == Some(0)
-    {
+    if args.batch == 0 || args.anchors == 0 || args.checkpoint_every == 0 {
         return Err(EngineError::Input(
-            "--batch, --anchors, --checkpoint-every and --draft-vocab must be at least 1".into(),
+            "--batch, --anchors and --checkpoint-every must be at least 1".into(),
+        )
+        .into());
+    }
+    if args.draft_vocab == Some(0) {
+        return Err(EngineError::Input(
+            "--draft-vocab must be at least 1 (or left out for the whole vocabulary)".into(),
         )
         .into());
     }
