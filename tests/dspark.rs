@@ -977,6 +977,36 @@ fn reduced_draft_vocabulary_is_draft_side_only() {
     );
 }
 
+/// On a quantized target (tied and untied heads), the restricted head is read from the
+/// target's own rows, dequantized: the drafter proposes only its ids and the output equals
+/// vanilla greedy decoding.
+#[test]
+fn reduced_draft_vocabulary_on_a_quantized_target() {
+    for tied in [true, false] {
+        let dir = tempfile::tempdir().unwrap();
+        common::make_model(
+            dir.path(),
+            &common::tiny_llama(json!({"tie_word_embeddings": tied})),
+            "f32",
+            Some(4),
+        );
+        let prompt = prompt(384);
+        let mut session = Session::open(dir.path(), Forks::default()).unwrap();
+        let (vanilla, _) = common::greedy_ids(session.model.model.as_mut(), &prompt, None, 3, GEN);
+        let even: Vec<i64> = (0..384).step_by(2).collect();
+        let half = drafter(dir.path(), &opts(SeqHead::Markov), |_, t| {
+            with_draft_vocab(t, &even)
+        });
+        let (ids, log, m) = recorded(&mut session, half.path(), &prompt, None);
+        assert_eq!(ids, vanilla, "tied {tied}: the output changed");
+        assert!(m.drafts > 5, "{:?}", m.to_json());
+        assert!(
+            log.iter().all(|r| r.block.iter().all(|t| t % 2 == 0)),
+            "tied {tied}: an odd id was drafted"
+        );
+    }
+}
+
 /// `mlxb dspark-vocab` keeps the most frequent reply tokens of a sequences file (prompt tokens
 /// not counted, ties to the lower id) as `d2t`/`t2d`; the drafter then proposes only those and
 /// output is unchanged. Bad input exits 2 and leaves the weights as they were.

@@ -27,6 +27,27 @@ pub(crate) enum LinearWeight {
     },
 }
 
+impl LinearWeight {
+    /// Rows `[n, in]` at `ids` `[n]`: the stored rows, or those rows dequantized.
+    fn rows(&self, ids: &Array) -> Result<Array> {
+        Ok(match self {
+            LinearWeight::Dense(weight) => weight.take_axis(ids, 0)?,
+            LinearWeight::Quantized {
+                weight,
+                scales,
+                biases,
+                spec,
+            } => ops::dequantize(
+                weight.take_axis(ids, 0)?,
+                scales.take_axis(ids, 0)?,
+                &biases.take_axis(ids, 0)?,
+                spec.group_size,
+                spec.bits,
+            )?,
+        })
+    }
+}
+
 fn load_linear_weight(
     w: &mut WeightStore,
     path: &str,
@@ -299,6 +320,15 @@ impl Linear {
         Ok(pinned(&self.weight, self.host.as_deref())?.cloned())
     }
 
+    /// The weight's rows `[n, in]` for output ids `[n]` (dequantized when quantized), or `None`
+    /// for a biased layer, whose map the rows alone do not give.
+    pub fn weight_rows(&self, ids: &Array) -> Result<Option<Array>> {
+        if self.bias.is_some() {
+            return Ok(None);
+        }
+        self.weight.rows(ids).map(Some)
+    }
+
     /// `x @ W.T (+ b)`, with `addmm` for the dense biased case as mlx does.
     pub fn forward(&self, x: &Array) -> Result<Array> {
         match (&self.weight, &self.bias) {
@@ -338,21 +368,7 @@ impl Embedding {
 
     /// Looks up rows: `weight[ids]`, or the dequantized rows for a quantized table.
     pub fn forward(&self, ids: &Array) -> Result<Array> {
-        Ok(match &self.weight {
-            LinearWeight::Dense(weight) => weight.take_axis(ids, 0)?,
-            LinearWeight::Quantized {
-                weight,
-                scales,
-                biases,
-                spec,
-            } => ops::dequantize(
-                weight.take_axis(ids, 0)?,
-                scales.take_axis(ids, 0)?,
-                &biases.take_axis(ids, 0)?,
-                spec.group_size,
-                spec.bits,
-            )?,
-        })
+        self.weight.rows(ids)
     }
 
     /// The table pinned for the host decode step (`--perf-kernel on`) when it is quantized

@@ -65,6 +65,14 @@ pub trait LanguageModel {
     fn lm_head(&self, _hidden: &Array) -> Result<Array> {
         Err(not_exposed("LM head"))
     }
+    /// The output head's rows `[n, D]` for target ids `[n]` (dequantized when quantized), when
+    /// the head is a plain linear map; `None` otherwise (a soft-cap, a bias, or a head the
+    /// architecture does not expose this way), and callers fall back to [`Self::lm_head`].
+    /// Why: a drafter restricted to a few thousand ids needs only those rows, and reading them
+    /// directly avoids a full-vocabulary product (slow for quantized heads on CPU).
+    fn lm_head_rows(&self, _ids: &Array) -> Result<Option<Array>> {
+        Ok(None)
+    }
     /// Fresh caches of the kinds this architecture uses per layer.
     fn make_caches(&self) -> Caches;
     /// Output vocabulary size.
@@ -123,6 +131,13 @@ macro_rules! llama_layout_accessors {
 
         fn lm_head(&self, hidden: &Array) -> Result<Array> {
             super::output_head(self.lm_head.as_ref(), &self.embed_tokens, hidden)
+        }
+
+        fn lm_head_rows(&self, ids: &Array) -> Result<Option<Array>> {
+            match self.lm_head.as_ref() {
+                Some(head) => head.weight_rows(ids),
+                None => self.embed_tokens.forward(ids).map(Some),
+            }
         }
     };
 }

@@ -397,7 +397,17 @@ impl DsparkModule {
                     None => {
                         let d = self.config.hidden_size;
                         let head = |x: &Array| self.head(target, x);
-                        vocab.restrict(head, d, hidden.dtype(), self.host_matvec)?
+                        match &self.lm_head {
+                            // The drafter's own head: through the identity.
+                            Some(_) => vocab.restrict(head, d, hidden.dtype(), self.host_matvec)?,
+                            None => vocab.restrict_target_head(
+                                target,
+                                head,
+                                d,
+                                hidden.dtype(),
+                                self.host_matvec,
+                            )?,
+                        }
                     }
                 };
                 let logits = restricted.forward(&hidden);

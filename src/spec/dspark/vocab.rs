@@ -9,6 +9,7 @@
 //! output never changes; a token outside the set simply cannot be proposed.
 
 use crate::engine::error::Result;
+use crate::engine::models::LanguageModel;
 use crate::engine::nn::Linear;
 use crate::engine::weights::WeightStore;
 use mlx_rs::ops::indexing::IndexOp;
@@ -97,6 +98,27 @@ impl DraftVocab {
         host_matvec: bool,
     ) -> Result<Linear> {
         Ok(Linear::dense_host(self.rows(map, n, dtype)?, host_matvec))
+    }
+
+    /// The target's output head restricted to the draft ids (see [`Self::restrict`]): its rows
+    /// read directly when the target hands them out ([`LanguageModel::lm_head_rows`]), cast to
+    /// `dtype`; else through `head` applied to the identity.
+    pub fn restrict_target_head(
+        &self,
+        target: &dyn LanguageModel,
+        head: impl Fn(&Array) -> Result<Array>,
+        n: i32,
+        dtype: Dtype,
+        host_matvec: bool,
+    ) -> Result<Linear> {
+        match target.lm_head_rows(&self.target_ids)? {
+            Some(rows) => {
+                let rows = rows.as_dtype(dtype)?;
+                rows.eval()?;
+                Ok(Linear::dense_host(rows, host_matvec))
+            }
+            None => self.restrict(head, n, dtype, host_matvec),
+        }
     }
 
     /// The rows of a map `[n] → [V]` at the draft ids, `[Vd, n]`, evaluated (see
