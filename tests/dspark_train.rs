@@ -621,36 +621,59 @@ fn cli_trains_and_refuses_bad_input_with_exit_2() {
     }
 }
 
+/// A tiny target, a prompt file and an output directory for `mlxb train-dspark` runs.
+struct CliFixture {
+    _tmp: tempfile::TempDir,
+    target: std::path::PathBuf,
+    data: std::path::PathBuf,
+    out: std::path::PathBuf,
+}
+
+impl CliFixture {
+    fn new(prompts: &str) -> Self {
+        let tmp = tempfile::tempdir().unwrap();
+        let target = tmp.path().join("target");
+        common::make_model(&target, &common::tiny_llama(json!({})), "f32", None);
+        let data = tmp.path().join("p.jsonl");
+        std::fs::write(&data, prompts).unwrap();
+        let out = tmp.path().join("ck");
+        Self {
+            _tmp: tmp,
+            target,
+            data,
+            out,
+        }
+    }
+
+    /// `mlxb train-dspark` on the fixture's target, prompts and output, plus `extra`.
+    fn train_dspark(&self, extra: &[&str]) -> (i32, String, String) {
+        let mut a = vec![
+            "train-dspark",
+            "--model",
+            self.target.to_str().unwrap(),
+            "--data",
+            self.data.to_str().unwrap(),
+            "--out",
+            self.out.to_str().unwrap(),
+        ];
+        a.extend(extra);
+        common::run_mlxb(&a)
+    }
+}
+
 /// `--draft-vocab N` trains on the N most frequent reply tokens: the checkpoint carries them
 /// as `d2t`/`t2d` (each one a reply token of the regenerated sequences, the most frequent
 /// first), `--resume` keeps them whatever N it is given, and decoding with the drafter emits
 /// the target's own greedy text.
 #[test]
 fn cli_trains_on_a_reduced_draft_vocabulary() {
-    let tmp = tempfile::tempdir().unwrap();
-    let t = tmp.path().join("target");
-    common::make_model(&t, &common::tiny_llama(json!({})), "f32", None);
-    let data = tmp.path().join("p.jsonl");
-    std::fs::write(
-        &data,
+    let fx = CliFixture::new(
         "{\"prompt\": \"hello there\"}\n{\"prompt\": \"a b c\"}\n{\"prompt\": \"zzz\"}\n",
-    )
-    .unwrap();
-    let out = tmp.path().join("ck");
-    let (t_s, d_s, o_s) = (
-        t.to_str().unwrap(),
-        data.to_str().unwrap(),
-        out.to_str().unwrap(),
     );
+    let (t_s, o_s) = (fx.target.to_str().unwrap(), fx.out.to_str().unwrap());
+    let out = &fx.out;
     let train = |extra: &[&str]| {
         let mut a = vec![
-            "train-dspark",
-            "--model",
-            t_s,
-            "--data",
-            d_s,
-            "--out",
-            o_s,
             "--iters",
             "2",
             "--batch",
@@ -663,7 +686,7 @@ fn cli_trains_on_a_reduced_draft_vocabulary() {
             "4",
         ];
         a.extend(extra);
-        common::run_mlxb(&a)
+        fx.train_dspark(&a)
     };
     let (code, _, err) = train(&["--draft-vocab", "0"]);
     common::assert_refused("--draft-vocab 0", code, &err, &["--draft-vocab"]);
@@ -730,38 +753,22 @@ fn cli_trains_on_a_reduced_draft_vocabulary() {
 /// A cache built with other tapped layers is refused, untouched.
 #[test]
 fn a_grown_sequences_file_keeps_its_cache_shards() {
-    let tmp = tempfile::tempdir().unwrap();
-    let t = tmp.path().join("target");
-    common::make_model(&t, &common::tiny_llama(json!({})), "f32", None);
-    let data = tmp.path().join("p.jsonl");
     let prompts = |n: usize| -> String {
         (0..n)
             .map(|i| format!("{{\"prompt\": \"prompt number {i}\"}}\n"))
             .collect()
     };
-    let out = tmp.path().join("ck");
-    let cache = out.join("cache");
-    let (t_s, d_s, o_s) = (
-        t.to_str().unwrap(),
-        data.to_str().unwrap(),
-        out.to_str().unwrap(),
-    );
+    let fx = CliFixture::new(&prompts(20));
+    let (data, cache) = (&fx.data, fx.out.join("cache"));
     let run = |extra: &[&str]| {
         let mut a = vec![
-            "train-dspark",
-            "--model",
-            t_s,
-            "--data",
-            d_s,
-            "--out",
-            o_s,
             "--max-tokens",
             "20",
             "--cache-only",
             "--ignore-chat-template",
         ];
         a.extend(extra);
-        common::run_mlxb(&a)
+        fx.train_dspark(&a)
     };
     use std::os::unix::fs::MetadataExt;
     let inode = |k: usize| {
@@ -769,7 +776,6 @@ fn a_grown_sequences_file_keeps_its_cache_shards() {
             .unwrap()
             .ino()
     };
-    std::fs::write(&data, prompts(20)).unwrap();
     let (code, _, err) = run(&[]);
     assert_eq!(code, 0, "{err}");
     let (first, first_bytes) = (
@@ -777,7 +783,7 @@ fn a_grown_sequences_file_keeps_its_cache_shards() {
         std::fs::read(cache.join("shard-00000.safetensors")).unwrap(),
     );
     let partial = inode(1);
-    std::fs::write(&data, prompts(36)).unwrap();
+    std::fs::write(data, prompts(36)).unwrap();
     let (code, _, err) = run(&[]);
     assert_eq!(code, 0, "{err}");
     assert_eq!(inode(0), first, "shard 0 was rebuilt");
