@@ -189,7 +189,8 @@ impl DraftHead {
                 "a reduced draft vocabulary needs a target without soft-capped logits; train this drafter without --draft-vocab".into(),
             ));
         }
-        let rows = DraftVocab::from_ids(&ids).rows(
+        let rows = DraftVocab::from_ids(&ids).target_head_rows(
+            target,
             |x| target.lm_head(x),
             config.hidden_size,
             Dtype::Float32,

@@ -100,9 +100,8 @@ impl DraftVocab {
         Ok(Linear::dense_host(self.rows(map, n, dtype)?, host_matvec))
     }
 
-    /// The target's output head restricted to the draft ids (see [`Self::restrict`]): its rows
-    /// read directly when the target hands them out ([`LanguageModel::lm_head_rows`]), cast to
-    /// `dtype`; else through `head` applied to the identity.
+    /// The target's output head restricted to the draft ids (see [`Self::restrict`]), from
+    /// [`Self::target_head_rows`].
     pub fn restrict_target_head(
         &self,
         target: &dyn LanguageModel,
@@ -111,13 +110,27 @@ impl DraftVocab {
         dtype: Dtype,
         host_matvec: bool,
     ) -> Result<Linear> {
+        let rows = self.target_head_rows(target, head, n, dtype)?;
+        Ok(Linear::dense_host(rows, host_matvec))
+    }
+
+    /// The target's output-head rows at the draft ids `[Vd, n]` in `dtype`, evaluated: read
+    /// directly when the target hands them out ([`LanguageModel::lm_head_rows`]), else through
+    /// `head` applied to the identity ([`Self::rows`]).
+    pub fn target_head_rows(
+        &self,
+        target: &dyn LanguageModel,
+        head: impl Fn(&Array) -> Result<Array>,
+        n: i32,
+        dtype: Dtype,
+    ) -> Result<Array> {
         match target.lm_head_rows(&self.target_ids)? {
             Some(rows) => {
                 let rows = rows.as_dtype(dtype)?;
                 rows.eval()?;
-                Ok(Linear::dense_host(rows, host_matvec))
+                Ok(rows)
             }
-            None => self.restrict(head, n, dtype, host_matvec),
+            None => self.rows(head, n, dtype),
         }
     }
 
