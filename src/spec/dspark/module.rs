@@ -400,13 +400,10 @@ impl DsparkModule {
                         match &self.lm_head {
                             // The drafter's own head: through the identity.
                             Some(_) => vocab.restrict(head, d, hidden.dtype(), self.host_matvec)?,
-                            None => vocab.restrict_target_head(
-                                target,
-                                head,
-                                d,
-                                hidden.dtype(),
+                            None => Linear::dense_host(
+                                vocab.target_head_rows(target, head, d, hidden.dtype())?,
                                 self.host_matvec,
-                            )?,
+                            ),
                         }
                     }
                 };

@@ -100,20 +100,6 @@ impl DraftVocab {
         Ok(Linear::dense_host(self.rows(map, n, dtype)?, host_matvec))
     }
 
-    /// The target's output head restricted to the draft ids (see [`Self::restrict`]), from
-    /// [`Self::target_head_rows`].
-    pub fn restrict_target_head(
-        &self,
-        target: &dyn LanguageModel,
-        head: impl Fn(&Array) -> Result<Array>,
-        n: i32,
-        dtype: Dtype,
-        host_matvec: bool,
-    ) -> Result<Linear> {
-        let rows = self.target_head_rows(target, head, n, dtype)?;
-        Ok(Linear::dense_host(rows, host_matvec))
-    }
-
     /// The target's output-head rows at the draft ids `[Vd, n]` in `dtype`, evaluated: read
     /// directly when the target hands them out ([`LanguageModel::lm_head_rows`]), else through
     /// `head` applied to the identity ([`Self::rows`]).
