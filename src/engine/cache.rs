@@ -67,8 +67,10 @@ macro_rules! offset_semantics {
 }
 
 mod arrays;
+mod batch;
 mod quantized;
 pub use arrays::ArraysCache;
+pub use batch::BatchKvCache;
 pub use quantized::{QuantizedCache, QuantizedKv, KV_BITS};
 
 /// The mask an attention call receives, as mlx-lm passes it to SDPA.
@@ -138,6 +140,20 @@ pub trait KvCache {
     /// [`KvCache::update_and_fetch`]. [`StoredKv::Unsupported`] for every other kind.
     fn stored_kv(&self) -> StoredKv<'_> {
         StoredKv::Unsupported
+    }
+    /// Per row, the RoPE position of the next token when rows sit at different positions (a
+    /// [`BatchKvCache`]); `None` when [`KvCache::offset`] is everyone's position.
+    fn rope_offsets(&self) -> Option<Array> {
+        None
+    }
+    /// An empty batched cache of this kind for `rows` sequences (mlx-lm's `merge` of fresh
+    /// caches); `None` for kinds that have no batched form here.
+    fn empty_batch(&self, _rows: usize) -> Option<Box<dyn KvCache>> {
+        None
+    }
+    /// The batched cache when this is one ([`BatchKvCache`]).
+    fn as_batch_mut(&mut self) -> Option<&mut BatchKvCache> {
+        None
     }
 }
 
@@ -322,6 +338,10 @@ impl KvCache for FullCache {
             (Some(k), Some(v)) => Some((prefix(k, self.offset), prefix(v, self.offset))),
             _ => None,
         })
+    }
+
+    fn empty_batch(&self, rows: usize) -> Option<Box<dyn KvCache>> {
+        Some(Box::new(BatchKvCache::new(vec![0; rows])))
     }
 
     fn stored_kv(&self) -> StoredKv<'_> {

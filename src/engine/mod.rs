@@ -2,6 +2,7 @@
 //! tokenizer and detokenizer, weights, host kernels, the fork table and the generation loop.
 //! It imports nothing from the tools above it (`convert`, `oracle`, `train`, `cmd`, ...).
 
+pub mod batch;
 pub mod bits;
 pub mod cache;
 pub mod cache_attention;

@@ -402,6 +402,13 @@ impl GqaAttention {
         let plan = cache.plan();
         let m = &self.m;
         let (scale, softcap) = (m.shape.scale, m.variant.softcap);
+        if let Some(offsets) = cache.rope_offsets() {
+            // Rows at different positions: mlx-lm's batched path, `rope(x, offset=cache.offset)`
+            // with the per-row offsets, never the compiled or fused single-row steps.
+            let (q, k, v, gate) = m.project(x, Position::Array(&offsets), None)?;
+            let out = attend(&q, &k, &v, scale, softcap, mask, cache)?;
+            return m.output(&out, gate.as_ref());
+        }
         if x.shape()[1] != 1 || !(plan.compiled_decode || plan.fused_qkv) {
             let (q, k, v, gate) = m.project(x, Position::Int(cache.offset()), None)?;
             let out = attend(&q, &k, &v, scale, softcap, mask, cache)?;

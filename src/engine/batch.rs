@@ -1,0 +1,522 @@
+//! Many sequences decoded together: mlx-lm 0.32.2's `BatchGenerator` (continuous batching).
+//! Requests wait in a queue, are prefilled together (up to `prefill_batch_size` at a time,
+//! right-padded, in chunks of `prefill_step_size`), then join the decoding batch, where one
+//! forward of B rows produces one token for each; a finished sequence leaves the batch after
+//! the step that was already queued with it. Every step is mlx-lm's in its order (which rows a
+//! forward holds and how long its cache buffer is both change the bits), so batched greedy ids
+//! and logprobs equal `mlx_lm.generate.batch_generate`'s for the same prompts and settings.
+//!
+//! Only models whose every layer keeps a full-attention cache batch (mlx-lm's `BatchKVCache`);
+//! others are refused with the reason.
+
+use super::cache::{BatchKvCache, KvCache};
+use super::error::{EngineError, Result};
+use super::models::{Caches, LanguageModel};
+use super::plan::ForkPlan;
+use super::sample::Sampler;
+use super::text::FinishReason;
+use mlx_rs::ops::indexing::IndexOp;
+use mlx_rs::transforms::{async_eval, eval};
+use mlx_rs::{memory, ops, Array};
+use std::collections::VecDeque;
+
+/// How requests are grouped (mlx-lm's `BatchGenerator` arguments, with its defaults).
+#[derive(Debug, Clone, Copy)]
+pub struct BatchSettings {
+    /// Most sequences decoded at once (`completion_batch_size`, default 32).
+    pub completion_batch_size: usize,
+    /// Most sequences prefilled at once (`prefill_batch_size`, default 8).
+    pub prefill_batch_size: usize,
+    /// Prompt tokens per sequence per prefill forward (`prefill_step_size`, default 2048).
+    pub prefill_step_size: usize,
+}
+
+impl Default for BatchSettings {
+    fn default() -> Self {
+        Self {
+            completion_batch_size: 32,
+            prefill_batch_size: 8,
+            prefill_step_size: 2048,
+        }
+    }
+}
+
+/// One token of one sequence from [`BatchGenerator::next_tokens`].
+pub struct BatchToken {
+    /// The sequence ([`BatchGenerator::insert`]'s id).
+    pub uid: usize,
+    /// The sampled token.
+    pub token: u32,
+    /// Full-vocabulary logprobs `[V]` it was sampled from.
+    pub logprobs: Array,
+    /// Set on the sequence's last token: [`FinishReason::Eos`] when it is a stop token
+    /// (`batch_generate` then leaves it out of the text), [`FinishReason::Length`] when the
+    /// budget ran out.
+    pub finish: Option<FinishReason>,
+}
+
+/// A request's prompt still to be prefilled: segments in order, the last one its final token.
+struct Prefill {
+    uid: usize,
+    segments: VecDeque<Vec<u32>>,
+    max_tokens: usize,
+}
+
+/// A sequence in the decoding batch.
+struct Decoding {
+    uid: usize,
+    max_tokens: usize,
+    produced: usize,
+}
+
+/// Rows being prefilled together, with their batched caches (empty when there are no rows).
+#[derive(Default)]
+struct PromptBatch {
+    rows: Vec<Prefill>,
+    caches: Caches,
+}
+
+/// Rows decoding together: the step queued for them (`next_tokens`, `next_logprobs`) and their
+/// caches.
+#[derive(Default)]
+struct DecodeBatch {
+    rows: Vec<Decoding>,
+    caches: Caches,
+    next_tokens: Option<Array>,
+    next_logprobs: Option<Array>,
+}
+
+/// Continuous batching over one model (see the module docs).
+pub struct BatchGenerator<'a> {
+    model: &'a mut dyn LanguageModel,
+    sampler: Sampler,
+    stop_tokens: Vec<u32>,
+    settings: BatchSettings,
+    plan: ForkPlan,
+    next_uid: usize,
+    queue: VecDeque<Prefill>,
+    prompt: PromptBatch,
+    decode: DecodeBatch,
+    steps: usize,
+}
+
+/// Per-layer batched caches, all rows empty.
+fn fresh_caches(model: &dyn LanguageModel, plan: &ForkPlan, rows: usize) -> Result<Caches> {
+    let mut caches = model
+        .make_caches()
+        .iter()
+        .map(|c| c.empty_batch(rows))
+        .collect::<Option<Caches>>()
+        .ok_or_else(|| {
+            EngineError::Input(
+                "this model has layers whose caches (sliding-window, recurrent) have no batched form yet; use --max-batch 1".into(),
+            )
+        })?;
+    plan.prepare(&mut caches);
+    Ok(caches)
+}
+
+fn batch_of(cache: &mut dyn KvCache) -> Result<&mut BatchKvCache> {
+    cache
+        .as_batch_mut()
+        .ok_or_else(|| EngineError::Runtime("a batched step met an unbatched cache".into()))
+}
+
+/// mlx-lm's `_extend_cache`: appends `other`'s rows to `caches` layer by layer.
+fn extend_caches(caches: &mut Caches, other: Caches) -> Result<()> {
+    if caches.is_empty() {
+        *caches = other;
+        return Ok(());
+    }
+    for (mine, theirs) in caches.iter_mut().zip(other) {
+        let mut theirs = theirs;
+        let theirs = batch_of(theirs.as_mut())?.clone();
+        batch_of(mine.as_mut())?.extend(theirs)?;
+    }
+    Ok(())
+}
+
+/// Keeps rows `keep` of every layer (no rows: no caches).
+fn filter_caches(caches: &mut Caches, keep: &[usize]) -> Result<()> {
+    if keep.is_empty() {
+        caches.clear();
+        return Ok(());
+    }
+    for c in caches.iter_mut() {
+        batch_of(c.as_mut())?.filter(keep)?;
+    }
+    Ok(())
+}
+
+fn take_rows(a: &Option<Array>, keep: &[usize]) -> Result<Option<Array>> {
+    if keep.is_empty() {
+        return Ok(None);
+    }
+    let idx: Vec<i32> = keep.iter().map(|&i| i as i32).collect();
+    let rows = Array::from_slice(&idx, &[idx.len() as i32]);
+    Ok(match a {
+        Some(a) => Some(a.take_axis(&rows, 0)?),
+        None => None,
+    })
+}
+
+fn concat_rows(a: Option<Array>, b: Option<Array>) -> Result<Option<Array>> {
+    Ok(match (a, b) {
+        (Some(a), Some(b)) => Some(ops::concatenate(&[a, b], 0)?),
+        (a, b) => a.or(b),
+    })
+}
+
+fn eval_caches(caches: &Caches) -> Result<()> {
+    let state: Vec<Array> = caches.iter().flat_map(|c| c.state()).collect();
+    eval(&state)?;
+    Ok(())
+}
+
+impl<'a> BatchGenerator<'a> {
+    /// A generator over `model` sampling every row with `sampler`, ending a sequence at any of
+    /// `stop_tokens`. Refuses models whose caches cannot batch and plans that quantize the KV
+    /// cache (neither has a batched form in mlx-lm).
+    pub fn new(
+        model: &'a mut dyn LanguageModel,
+        plan: &ForkPlan,
+        sampler: Sampler,
+        stop_tokens: Vec<u32>,
+        settings: BatchSettings,
+    ) -> Result<Self> {
+        fresh_caches(model, plan, 0)?;
+        if plan.kv_bits.iter().any(Option::is_some) {
+            return Err(EngineError::Input(
+                "--kv-quant has no batched form (mlx-lm's BatchKVCache has no to_quantized); use --kv-quant off or --max-batch 1".into(),
+            ));
+        }
+        let settings = BatchSettings {
+            completion_batch_size: settings
+                .completion_batch_size
+                .max(settings.prefill_batch_size)
+                .max(1),
+            prefill_batch_size: settings.prefill_batch_size.max(1),
+            prefill_step_size: settings.prefill_step_size.max(1),
+        };
+        Ok(Self {
+            model,
+            sampler,
+            stop_tokens,
+            settings,
+            plan: plan.clone(),
+            next_uid: 0,
+            queue: VecDeque::new(),
+            prompt: PromptBatch::default(),
+            decode: DecodeBatch::default(),
+            steps: 0,
+        })
+    }
+
+    /// Queues one sequence per prompt, each with its token budget; returns their ids.
+    pub fn insert(&mut self, prompts: &[Vec<u32>], max_tokens: &[usize]) -> Result<Vec<usize>> {
+        if prompts.len() != max_tokens.len() {
+            return Err(EngineError::Input(format!(
+                "{} prompts but {} token budgets; give one budget per prompt",
+                prompts.len(),
+                max_tokens.len()
+            )));
+        }
+        if let Some(i) = prompts.iter().position(Vec::is_empty) {
+            return Err(EngineError::Input(format!(
+                "prompt {i} is empty; give at least one token"
+            )));
+        }
+        if let Some(i) = max_tokens.iter().position(|&m| m == 0) {
+            return Err(EngineError::Input(format!(
+                "prompt {i} has a token budget of 0; give at least 1"
+            )));
+        }
+        let mut uids = Vec::with_capacity(prompts.len());
+        for (prompt, &max_tokens) in prompts.iter().zip(max_tokens) {
+            let (last, head) = prompt.split_last().unwrap_or((&0, &[]));
+            let mut segments = VecDeque::new();
+            if !head.is_empty() {
+                segments.push_back(head.to_vec());
+            }
+            segments.push_back(vec![*last]);
+            let uid = self.next_uid;
+            self.next_uid += 1;
+            self.queue.push_back(Prefill {
+                uid,
+                segments,
+                max_tokens,
+            });
+            uids.push(uid);
+        }
+        Ok(uids)
+    }
+
+    /// Drops sequences wherever they are (queued, prefilling or decoding): a cancelled request.
+    pub fn remove(&mut self, uids: &[usize]) -> Result<()> {
+        self.queue.retain(|p| !uids.contains(&p.uid));
+        let keep: Vec<usize> = (0..self.prompt.rows.len())
+            .filter(|&i| !uids.contains(&self.prompt.rows[i].uid))
+            .collect();
+        if keep.len() < self.prompt.rows.len() {
+            self.filter_prompt(&keep)?;
+        }
+        let keep: Vec<usize> = (0..self.decode.rows.len())
+            .filter(|&i| !uids.contains(&self.decode.rows[i].uid))
+            .collect();
+        if keep.len() < self.decode.rows.len() {
+            self.filter_decode(&keep)?;
+        }
+        Ok(())
+    }
+
+    /// Sequences queued, prefilling or decoding.
+    pub fn active(&self) -> usize {
+        self.queue.len() + self.prompt.rows.len() + self.decode.rows.len()
+    }
+
+    /// Sequences in the decoding batch.
+    pub fn decoding(&self) -> usize {
+        self.decode.rows.len()
+    }
+
+    /// The next tokens (one per decoding sequence), running prefills as needed (mlx-lm's
+    /// `next_generated`); empty once nothing is left.
+    pub fn next_tokens(&mut self) -> Result<Vec<BatchToken>> {
+        loop {
+            let (prompt_progress, tokens) = self.advance()?;
+            if tokens.is_empty() && prompt_progress {
+                continue;
+            }
+            return Ok(tokens);
+        }
+    }
+
+    /// One round of mlx-lm's `_next`: a decoding step, then admission and one prefill step.
+    /// Returns whether any prompt work happened and the tokens produced.
+    fn advance(&mut self) -> Result<(bool, Vec<BatchToken>)> {
+        let mut tokens = Vec::new();
+        if !self.decode.rows.is_empty() {
+            tokens = self.decode_next()?;
+            self.steps += 1;
+            if self.steps.is_multiple_of(512) {
+                memory::clear_cache()?;
+            }
+        }
+        if self.decode.rows.len() >= self.settings.completion_batch_size {
+            return Ok((false, tokens));
+        }
+        let n = (self
+            .settings
+            .prefill_batch_size
+            .saturating_sub(self.prompt.rows.len()))
+        .min(self.settings.completion_batch_size - self.decode.rows.len())
+        .min(self.queue.len());
+        if n > 0 {
+            let rows: Vec<Prefill> = self.queue.drain(..n).collect();
+            let caches = fresh_caches(self.model, &self.plan, rows.len())?;
+            extend_caches(&mut self.prompt.caches, caches)?;
+            self.prompt.rows.extend(rows);
+        }
+        let ready: Vec<usize> = (0..self.prompt.rows.len())
+            .filter(|&i| {
+                let s = &self.prompt.rows[i].segments;
+                s.len() == 1 && s[0].len() == 1
+            })
+            .collect();
+        let mut progress = !ready.is_empty();
+        if !ready.is_empty() {
+            self.start_decoding(&ready)?;
+        }
+        let mut chunks = Vec::with_capacity(self.prompt.rows.len());
+        for row in &mut self.prompt.rows {
+            let first = row.segments.front_mut().ok_or_else(|| {
+                EngineError::Runtime("a prefilling sequence has no prompt left".into())
+            })?;
+            let n = first.len().min(self.settings.prefill_step_size);
+            chunks.push(first.drain(..n).collect::<Vec<u32>>());
+            if first.is_empty() {
+                row.segments.pop_front();
+            }
+        }
+        if !chunks.is_empty() {
+            progress = true;
+            self.prefill(&chunks)?;
+        }
+        Ok((progress, tokens))
+    }
+
+    /// `PromptProcessingBatch.prompt`: one chunk per row, right-padded to the longest, run in
+    /// forwards of `prefill_step_size` positions, the padding then moved to the left.
+    fn prefill(&mut self, chunks: &[Vec<u32>]) -> Result<()> {
+        let longest = chunks.iter().map(Vec::len).max().unwrap_or(0);
+        let padding: Vec<i32> = chunks.iter().map(|c| (longest - c.len()) as i32).collect();
+        let padded = padding.iter().any(|&p| p > 0);
+        if padded {
+            for c in self.prompt.caches.iter_mut() {
+                batch_of(c.as_mut())?.prepare_right_padding(&padding);
+            }
+        }
+        let ids: Vec<i32> = chunks
+            .iter()
+            .flat_map(|c| {
+                c.iter()
+                    .map(|&t| t as i32)
+                    .chain(std::iter::repeat_n(0, longest - c.len()))
+            })
+            .collect();
+        let tokens = Array::from_slice(&ids, &[chunks.len() as i32, longest as i32]);
+        let mut start = 0;
+        while start < longest {
+            let n = self.settings.prefill_step_size.min(longest - start);
+            let part = tokens.index((.., start as i32..(start + n) as i32));
+            self.model.forward(&part, &mut self.prompt.caches)?;
+            eval_caches(&self.prompt.caches)?;
+            memory::clear_cache()?;
+            start += n;
+        }
+        if padded {
+            for c in self.prompt.caches.iter_mut() {
+                batch_of(c.as_mut())?.finalize()?;
+            }
+            eval_caches(&self.prompt.caches)?;
+            memory::clear_cache()?;
+        }
+        Ok(())
+    }
+
+    /// Moves prompt rows `ready` (each down to its last token) into the decoding batch: their
+    /// caches split off, their first step queued (`PromptProcessingBatch.split(...).generate`).
+    fn start_decoding(&mut self, ready: &[usize]) -> Result<()> {
+        let rest: Vec<usize> = (0..self.prompt.rows.len())
+            .filter(|i| !ready.contains(i))
+            .collect();
+        let mut caches: Caches = Vec::with_capacity(self.prompt.caches.len());
+        for c in &self.prompt.caches {
+            caches.push(c.clone_box().ok_or_else(|| {
+                EngineError::Runtime("a batched cache could not be copied".into())
+            })?);
+        }
+        filter_caches(&mut caches, ready)?;
+        let mut moved = Vec::with_capacity(ready.len());
+        let mut rows: Vec<Option<Prefill>> = std::mem::take(&mut self.prompt.rows)
+            .into_iter()
+            .map(Some)
+            .collect();
+        for &i in ready {
+            moved.extend(rows[i].take());
+        }
+        self.prompt.rows = rows.into_iter().flatten().collect();
+        filter_caches(&mut self.prompt.caches, &rest)?;
+        let last: Vec<i32> = moved
+            .iter()
+            .map(|r| {
+                r.segments
+                    .front()
+                    .and_then(|s| s.first())
+                    .copied()
+                    .unwrap_or(0) as i32
+            })
+            .collect();
+        let mut batch = DecodeBatch {
+            rows: moved
+                .iter()
+                .map(|r| Decoding {
+                    uid: r.uid,
+                    max_tokens: r.max_tokens,
+                    produced: 0,
+                })
+                .collect(),
+            caches,
+            next_tokens: Some(Array::from_slice(&last, &[last.len() as i32])),
+            next_logprobs: None,
+        };
+        self.step(&mut batch)?;
+        self.decode.rows.extend(batch.rows);
+        extend_caches(&mut self.decode.caches, batch.caches)?;
+        self.decode.next_tokens = concat_rows(self.decode.next_tokens.take(), batch.next_tokens)?;
+        self.decode.next_logprobs =
+            concat_rows(self.decode.next_logprobs.take(), batch.next_logprobs)?;
+        Ok(())
+    }
+
+    /// `GenerationBatch._step`: forwards the queued tokens, queues the next step, and returns
+    /// the tokens and logprobs that step had produced.
+    fn step(&mut self, batch: &mut DecodeBatch) -> Result<(Array, Option<Array>)> {
+        let inputs = batch
+            .next_tokens
+            .take()
+            .ok_or_else(|| EngineError::Runtime("a decoding batch has no queued step".into()))?;
+        let current_logprobs = batch.next_logprobs.take();
+        let logits = self
+            .model
+            .forward(&inputs.expand_dims(1)?, &mut batch.caches)?;
+        let logits = logits.index((.., -1, ..));
+        let logprobs = logits.subtract(logits.logsumexp_axis(-1, true)?)?;
+        let sampled = self.sampler.sample(&logprobs)?;
+        async_eval([&sampled, &logprobs])?;
+        batch.next_tokens = Some(sampled);
+        batch.next_logprobs = Some(logprobs);
+        match &current_logprobs {
+            Some(lp) => eval([&inputs, lp])?,
+            None => eval([&inputs])?,
+        }
+        Ok((inputs, current_logprobs))
+    }
+
+    /// `GenerationBatch.next`: one step for every decoding row; finished rows leave.
+    fn decode_next(&mut self) -> Result<Vec<BatchToken>> {
+        let mut batch = std::mem::take(&mut self.decode);
+        let stepped = self.step(&mut batch);
+        self.decode = batch;
+        let (tokens, logprobs) = stepped?;
+        let logprobs = logprobs.ok_or_else(|| {
+            EngineError::Runtime("a decoding step had no logprobs to hand out".into())
+        })?;
+        let ids = tokens.as_dtype(mlx_rs::Dtype::Uint32)?;
+        let ids: Vec<u32> = ids
+            .try_as_slice::<u32>()
+            .map_err(|e| EngineError::Runtime(format!("cannot read the sampled tokens ({e})")))?
+            .to_vec();
+        let mut keep = Vec::with_capacity(ids.len());
+        let mut out = Vec::with_capacity(ids.len());
+        for (i, (&token, row)) in ids.iter().zip(self.decode.rows.iter_mut()).enumerate() {
+            row.produced += 1;
+            let mut finish = (row.produced >= row.max_tokens).then_some(FinishReason::Length);
+            if self.stop_tokens.contains(&token) {
+                finish = Some(FinishReason::Eos);
+            }
+            if finish.is_none() {
+                keep.push(i);
+            }
+            out.push(BatchToken {
+                uid: row.uid,
+                token,
+                logprobs: logprobs.index(i as i32),
+                finish,
+            });
+        }
+        if keep.len() < self.decode.rows.len() {
+            self.filter_decode(&keep)?;
+        }
+        Ok(out)
+    }
+
+    fn filter_decode(&mut self, keep: &[usize]) -> Result<()> {
+        let d = &mut self.decode;
+        let mut rows: Vec<Option<Decoding>> =
+            std::mem::take(&mut d.rows).into_iter().map(Some).collect();
+        d.rows = keep.iter().filter_map(|&i| rows[i].take()).collect();
+        filter_caches(&mut d.caches, keep)?;
+        d.next_tokens = take_rows(&d.next_tokens, keep)?;
+        d.next_logprobs = take_rows(&d.next_logprobs, keep)?;
+        Ok(())
+    }
+
+    fn filter_prompt(&mut self, keep: &[usize]) -> Result<()> {
+        let p = &mut self.prompt;
+        let mut rows: Vec<Option<Prefill>> =
+            std::mem::take(&mut p.rows).into_iter().map(Some).collect();
+        p.rows = keep.iter().filter_map(|&i| rows[i].take()).collect();
+        filter_caches(&mut p.caches, keep)
+    }
+}

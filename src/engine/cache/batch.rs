@@ -1,0 +1,275 @@
+//! mlx-lm 0.32.2's `BatchKVCache`: one full-attention cache holding B sequences of different
+//! lengths, left-padded so that every row ends at the same buffer index. Each row keeps its own
+//! RoPE position (`offset`, an array) and the mask hides its padding. Sequences join
+//! ([`BatchKvCache::extend`]) and leave ([`BatchKvCache::filter`]) between steps; a prefill of
+//! right-padded prompts is turned into left padding afterwards ([`BatchKvCache::finalize`]).
+//! Every buffer operation is mlx-lm's, in its order, because the buffer's length is a reduction
+//! length of attention and so part of the bits.
+
+use super::{grow_kv, kv_state, AttentionMask, KvCache, STEP};
+use crate::engine::cache_attention::AttentionPlan;
+use crate::engine::error::{EngineError, Result};
+use mlx_rs::ops::indexing::{Ellipsis, IndexOp, TryIndexMutOp};
+use mlx_rs::{ops, Array};
+
+/// Batched full-attention cache (see the module docs).
+#[derive(Clone)]
+pub struct BatchKvCache {
+    keys: Option<Array>,
+    values: Option<Array>,
+    /// Per row: padding positions before its first real one.
+    left_padding: Vec<i32>,
+    /// Per row: the RoPE position of its next token (`_idx - left_padding`).
+    offset: Vec<i32>,
+    /// Positions written so far, padding included (the same for every row).
+    idx: i32,
+    /// Per row: padding after its prompt in the prefill under way, moved to the left by
+    /// [`BatchKvCache::finalize`].
+    right_padding: Option<Vec<i32>>,
+    plan: AttentionPlan,
+}
+
+impl BatchKvCache {
+    /// An empty cache for `left_padding.len()` rows (mlx-lm's `BatchKVCache(left_padding)`).
+    pub fn new(left_padding: Vec<i32>) -> Self {
+        Self {
+            keys: None,
+            values: None,
+            offset: left_padding.iter().map(|p| -p).collect(),
+            left_padding,
+            idx: 0,
+            right_padding: None,
+            plan: AttentionPlan::default(),
+        }
+    }
+
+    /// Rows held.
+    pub fn rows(&self) -> usize {
+        self.offset.len()
+    }
+
+    /// Per row: how many real positions it holds.
+    pub fn lengths(&self) -> Vec<i32> {
+        self.offset.clone()
+    }
+
+    /// `prepare(right_padding=...)`: the prefill about to run has `padding[i]` pad tokens after
+    /// row `i`'s prompt.
+    pub fn prepare_right_padding(&mut self, padding: &[i32]) {
+        if padding.iter().any(|&p| p > 0) {
+            self.right_padding = Some(padding.to_vec());
+        }
+    }
+
+    /// `finalize`: rolls each row right by its right padding (over the whole buffer) so that the
+    /// pad positions become left padding, which the mask hides.
+    pub fn finalize(&mut self) -> Result<()> {
+        let Some(padding) = self.right_padding.take() else {
+            return Ok(());
+        };
+        let shifts = Array::from_slice(&padding, &[padding.len() as i32, 1]);
+        if let (Some(k), Some(v)) = (&self.keys, &self.values) {
+            self.keys = Some(dynamic_roll(k, &shifts)?);
+            self.values = Some(dynamic_roll(v, &shifts)?);
+        }
+        for (row, p) in padding.iter().enumerate() {
+            self.offset[row] -= p;
+            self.left_padding[row] += p;
+        }
+        Ok(())
+    }
+
+    /// `filter(batch_indices)`: keeps rows `keep` (in that order), then drops the leading
+    /// positions every remaining row pads.
+    pub fn filter(&mut self, keep: &[usize]) -> Result<()> {
+        let rows = Array::from_slice(
+            &keep.iter().map(|&i| i as i32).collect::<Vec<_>>(),
+            &[keep.len() as i32],
+        );
+        if let (Some(k), Some(v)) = (&self.keys, &self.values) {
+            self.keys = Some(k.take_axis(&rows, 0)?);
+            self.values = Some(v.take_axis(&rows, 0)?);
+        }
+        self.offset = keep.iter().map(|&i| self.offset[i]).collect();
+        self.left_padding = keep.iter().map(|&i| self.left_padding[i]).collect();
+        let shift = self.left_padding.iter().copied().min().unwrap_or(0);
+        if shift > 0 {
+            if let (Some(k), Some(v)) = (&self.keys, &self.values) {
+                self.keys = Some(k.index((Ellipsis, shift.., ..)));
+                self.values = Some(v.index((Ellipsis, shift.., ..)));
+            }
+            self.idx -= shift;
+            for p in &mut self.left_padding {
+                *p -= shift;
+            }
+        }
+        Ok(())
+    }
+
+    /// `extend(other)`: appends `other`'s rows, padding both sides' buffers so that every row
+    /// ends at the larger of the two indices.
+    pub fn extend(&mut self, other: BatchKvCache) -> Result<()> {
+        let (kd, vd) = match (&self.keys, &other.keys) {
+            (None, None) => {
+                self.left_padding.extend(other.left_padding);
+                self.offset.extend(other.offset);
+                return Ok(());
+            }
+            (_, Some(k)) | (Some(k), None) => {
+                let v = if other.keys.is_some() {
+                    &other.values
+                } else {
+                    &self.values
+                };
+                let v = v.as_ref().ok_or_else(missing_values)?;
+                (k.shape().to_vec(), v.shape()[3])
+            }
+        };
+        let dtype = other
+            .keys
+            .as_ref()
+            .or(self.keys.as_ref())
+            .map(Array::dtype)
+            .ok_or_else(missing_values)?;
+        let (h, d) = (kd[1], kd[3]);
+        let max_idx = self.idx.max(other.idx);
+        let size = |c: &BatchKvCache| c.keys.as_ref().map_or(0, |k| k.shape()[2]);
+        let max_size = size(self).max(size(&other));
+        let pad = |c: &BatchKvCache| -> Result<(Array, Array, Vec<i32>)> {
+            let rows = c.rows() as i32;
+            let (mut k, mut v) = match (&c.keys, &c.values) {
+                (Some(k), Some(v)) => (k.clone(), v.clone()),
+                _ => (
+                    ops::zeros_dtype(&[rows, h, 0, d], dtype)?,
+                    ops::zeros_dtype(&[rows, h, 0, vd], dtype)?,
+                ),
+            };
+            let left = max_idx - c.idx;
+            let mut right = max_size - k.shape()[2] - left;
+            if right < 0 {
+                k = k.index((Ellipsis, ..right, ..));
+                v = v.index((Ellipsis, ..right, ..));
+                right = 0;
+            }
+            if left != 0 || right != 0 {
+                let widths: &[(i32, i32)] = &[(0, 0), (0, 0), (left, right), (0, 0)];
+                k = ops::pad(&k, widths, None, None)?;
+                v = ops::pad(&v, widths, None, None)?;
+            }
+            let padding = c.left_padding.iter().map(|p| p + left).collect();
+            Ok((k, v, padding))
+        };
+        let (k1, v1, p1) = pad(self)?;
+        let (k2, v2, p2) = pad(&other)?;
+        self.keys = Some(ops::concatenate(&[k1, k2], 0)?);
+        self.values = Some(ops::concatenate(&[v1, v2], 0)?);
+        self.offset.extend(other.offset);
+        self.left_padding = p1.into_iter().chain(p2).collect();
+        self.idx = max_idx;
+        Ok(())
+    }
+
+    /// `extract(idx)`: row `row`'s real positions as its own keys and values `[1, H, n, D]`.
+    pub fn extract(&self, row: usize) -> Result<Option<(Array, Array)>> {
+        let (Some(k), Some(v)) = (&self.keys, &self.values) else {
+            return Ok(None);
+        };
+        let (r, p) = (row as i32, self.left_padding[row]);
+        let cut = |a: &Array| a.index((r..r + 1, .., p..self.idx, ..));
+        Ok(Some((cut(k).contiguous()?, cut(v).contiguous()?)))
+    }
+}
+
+fn missing_values() -> EngineError {
+    EngineError::Runtime("a batched cache has keys without values".into())
+}
+
+/// mlx-lm's `dynamic_roll(x, shifts, axis=2)`: row `b` of `x` (`[B, H, L, D]`) rolled right by
+/// `shifts[b]` (`[B, 1]`) along the sequence axis.
+fn dynamic_roll(x: &Array, shifts: &Array) -> Result<Array> {
+    let n = x.shape()[2];
+    let positions = ops::arange::<_, i32>(0, n, 1)?.expand_dims(1)?;
+    let shifts = shifts.expand_dims_axes(&[2, 3])?;
+    let idx = positions.subtract(&shifts)?.remainder(Array::from_int(n))?;
+    Ok(mlx_rs::ops::indexing::take_along_axis(x, &idx, 2)?)
+}
+
+impl KvCache for BatchKvCache {
+    fn offset(&self) -> i32 {
+        self.idx
+    }
+
+    fn update_and_fetch(&mut self, keys: &Array, values: &Array) -> Result<(Array, Array)> {
+        let prev = self.idx;
+        let s = keys.shape()[2];
+        let need_grow = match &self.keys {
+            None => true,
+            Some(k) => prev + s > k.shape()[2],
+        };
+        if need_grow {
+            let n = (STEP + s - 1) / STEP * STEP;
+            let keep = (prev % STEP != 0).then_some(prev);
+            grow_kv((&mut self.keys, &mut self.values), keys, values, n, keep)?;
+        }
+        for o in &mut self.offset {
+            *o += s;
+        }
+        self.idx += s;
+        let (Some(k), Some(v)) = (self.keys.as_mut(), self.values.as_mut()) else {
+            unreachable!("buffers allocated above")
+        };
+        k.try_index_mut((Ellipsis, prev..self.idx, ..), keys)?;
+        v.try_index_mut((Ellipsis, prev..self.idx, ..), values)?;
+        Ok((
+            k.index((Ellipsis, ..self.idx, ..)),
+            v.index((Ellipsis, ..self.idx, ..)),
+        ))
+    }
+
+    /// mlx-lm's `create_causal_mask(N, offset=_idx, window_size, left_padding)`: always an
+    /// array (`[B, 1, N, _idx + N]`), since rows differ.
+    fn make_mask(&self, n: i32, window: Option<i32>, _return_array: bool) -> Result<AttentionMask> {
+        let causal = super::causal_mask(n, self.idx, window)?;
+        let rows = self.rows() as i32;
+        let padding = Array::from_slice(&self.left_padding, &[rows, 1, 1, 1]);
+        let rinds = ops::arange::<_, i32>(0, self.idx + n, 1)?.expand_dims(0)?;
+        Ok(AttentionMask::Array(
+            causal.logical_and(&padding.le(&rinds)?)?,
+        ))
+    }
+
+    fn trim(&mut self, n: i32) -> i32 {
+        let n = n.min(self.idx);
+        self.idx -= n;
+        for o in &mut self.offset {
+            *o -= n;
+        }
+        n
+    }
+
+    fn is_trimmable(&self) -> bool {
+        true
+    }
+
+    fn state(&self) -> Vec<Array> {
+        kv_state(&self.keys, &self.values)
+    }
+
+    clone_state!();
+
+    plan!();
+
+    fn rope_offsets(&self) -> Option<Array> {
+        Some(Array::from_slice(&self.offset, &[self.rows() as i32]))
+    }
+
+    fn as_batch_mut(&mut self) -> Option<&mut BatchKvCache> {
+        Some(self)
+    }
+
+    fn to_quantized(&self, _group_size: i32, _bits: i32) -> Result<Option<Box<dyn KvCache>>> {
+        Err(EngineError::Input(
+            "--kv-quant has no batched form (mlx-lm's BatchKVCache has no to_quantized); use --kv-quant off or --max-batch 1".into(),
+        ))
+    }
+}

@@ -1,0 +1,187 @@
+//! L1 under batching: mlxb's batched engine against mlx-lm 0.32.2's own `BatchGenerator` (the
+//! loop `batch_generate` runs) on tiny random models built by mlx-lm. For the same prompts,
+//! budgets and batch sizes, every sequence's greedy ids and full-vocabulary logprobs must be
+//! bit-identical, while sequences join (a second prefill group) and leave (budgets, a stop
+//! token) mid-run.
+
+mod common;
+
+use common::with;
+use mlx_rs::ops::indexing::IndexOp;
+use mlxb::engine::batch::{BatchGenerator, BatchSettings};
+use mlxb::engine::forks::Forks;
+use mlxb::engine::models;
+use mlxb::engine::sample::{Sampler, SamplerConfig};
+use mlxb::engine::text::FinishReason;
+use serde_json::json;
+use std::collections::HashMap;
+
+/// Runs mlx-lm's batched loop through assets/oracle/mlx_lm_batch.py.
+fn oracle(request: &serde_json::Value) -> HashMap<String, mlx_rs::Array> {
+    let dir = tempfile::tempdir().unwrap();
+    let req = dir.path().join("req.json");
+    let out = dir.path().join("out.safetensors");
+    std::fs::write(&req, request.to_string()).unwrap();
+    common::run_python(
+        &common::root().join("assets/oracle/mlx_lm_batch.py"),
+        &[req.to_str().unwrap(), out.to_str().unwrap()],
+    );
+    mlx_rs::Array::load_safetensors(&out).unwrap()
+}
+
+/// What one sequence produced: ids, logprob rows, whether a stop token ended it.
+type Produced = (Vec<i32>, Vec<mlx_rs::Array>, bool);
+
+/// mlxb's batched engine on the same request.
+fn mlxb_batch(dir: &std::path::Path, req: &serde_json::Value) -> Vec<Produced> {
+    let mut loaded = models::load(dir, Forks::default()).unwrap();
+    let prompts: Vec<Vec<u32>> = serde_json::from_value(req["prompts"].clone()).unwrap();
+    let budgets: Vec<usize> = serde_json::from_value(req["max_tokens"].clone()).unwrap();
+    let stop: Vec<u32> = serde_json::from_value(req["stop_tokens"].clone()).unwrap();
+    let settings = BatchSettings {
+        prefill_batch_size: req["prefill_batch_size"].as_u64().unwrap() as usize,
+        completion_batch_size: req["completion_batch_size"].as_u64().unwrap() as usize,
+        prefill_step_size: req["prefill_step_size"].as_u64().unwrap() as usize,
+    };
+    let sampler = Sampler::new(&SamplerConfig::default()).unwrap();
+    let plan = loaded.plan.clone();
+    let mut gen =
+        BatchGenerator::new(loaded.model.as_mut(), &plan, sampler, stop, settings).unwrap();
+    let uids = gen.insert(&prompts, &budgets).unwrap();
+    let mut out: Vec<Produced> = vec![(vec![], vec![], false); uids.len()];
+    loop {
+        let tokens = gen.next_tokens().unwrap();
+        if tokens.is_empty() {
+            break;
+        }
+        for t in tokens {
+            let slot = &mut out[uids.iter().position(|&u| u == t.uid).unwrap()];
+            slot.0.push(t.token as i32);
+            slot.1.push(t.logprobs);
+            slot.2 = t.finish == Some(FinishReason::Eos);
+        }
+    }
+    assert_eq!(gen.active(), 0, "sequences left behind");
+    out
+}
+
+fn request(
+    model: &std::path::Path,
+    vocab: u32,
+    lengths: &[usize],
+    budgets: &[usize],
+) -> serde_json::Value {
+    let prompts: Vec<Vec<u32>> = lengths
+        .iter()
+        .enumerate()
+        .map(|(i, &n)| common::prompt_ids(n, vocab, i as u32 + 1))
+        .collect();
+    json!({
+        "model": model, "prompts": prompts, "max_tokens": budgets, "stop_tokens": [],
+        "prefill_batch_size": 8, "completion_batch_size": 32, "prefill_step_size": 2048,
+    })
+}
+
+/// Compares mlxb's batched run with mlx-lm's, sequence by sequence and step by step.
+fn compare(dir: &std::path::Path, req: &serde_json::Value) {
+    let want = oracle(req);
+    let got = mlxb_batch(dir, req);
+    for (i, (ids, rows, stopped)) in got.iter().enumerate() {
+        let want_ids = want[&format!("ids_{i}")].as_slice::<i32>().to_vec();
+        assert_eq!(
+            ids, &want_ids,
+            "sequence {i}: ids differ from mlx-lm's batch"
+        );
+        let want_rows = &want[&format!("logprobs_{i}")];
+        for (s, row) in rows.iter().enumerate() {
+            assert_eq!(
+                common::bits(row),
+                common::bits(&want_rows.index(s as i32)),
+                "sequence {i}: logprobs differ from mlx-lm's batch at step {s}"
+            );
+        }
+        let want_stop = want[&format!("stopped_{i}")].as_slice::<bool>()[0];
+        assert_eq!(*stopped, want_stop, "sequence {i}: end reason differs");
+    }
+}
+
+fn build(config: &serde_json::Value, dtype: &str, bits: Option<u32>) -> tempfile::TempDir {
+    let dir = tempfile::tempdir().unwrap();
+    common::make_model(dir.path(), config, dtype, bits);
+    dir
+}
+
+#[test]
+fn llama_f32_sequences_join_and_leave() {
+    let config = common::tiny_llama(json!({}));
+    let dir = build(&config, "f32", None);
+    // Two prefill groups of two (the later ones join a running batch), a one-token prompt,
+    // budgets that end sequences at different steps.
+    let mut req = request(
+        dir.path(),
+        384,
+        &[9, 30, 1, 17, 5, 22],
+        &[6, 14, 4, 20, 9, 11],
+    );
+    req["prefill_batch_size"] = json!(2);
+    req["completion_batch_size"] = json!(4);
+    compare(dir.path(), &req);
+    // A stop token taken from the run itself ends a sequence early (and is reported).
+    let first = oracle(&req);
+    let stop = first["ids_3"].as_slice::<i32>()[5];
+    req["stop_tokens"] = json!([stop]);
+    compare(dir.path(), &req);
+}
+
+#[test]
+fn llama_bf16_chunked_prefill() {
+    let config = common::tiny_llama(json!({"num_hidden_layers": 2}));
+    let dir = build(&config, "bf16", None);
+    let mut req = request(dir.path(), 384, &[13, 40, 7, 26], &[12, 8, 16, 10]);
+    req["prefill_step_size"] = json!(8);
+    compare(dir.path(), &req);
+}
+
+#[test]
+fn qwen3_4bit() {
+    let config = common::tiny_qwen3(json!({"hidden_size": 128, "intermediate_size": 256}));
+    let dir = build(&config, "bf16", Some(4));
+    let req = request(dir.path(), 384, &[11, 25, 3, 18, 33], &[10, 7, 12, 9, 5]);
+    compare(dir.path(), &req);
+}
+
+#[test]
+fn qwen2_f32_untied() {
+    let config = with(
+        json!({
+            "model_type": "qwen2", "hidden_size": 64, "num_hidden_layers": 2, "intermediate_size": 128,
+            "num_attention_heads": 4, "num_key_value_heads": 2, "rms_norm_eps": 1e-6, "vocab_size": 384
+        }),
+        json!({"tie_word_embeddings": false}),
+    );
+    let dir = build(&config, "f32", None);
+    let req = request(dir.path(), 384, &[21, 6, 14], &[9, 15, 6]);
+    compare(dir.path(), &req);
+}
+
+#[test]
+fn sliding_window_models_are_refused_with_the_reason() {
+    let dir = build(&common::tiny_gemma3(), "bf16", None);
+    let mut loaded = models::load(dir.path(), Forks::default()).unwrap();
+    let plan = loaded.plan.clone();
+    let sampler = Sampler::new(&SamplerConfig::default()).unwrap();
+    let err = BatchGenerator::new(
+        loaded.model.as_mut(),
+        &plan,
+        sampler,
+        vec![],
+        BatchSettings::default(),
+    )
+    .err()
+    .expect("a gemma3 model with sliding layers cannot batch yet");
+    let msg = err.to_string();
+    assert!(
+        msg.contains("sliding-window") && msg.contains("--max-batch 1"),
+        "{msg}"
+    );
+}
