@@ -5,8 +5,10 @@ its own repetitions with mlx-lm's in one invocation.
 request:  {"op": "pp", "context": [...], "prompt": [...], "prefill_step_size": 2048}
           {"op": "tg", "prompt": [...], "n": 128}
           {"op": "verify", "context": [...], "block": [...], "prefill_step_size": 2048}
+          {"op": "batch", "prompts": [[...], ...], "n": 128}   (BatchGenerator, its defaults)
 reply:    {"seconds": float, "tokens": int}, plus "step_seconds" for verify (a one-token
-          forward at the same depth; "seconds" is the whole block's forward)
+          forward at the same depth; "seconds" is the whole block's forward); for batch, the
+          clock starts once every sequence has its first token, as in mlxb's `tg x B`
 """
 import json
 import os
@@ -15,7 +17,7 @@ import time
 from pathlib import Path
 
 import mlx.core as mx
-from mlx_lm.generate import generate_step
+from mlx_lm.generate import BatchGenerator, generate_step
 from mlx_lm.models.cache import make_prompt_cache, trim_prompt_cache
 from mlx_lm.utils import load_model
 
@@ -37,6 +39,23 @@ def timed_forward(model, cache, tokens):
     return seconds
 
 
+def timed_batch(model, prompts, n):
+    """Aggregate decode of `prompts` together, `n` tokens each, no stop tokens."""
+    gen = BatchGenerator(model, max_tokens=n)
+    gen.insert(prompts, [n] * len(prompts))
+    firsts, tokens, t0 = 0, 0, None
+    while responses := gen.next_generated():
+        if t0 is None:
+            firsts += len(responses)
+            if firsts >= len(prompts):
+                t0 = time.perf_counter()
+        else:
+            tokens += len(responses)
+    seconds = time.perf_counter() - t0
+    gen.close()
+    return {"seconds": seconds, "tokens": tokens}
+
+
 def main(model_dir):
     model, _ = load_model(Path(model_dir))
     print(json.dumps({"ready": True}), flush=True)
@@ -55,6 +74,8 @@ def main(model_dir):
             step = timed_forward(model, cache, req["block"][:1])
             block = timed_forward(model, cache, req["block"])
             out = {"seconds": block, "tokens": len(req["block"]), "step_seconds": step}
+        elif req["op"] == "batch":
+            out = timed_batch(model, req["prompts"], req["n"])
         else:
             n = 0
             t0 = None

@@ -93,7 +93,12 @@ fn test_row(template: &Row, config: &str, test: &TestSpec) -> Row {
         config: config.to_owned(),
         test: test.name(),
         n_prompt: n(TestKind::Prefill),
-        n_gen: n(TestKind::Decode),
+        n_gen: n(TestKind::Decode).max(n(TestKind::Parallel)),
+        n_parallel: if test.kind == TestKind::Parallel {
+            test.batch
+        } else {
+            0
+        },
         n_verify: n(TestKind::Verify),
         n_depth: test.depth,
         ..template.clone()
@@ -153,6 +158,9 @@ pub fn run(
                         }
                         TestKind::Verify => {
                             serde_json::json!({"op": "verify", "context": inputs.context, "block": inputs.tokens, "prefill_step_size": plan.prefill_step_size})
+                        }
+                        TestKind::Parallel => {
+                            serde_json::json!({"op": "batch", "prompts": inputs.parallel_prompts, "n": test.n})
                         }
                     };
                     let reply = w.time(&req)?;

@@ -46,6 +46,9 @@ pub struct Row {
     pub n_gen: usize,
     /// Context depth.
     pub n_depth: usize,
+    /// Sequences decoded at once (`tg x B` tests; 0 otherwise).
+    #[serde(default)]
+    pub n_parallel: usize,
     /// Tokens in a verify block (`v` tests).
     #[serde(default)]
     pub n_verify: usize,
@@ -288,6 +291,7 @@ const COLUMNS: &[(&str, Cell)] = &[
     ("n_gen", Cell::Scalar),
     ("n_depth", Cell::Scalar),
     ("n_verify", Cell::Scalar),
+    ("n_parallel", Cell::Scalar),
     ("avg_ts", Cell::Scalar),
     ("stddev_ts", Cell::Scalar),
     ("samples_ts", Cell::List),

@@ -3,8 +3,11 @@
 //! decoding `n` tokens after a prompt of `depth + 1` tokens (the first token is prompt time,
 //! as in mlx-lm's own generation_tps), `v` = one forward of an `n`-token block after `depth`
 //! context tokens with every row's logits computed (a speculative verify), timed beside a
-//! one-token step at the same depth.
+//! one-token step at the same depth, `tg x B` = `B` sequences decoded together by the batched
+//! engine, each `n` tokens after its own `depth + 1`-token prompt (aggregate tokens per second,
+//! every sequence's first token counted as prompt time, like llama.cpp's batched-bench `S_TG`).
 
+use crate::engine::batch::{BatchGenerator, BatchSettings};
 use crate::engine::error::Result;
 use crate::engine::generate::{Flow, GenerateConfig, Generator};
 use crate::engine::models::{Caches, LanguageModel, LoadedModel};
@@ -26,6 +29,8 @@ pub enum TestKind {
     Decode,
     /// One verify block (all of its logits), beside a one-token step.
     Verify,
+    /// Token generation for [`TestSpec::batch`] sequences at once.
+    Parallel,
 }
 
 /// A test: kind, token count, context depth.
@@ -37,6 +42,8 @@ pub struct TestSpec {
     pub n: usize,
     /// Context tokens already in the cache.
     pub depth: usize,
+    /// Sequences decoded at once ([`TestKind::Parallel`]; 1 otherwise).
+    pub batch: usize,
 }
 
 impl TestSpec {
@@ -46,6 +53,7 @@ impl TestSpec {
             TestKind::Prefill => format!("pp{}", self.n),
             TestKind::Decode => format!("tg{}", self.n),
             TestKind::Verify => format!("v{}", self.n),
+            TestKind::Parallel => format!("tg{} x{}", self.n, self.batch),
         };
         if self.depth > 0 {
             format!("{base} @ d{}", self.depth)
@@ -76,6 +84,8 @@ pub struct TestInputs {
     pub tokens: Vec<u32>,
     /// The `tg` test's prompt (`depth + 1` tokens).
     pub decode_prompt: Vec<u32>,
+    /// The `tg x B` test's prompts (`depth + 1` tokens each, all different).
+    pub parallel_prompts: Vec<Vec<u32>>,
 }
 
 impl TestInputs {
@@ -86,6 +96,10 @@ impl TestInputs {
             context: random_tokens(test.depth, vocab, seed),
             tokens: random_tokens(test.n, vocab, seed + 1),
             decode_prompt: random_tokens(test.depth + 1, vocab, seed),
+            parallel_prompts: (0..test.batch)
+                .filter(|_| test.kind == TestKind::Parallel)
+                .map(|i| random_tokens(test.depth + 1, vocab, seed + 2 + i as u64))
+                .collect(),
         }
     }
 }
@@ -107,7 +121,44 @@ pub fn measure(
             tps(n, s)
         }
         TestKind::Verify => tps(test.n, time_verify(loaded, inputs)?.block),
+        TestKind::Parallel => {
+            let (s, n) = time_parallel(loaded, &inputs.parallel_prompts, test.n)?;
+            tps(n, s)
+        }
     })
+}
+
+/// Times a parallel decode test: (seconds, tokens timed). All sequences decode `n` tokens
+/// (EOS ignored) in the batched engine with mlx-lm's default batch sizes; the clock starts when
+/// every sequence has its first token.
+pub fn time_parallel(
+    loaded: &mut LoadedModel,
+    prompts: &[Vec<u32>],
+    n: usize,
+) -> Result<(f64, usize)> {
+    let LoadedModel { model, plan, .. } = loaded;
+    let sampler = Sampler::new(&SamplerConfig::default())?;
+    let settings = BatchSettings::default();
+    let mut gen = BatchGenerator::new(model.as_mut(), plan, sampler, Vec::new(), settings)?;
+    gen.insert(prompts, &vec![n; prompts.len()])?;
+    let (mut started, mut tokens, mut firsts) = (None, 0, 0);
+    loop {
+        let out = gen.next_tokens()?;
+        if out.is_empty() {
+            break;
+        }
+        match started {
+            None => {
+                firsts += out.len();
+                if firsts >= prompts.len() {
+                    started = Some(Instant::now());
+                }
+            }
+            Some(_) => tokens += out.len(),
+        }
+    }
+    let secs = started.map_or(0.0, |t| t.elapsed().as_secs_f64());
+    Ok((secs, tokens))
 }
 
 /// Seconds of one verify test: the block, and a one-token step at the same depth.

@@ -60,6 +60,10 @@ pub struct BenchArgs {
     /// each 1 to 16 for the host products to take it (e.g. 2,4,8,16).
     #[arg(long = "n-verify", value_delimiter = ',')]
     pub n_verify: Vec<usize>,
+    /// Parallel decode tests: this many sequences decoded at once by the batched engine, each
+    /// generating every `-n` count (aggregate tokens/second), comma-separated (e.g. 1,4,8).
+    #[arg(long = "n-parallel", value_delimiter = ',')]
+    pub n_parallel: Vec<usize>,
     /// Context depths, comma-separated.
     #[arg(
         short = 'd',
@@ -113,6 +117,7 @@ pub fn plan_tests(args: &BenchArgs) -> anyhow::Result<Vec<TestSpec>> {
                 kind: TestKind::Prefill,
                 n,
                 depth,
+                batch: 1,
             });
         }
         for &n in args.n_gen.iter().filter(|&&n| n > 0) {
@@ -120,6 +125,7 @@ pub fn plan_tests(args: &BenchArgs) -> anyhow::Result<Vec<TestSpec>> {
                 kind: TestKind::Decode,
                 n,
                 depth,
+                batch: 1,
             });
         }
         for &n in args.n_verify.iter().filter(|&&n| n > 0) {
@@ -127,12 +133,23 @@ pub fn plan_tests(args: &BenchArgs) -> anyhow::Result<Vec<TestSpec>> {
                 kind: TestKind::Verify,
                 n,
                 depth,
+                batch: 1,
             });
+        }
+        for &batch in args.n_parallel.iter().filter(|&&b| b > 0) {
+            for &n in args.n_gen.iter().filter(|&&n| n > 0) {
+                tests.push(TestSpec {
+                    kind: TestKind::Parallel,
+                    n,
+                    depth,
+                    batch,
+                });
+            }
         }
     }
     if tests.is_empty() {
         return Err(EngineError::Input(
-            "no tests selected: give -p, -n and/or --n-verify with a positive token count".into(),
+            "no tests selected: give -p, -n (with --n-parallel for batched decoding) and/or --n-verify with a positive token count".into(),
         )
         .into());
     }
