@@ -13,11 +13,23 @@ non-streamed answer likewise. Usage:
 
   scripts/serve_load.py --clients 8 --duration 60 [--soak] [--mlxb target/release/mlxb] \
       [--max-tokens 32] [--seed 0] -- [mlxb serve args, e.g. --draft-kind ngram]
+
+With --baseline mlx-lm it instead measures throughput side by side: mlxb's server, then
+`mlx_lm server` on the same model directory (one at a time, so they never share the cores),
+each under 1, 4, 8 and 32 concurrent clients (--clients-list) sending streamed chat
+completions of the eight LOAD_PROMPTS back to back for --duration seconds. It prints a Markdown
+table (or JSON with --json) of aggregate generated tokens/s, time to first token and
+inter-token latency p50/p99, and the mlxb/mlx-lm throughput ratio; every answer is checked
+against the same server's answer to the prompt alone.
+
+  scripts/serve_load.py --baseline mlx-lm --model ~/.cache/mlxb/models/smollm2-135m-instruct \
+      [--clients-list 1,4,8,32] [--duration 30] [--max-tokens 64] -- [mlxb serve args]
 """
 
 import argparse
 import asyncio
 import json
+import os
 import random
 import re
 import statistics
@@ -34,6 +46,16 @@ PROMPTS = [
     "Explain what a CPU does in one sentence.",
     "Say hello in Spanish.",
     "What is 2 + 2?",
+]
+LOAD_PROMPTS = [
+    "What is the capital of France?",
+    "Write one sentence about the sea.",
+    "List three colors.",
+    "Explain what a CPU does in one sentence.",
+    "Say hello in Spanish.",
+    "What is 2 + 2?",
+    "Name a planet in the solar system.",
+    "Give me a synonym for happy.",
 ]
 MALFORMED = [
     ("/v1/chat/completions", "{not json"),
@@ -256,6 +278,152 @@ async def run(args, url, pid):
     }
 
 
+async def load_request(client, st, prompt, want, max_tokens):
+    """One streamed chat completion; records TTFT, inter-token gaps, tokens and integrity."""
+    body = body_for("chat", prompt, max_tokens, True)
+    sent = time.perf_counter()
+    async with client.stream("POST", "/v1/chat/completions", json=body) as r:
+        if r.status_code != 200:
+            await r.aread()
+            st.fail(f"http_{r.status_code}", r.text)
+            return
+        text, last, usage = "", None, None
+        async for line in r.aiter_lines():
+            if not line.startswith("data: ") or line[6:] == "[DONE]":
+                continue
+            v = json.loads(line[6:])
+            if v.get("usage"):
+                usage = v["usage"]
+            for c in v.get("choices", []):
+                piece = text_of(c, "chat", True)
+                if piece:
+                    now = time.perf_counter()
+                    if last is None:
+                        st.ttft.append(now - sent)
+                    else:
+                        st.itl.append(now - last)
+                    last = now
+                    text += piece
+    if text != want:
+        st.corrupted += 1
+        st.fail("corrupted_stream", f"{prompt!r}: {text!r} != {want!r}")
+    st.tokens += (usage or {}).get("completion_tokens", 0)
+    st.count("ok_stream")
+
+
+async def load_level(url, clients, duration, max_tokens):
+    """`clients` concurrent clients for `duration` seconds; client i starts at prompt i."""
+    limits = httpx.Limits(max_connections=clients + 4, max_keepalive_connections=clients + 4)
+    async with httpx.AsyncClient(base_url=url, timeout=600, limits=limits) as client:
+        expected = {}
+        for p in LOAD_PROMPTS:
+            r = await client.post("/v1/chat/completions", json=body_for("chat", p, max_tokens, False))
+            r.raise_for_status()
+            expected[p] = text_of(r.json()["choices"][0], "chat", False)
+        st = Stats()
+        start = time.monotonic()
+        deadline = start + duration
+
+        async def loop(i):
+            k = i
+            while time.monotonic() < deadline:
+                prompt = LOAD_PROMPTS[k % len(LOAD_PROMPTS)]
+                await load_request(client, st, prompt, expected[prompt], max_tokens)
+                k += 1
+
+        await asyncio.gather(*(loop(i) for i in range(clients)))
+        elapsed = time.monotonic() - start
+    ms = lambda x: None if x is None else round(x * 1e3, 1)  # noqa: E731
+    return {
+        "clients": clients,
+        "requests": sum(v for k, v in st.counts.items() if k.startswith("ok_")),
+        "corrupted": st.corrupted,
+        "failed": {k: v for k, v in st.counts.items() if not k.startswith("ok_")},
+        "tok_s": round(st.tokens / elapsed, 1),
+        "ttft_ms_p50": ms(percentile(st.ttft, 50)),
+        "ttft_ms_p99": ms(percentile(st.ttft, 99)),
+        "itl_ms_p50": ms(percentile(st.itl, 50)),
+        "itl_ms_p99": ms(percentile(st.itl, 99)),
+        "examples": st.examples,
+    }
+
+
+def free_port():
+    import socket
+
+    with socket.socket() as sock:
+        sock.bind(("127.0.0.1", 0))
+        return sock.getsockname()[1]
+
+
+def start_mlx_lm(model):
+    port = free_port()
+    env = dict(os.environ, HF_HUB_OFFLINE="1")
+    cmd = [sys.executable, "-m", "mlx_lm", "server", "--model", model, "--host", "127.0.0.1", "--port", str(port)]
+    server = subprocess.Popen(cmd, stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL, env=env)
+    url = f"http://127.0.0.1:{port}"
+    for _ in range(600):
+        if server.poll() is not None:
+            sys.exit(f"mlx_lm server exited ({server.returncode}): {' '.join(cmd)}")
+        try:
+            if httpx.get(url + "/v1/models", timeout=2).status_code == 200:
+                return server, url
+        except httpx.HTTPError:
+            pass
+        time.sleep(0.5)
+    server.kill()
+    sys.exit("mlx_lm server did not come up within 300 s")
+
+
+def start_mlxb(args):
+    cmd = [args.mlxb, "serve", "--host", "127.0.0.1", "--port", "0"]
+    if args.model:
+        cmd += ["--model", args.model]
+    server = subprocess.Popen([*cmd, *args.server_args], stdout=subprocess.PIPE, text=True)
+    for line in server.stdout:
+        if line.strip().startswith("url"):
+            return server, line.split()[1]
+    sys.exit(f"mlxb serve exited without printing its URL: {cmd}")
+
+
+def stop(server):
+    server.terminate()
+    try:
+        server.wait(timeout=30)
+    except subprocess.TimeoutExpired:
+        server.kill()
+
+
+def compare(args):
+    levels = [int(c) for c in args.clients_list.split(",")]
+    result = {"model": args.model, "max_tokens": args.max_tokens, "duration_s": args.duration,
+              "server_args": args.server_args, "mlxb": [], "mlx-lm": []}
+    for name, start in (("mlxb", lambda: start_mlxb(args)), ("mlx-lm", lambda: start_mlx_lm(args.model))):
+        server, url = start()
+        try:
+            for c in levels:
+                print(f"serve_load: {name}, {c} clients ...", file=sys.stderr, flush=True)
+                result[name].append(asyncio.run(load_level(url, c, args.duration, args.max_tokens)))
+        finally:
+            stop(server)
+    if args.json:
+        print(json.dumps(result, indent=1))
+        return
+    print("| clients | mlxb tok/s | mlx-lm tok/s | ratio | mlxb TTFT p50/p99 ms | mlx-lm TTFT p50/p99 ms | mlxb ITL p50/p99 ms | mlx-lm ITL p50/p99 ms | answers intact (mlxb / mlx-lm) |")
+    print("|---|---|---|---|---|---|---|---|---|")
+    for ours, theirs in zip(result["mlxb"], result["mlx-lm"]):
+        ratio = ours["tok_s"] / theirs["tok_s"] if theirs["tok_s"] else float("nan")
+        intact = lambda r: f"{r['requests'] - r['corrupted']}/{r['requests']}"  # noqa: E731
+        print(f"| {ours['clients']} | {ours['tok_s']} | {theirs['tok_s']} | {ratio:.2f}x "
+              f"| {ours['ttft_ms_p50']}/{ours['ttft_ms_p99']} | {theirs['ttft_ms_p50']}/{theirs['ttft_ms_p99']} "
+              f"| {ours['itl_ms_p50']}/{ours['itl_ms_p99']} | {theirs['itl_ms_p50']}/{theirs['itl_ms_p99']} "
+              f"| {intact(ours)} / {intact(theirs)} |")
+    for name in ("mlxb", "mlx-lm"):
+        for r in result[name]:
+            for e in r["examples"]:
+                print(f"{name} @ {r['clients']} clients: {e}", file=sys.stderr)
+
+
 def metric(text, name):
     m = re.search(rf"^{re.escape(name)} (\S+)$", text, re.M)
     return float(m.group(1)) if m else None
@@ -269,8 +437,18 @@ def main():
     ap.add_argument("--max-tokens", type=int, default=32)
     ap.add_argument("--seed", type=int, default=0)
     ap.add_argument("--mlxb", default="target/release/mlxb")
+    ap.add_argument("--baseline", choices=["mlx-lm"], help="measure throughput beside mlx_lm server")
+    ap.add_argument("--model", help="model directory (--baseline: both servers load it)")
+    ap.add_argument("--clients-list", default="1,4,8,32", help="--baseline: client counts")
+    ap.add_argument("--json", action="store_true", help="--baseline: JSON instead of a table")
     ap.add_argument("server_args", nargs="*", help="extra `mlxb serve` flags (after --)")
     args = ap.parse_args()
+    if args.baseline:
+        if not args.model:
+            ap.error("--baseline needs --model DIR (both servers load the same directory)")
+        if args.max_tokens == 32 and "--max-tokens" not in sys.argv:
+            args.max_tokens = 64
+        return compare(args)
     if not (1 <= args.clients <= 1024 and 0 < args.duration <= 3600):
         ap.error("--clients must be 1..1024 and --duration 0..3600 s")
     cmd = [args.mlxb, "serve", "--host", "127.0.0.1", "--port", "0", *args.server_args]

@@ -8,7 +8,7 @@ mod common;
 
 use common::with;
 use mlx_rs::ops::indexing::IndexOp;
-use mlxb::engine::batch::{BatchGenerator, BatchSettings};
+use mlxb::engine::batch::{BatchGenerator, BatchSettings, SequenceRequest};
 use mlxb::engine::forks::Forks;
 use mlxb::engine::models;
 use mlxb::engine::sample::{Sampler, SamplerConfig};
@@ -45,12 +45,17 @@ fn mlxb_batch(dir: &std::path::Path, req: &serde_json::Value) -> Vec<Produced> {
     };
     let sampler = Sampler::new(&SamplerConfig::default()).unwrap();
     let plan = loaded.plan.clone();
-    let mut gen =
-        BatchGenerator::new(loaded.model.as_mut(), &plan, sampler, stop, settings).unwrap();
-    let uids = gen.insert(&prompts, &budgets).unwrap();
+    let model = loaded.model.as_mut();
+    let mut gen = BatchGenerator::new(model, &plan, sampler, stop, settings).unwrap();
+    let requests = prompts
+        .into_iter()
+        .zip(budgets)
+        .map(|(p, m)| SequenceRequest::new(p, m))
+        .collect();
+    let uids = gen.insert(requests).unwrap();
     let mut out: Vec<Produced> = vec![(vec![], vec![], false); uids.len()];
     loop {
-        let tokens = gen.next_tokens().unwrap();
+        let tokens = gen.next_tokens(model).unwrap();
         if tokens.is_empty() {
             break;
         }
@@ -167,11 +172,11 @@ fn qwen2_f32_untied() {
 #[test]
 fn sliding_window_models_are_refused_with_the_reason() {
     let dir = build(&common::tiny_gemma3(), "bf16", None);
-    let mut loaded = models::load(dir.path(), Forks::default()).unwrap();
+    let loaded = models::load(dir.path(), Forks::default()).unwrap();
     let plan = loaded.plan.clone();
     let sampler = Sampler::new(&SamplerConfig::default()).unwrap();
     let err = BatchGenerator::new(
-        loaded.model.as_mut(),
+        loaded.model.as_ref(),
         &plan,
         sampler,
         vec![],

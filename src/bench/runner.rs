@@ -7,7 +7,7 @@
 //! engine, each `n` tokens after its own `depth + 1`-token prompt (aggregate tokens per second,
 //! every sequence's first token counted as prompt time, like llama.cpp's batched-bench `S_TG`).
 
-use crate::engine::batch::{BatchGenerator, BatchSettings};
+use crate::engine::batch::{BatchGenerator, BatchSettings, SequenceRequest};
 use crate::engine::error::Result;
 use crate::engine::generate::{Flow, GenerateConfig, Generator};
 use crate::engine::models::{Caches, LanguageModel, LoadedModel};
@@ -139,11 +139,15 @@ pub fn time_parallel(
     let LoadedModel { model, plan, .. } = loaded;
     let sampler = Sampler::new(&SamplerConfig::default())?;
     let settings = BatchSettings::default();
-    let mut gen = BatchGenerator::new(model.as_mut(), plan, sampler, Vec::new(), settings)?;
-    gen.insert(prompts, &vec![n; prompts.len()])?;
+    let mut gen = BatchGenerator::new(model.as_ref(), plan, sampler, Vec::new(), settings)?;
+    let requests = prompts
+        .iter()
+        .map(|p| SequenceRequest::new(p.clone(), n))
+        .collect();
+    gen.insert(requests)?;
     let (mut started, mut tokens, mut firsts) = (None, 0, 0);
     loop {
-        let out = gen.next_tokens()?;
+        let out = gen.next_tokens(model.as_mut())?;
         if out.is_empty() {
             break;
         }

@@ -26,6 +26,10 @@ pub struct ServeArgs {
     /// Port to listen on (0 picks a free one; the ready card prints the URL).
     #[arg(long, default_value_t = 8080)]
     pub port: u16,
+    /// Most requests decoded at once by continuous batching (1: one at a time, the
+    /// single-stream path); requests beyond it wait in the queue.
+    #[arg(long, default_value_t = crate::server::DEFAULT_MAX_BATCH)]
+    pub max_batch: usize,
     /// Most requests waiting for the engine; more get 503 until the queue drains.
     #[arg(long, default_value_t = 64)]
     pub max_queue: usize,
@@ -61,6 +65,7 @@ pub fn run(args: ServeArgs) -> anyhow::Result<()> {
         ("--max-prompt-tokens", args.max_prompt_tokens),
         ("--max-concurrent", args.max_concurrent),
         ("--max-body-bytes", args.max_body_bytes),
+        ("--max-batch", args.max_batch),
     ] {
         if value == 0 {
             return Err(EngineError::Input(format!("{flag} must be at least 1")).into());
@@ -96,5 +101,6 @@ pub fn run(args: ServeArgs) -> anyhow::Result<()> {
         max_concurrent: args.max_concurrent,
         prefix_reuse: !args.no_prefix_reuse,
         startup: super::progress::startup_trace(),
+        max_batch: args.max_batch,
     })
 }

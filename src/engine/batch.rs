@@ -55,11 +55,34 @@ pub struct BatchToken {
     pub finish: Option<FinishReason>,
 }
 
+/// One sequence to generate.
+pub struct SequenceRequest {
+    /// Its prompt ids (at least one).
+    pub prompt: Vec<u32>,
+    /// Its token budget (at least one).
+    pub max_tokens: usize,
+    /// Its own sampler; `None` samples with the generator's (rows that all use it are sampled
+    /// in one call, as mlx-lm does for a batch that shares a sampler).
+    pub sampler: Option<Sampler>,
+}
+
+impl SequenceRequest {
+    /// A request sampled with the generator's sampler.
+    pub fn new(prompt: Vec<u32>, max_tokens: usize) -> Self {
+        Self {
+            prompt,
+            max_tokens,
+            sampler: None,
+        }
+    }
+}
+
 /// A request's prompt still to be prefilled: segments in order, the last one its final token.
 struct Prefill {
     uid: usize,
     segments: VecDeque<Vec<u32>>,
     max_tokens: usize,
+    sampler: Option<Sampler>,
 }
 
 /// A sequence in the decoding batch.
@@ -67,6 +90,7 @@ struct Decoding {
     uid: usize,
     max_tokens: usize,
     produced: usize,
+    sampler: Option<Sampler>,
 }
 
 /// Rows being prefilled together, with their batched caches (empty when there are no rows).
@@ -86,9 +110,10 @@ struct DecodeBatch {
     next_logprobs: Option<Array>,
 }
 
-/// Continuous batching over one model (see the module docs).
-pub struct BatchGenerator<'a> {
-    model: &'a mut dyn LanguageModel,
+/// Continuous batching over one model (see the module docs). The model is lent to each call
+/// rather than held, so its owner can run other work between steps (the server's unbatched
+/// requests).
+pub struct BatchGenerator {
     sampler: Sampler,
     stop_tokens: Vec<u32>,
     settings: BatchSettings,
@@ -173,12 +198,12 @@ fn eval_caches(caches: &Caches) -> Result<()> {
     Ok(())
 }
 
-impl<'a> BatchGenerator<'a> {
+impl BatchGenerator {
     /// A generator over `model` sampling every row with `sampler`, ending a sequence at any of
     /// `stop_tokens`. Refuses models whose caches cannot batch and plans that quantize the KV
     /// cache (neither has a batched form in mlx-lm).
     pub fn new(
-        model: &'a mut dyn LanguageModel,
+        model: &dyn LanguageModel,
         plan: &ForkPlan,
         sampler: Sampler,
         stop_tokens: Vec<u32>,
@@ -199,7 +224,6 @@ impl<'a> BatchGenerator<'a> {
             prefill_step_size: settings.prefill_step_size.max(1),
         };
         Ok(Self {
-            model,
             sampler,
             stop_tokens,
             settings,
@@ -212,28 +236,21 @@ impl<'a> BatchGenerator<'a> {
         })
     }
 
-    /// Queues one sequence per prompt, each with its token budget; returns their ids.
-    pub fn insert(&mut self, prompts: &[Vec<u32>], max_tokens: &[usize]) -> Result<Vec<usize>> {
-        if prompts.len() != max_tokens.len() {
-            return Err(EngineError::Input(format!(
-                "{} prompts but {} token budgets; give one budget per prompt",
-                prompts.len(),
-                max_tokens.len()
-            )));
-        }
-        if let Some(i) = prompts.iter().position(Vec::is_empty) {
+    /// Queues the sequences in order; returns their ids.
+    pub fn insert(&mut self, requests: Vec<SequenceRequest>) -> Result<Vec<usize>> {
+        if let Some(i) = requests.iter().position(|r| r.prompt.is_empty()) {
             return Err(EngineError::Input(format!(
                 "prompt {i} is empty; give at least one token"
             )));
         }
-        if let Some(i) = max_tokens.iter().position(|&m| m == 0) {
+        if let Some(i) = requests.iter().position(|r| r.max_tokens == 0) {
             return Err(EngineError::Input(format!(
                 "prompt {i} has a token budget of 0; give at least 1"
             )));
         }
-        let mut uids = Vec::with_capacity(prompts.len());
-        for (prompt, &max_tokens) in prompts.iter().zip(max_tokens) {
-            let (last, head) = prompt.split_last().unwrap_or((&0, &[]));
+        let mut uids = Vec::with_capacity(requests.len());
+        for request in requests {
+            let (last, head) = request.prompt.split_last().unwrap_or((&0, &[]));
             let mut segments = VecDeque::new();
             if !head.is_empty() {
                 segments.push_back(head.to_vec());
@@ -244,7 +261,8 @@ impl<'a> BatchGenerator<'a> {
             self.queue.push_back(Prefill {
                 uid,
                 segments,
-                max_tokens,
+                max_tokens: request.max_tokens,
+                sampler: request.sampler,
             });
             uids.push(uid);
         }
@@ -281,9 +299,9 @@ impl<'a> BatchGenerator<'a> {
 
     /// The next tokens (one per decoding sequence), running prefills as needed (mlx-lm's
     /// `next_generated`); empty once nothing is left.
-    pub fn next_tokens(&mut self) -> Result<Vec<BatchToken>> {
+    pub fn next_tokens(&mut self, model: &mut dyn LanguageModel) -> Result<Vec<BatchToken>> {
         loop {
-            let (prompt_progress, tokens) = self.advance()?;
+            let (prompt_progress, tokens) = self.advance(model)?;
             if tokens.is_empty() && prompt_progress {
                 continue;
             }
@@ -293,10 +311,10 @@ impl<'a> BatchGenerator<'a> {
 
     /// One round of mlx-lm's `_next`: a decoding step, then admission and one prefill step.
     /// Returns whether any prompt work happened and the tokens produced.
-    fn advance(&mut self) -> Result<(bool, Vec<BatchToken>)> {
+    fn advance(&mut self, model: &mut dyn LanguageModel) -> Result<(bool, Vec<BatchToken>)> {
         let mut tokens = Vec::new();
         if !self.decode.rows.is_empty() {
-            tokens = self.decode_next()?;
+            tokens = self.decode_next(model)?;
             self.steps += 1;
             if self.steps.is_multiple_of(512) {
                 memory::clear_cache()?;
@@ -313,7 +331,7 @@ impl<'a> BatchGenerator<'a> {
         .min(self.queue.len());
         if n > 0 {
             let rows: Vec<Prefill> = self.queue.drain(..n).collect();
-            let caches = fresh_caches(self.model, &self.plan, rows.len())?;
+            let caches = fresh_caches(model, &self.plan, rows.len())?;
             extend_caches(&mut self.prompt.caches, caches)?;
             self.prompt.rows.extend(rows);
         }
@@ -325,7 +343,7 @@ impl<'a> BatchGenerator<'a> {
             .collect();
         let mut progress = !ready.is_empty();
         if !ready.is_empty() {
-            self.start_decoding(&ready)?;
+            self.start_decoding(model, &ready)?;
         }
         let mut chunks = Vec::with_capacity(self.prompt.rows.len());
         for row in &mut self.prompt.rows {
@@ -340,14 +358,14 @@ impl<'a> BatchGenerator<'a> {
         }
         if !chunks.is_empty() {
             progress = true;
-            self.prefill(&chunks)?;
+            self.prefill(model, &chunks)?;
         }
         Ok((progress, tokens))
     }
 
     /// `PromptProcessingBatch.prompt`: one chunk per row, right-padded to the longest, run in
     /// forwards of `prefill_step_size` positions, the padding then moved to the left.
-    fn prefill(&mut self, chunks: &[Vec<u32>]) -> Result<()> {
+    fn prefill(&mut self, model: &mut dyn LanguageModel, chunks: &[Vec<u32>]) -> Result<()> {
         let longest = chunks.iter().map(Vec::len).max().unwrap_or(0);
         let padding: Vec<i32> = chunks.iter().map(|c| (longest - c.len()) as i32).collect();
         let padded = padding.iter().any(|&p| p > 0);
@@ -369,7 +387,7 @@ impl<'a> BatchGenerator<'a> {
         while start < longest {
             let n = self.settings.prefill_step_size.min(longest - start);
             let part = tokens.index((.., start as i32..(start + n) as i32));
-            self.model.forward(&part, &mut self.prompt.caches)?;
+            model.forward(&part, &mut self.prompt.caches)?;
             eval_caches(&self.prompt.caches)?;
             memory::clear_cache()?;
             start += n;
@@ -386,7 +404,7 @@ impl<'a> BatchGenerator<'a> {
 
     /// Moves prompt rows `ready` (each down to its last token) into the decoding batch: their
     /// caches split off, their first step queued (`PromptProcessingBatch.split(...).generate`).
-    fn start_decoding(&mut self, ready: &[usize]) -> Result<()> {
+    fn start_decoding(&mut self, model: &mut dyn LanguageModel, ready: &[usize]) -> Result<()> {
         let rest: Vec<usize> = (0..self.prompt.rows.len())
             .filter(|i| !ready.contains(i))
             .collect();
@@ -419,18 +437,19 @@ impl<'a> BatchGenerator<'a> {
             .collect();
         let mut batch = DecodeBatch {
             rows: moved
-                .iter()
+                .into_iter()
                 .map(|r| Decoding {
                     uid: r.uid,
                     max_tokens: r.max_tokens,
                     produced: 0,
+                    sampler: r.sampler,
                 })
                 .collect(),
             caches,
             next_tokens: Some(Array::from_slice(&last, &[last.len() as i32])),
             next_logprobs: None,
         };
-        self.step(&mut batch)?;
+        self.step(model, &mut batch)?;
         self.decode.rows.extend(batch.rows);
         extend_caches(&mut self.decode.caches, batch.caches)?;
         self.decode.next_tokens = concat_rows(self.decode.next_tokens.take(), batch.next_tokens)?;
@@ -441,18 +460,30 @@ impl<'a> BatchGenerator<'a> {
 
     /// `GenerationBatch._step`: forwards the queued tokens, queues the next step, and returns
     /// the tokens and logprobs that step had produced.
-    fn step(&mut self, batch: &mut DecodeBatch) -> Result<(Array, Option<Array>)> {
+    fn step(
+        &mut self,
+        model: &mut dyn LanguageModel,
+        batch: &mut DecodeBatch,
+    ) -> Result<(Array, Option<Array>)> {
         let inputs = batch
             .next_tokens
             .take()
             .ok_or_else(|| EngineError::Runtime("a decoding batch has no queued step".into()))?;
         let current_logprobs = batch.next_logprobs.take();
-        let logits = self
-            .model
-            .forward(&inputs.expand_dims(1)?, &mut batch.caches)?;
+        let logits = model.forward(&inputs.expand_dims(1)?, &mut batch.caches)?;
         let logits = logits.index((.., -1, ..));
         let logprobs = logits.subtract(logits.logsumexp_axis(-1, true)?)?;
-        let sampled = self.sampler.sample(&logprobs)?;
+        let sampled = if batch.rows.iter().all(|r| r.sampler.is_none()) {
+            self.sampler.sample(&logprobs)?
+        } else {
+            let mut parts = Vec::with_capacity(batch.rows.len());
+            for (i, row) in batch.rows.iter_mut().enumerate() {
+                let lp = logprobs.index(i as i32..i as i32 + 1);
+                let sampler = row.sampler.as_mut().unwrap_or(&mut self.sampler);
+                parts.push(sampler.sample(&lp)?);
+            }
+            ops::concatenate(&parts, 0)?
+        };
         async_eval([&sampled, &logprobs])?;
         batch.next_tokens = Some(sampled);
         batch.next_logprobs = Some(logprobs);
@@ -464,9 +495,9 @@ impl<'a> BatchGenerator<'a> {
     }
 
     /// `GenerationBatch.next`: one step for every decoding row; finished rows leave.
-    fn decode_next(&mut self) -> Result<Vec<BatchToken>> {
+    fn decode_next(&mut self, model: &mut dyn LanguageModel) -> Result<Vec<BatchToken>> {
         let mut batch = std::mem::take(&mut self.decode);
-        let stepped = self.step(&mut batch);
+        let stepped = self.step(model, &mut batch);
         self.decode = batch;
         let (tokens, logprobs) = stepped?;
         let logprobs = logprobs.ok_or_else(|| {

@@ -10,9 +10,11 @@
 //! - `respond` / `types` — OpenAI response objects and stream chunks;
 //! - `queue` — the bounded job queue (503 when full);
 //! - `worker` — the engine thread and its events;
+//! - `batching` — continuous batching of requests on the engine thread (`--max-batch`);
 //! - `stop` — stop strings on streamed text;
 //! - `metrics` — Prometheus counters and histograms.
 
+pub mod batching;
 pub mod bind;
 pub mod error;
 pub mod limit;
@@ -36,6 +38,10 @@ use std::path::PathBuf;
 use std::sync::atomic::{AtomicBool, Ordering};
 use std::sync::Arc;
 use std::time::{Duration, Instant};
+
+/// `--max-batch` by default: the concurrency the 8-client load test was measured at
+/// (docs/serve.md).
+pub const DEFAULT_MAX_BATCH: usize = 8;
 
 /// Everything `mlxb serve` was told.
 #[derive(Debug, Clone)]
@@ -76,6 +82,8 @@ pub struct ServeConfig {
     pub parity: crate::engine::forks::Tier,
     /// Where the engine marks its start-up steps (`MLXB_TRACE_STARTUP`).
     pub startup: crate::engine::startup::StartupTrace,
+    /// Most requests decoded at once (continuous batching; 1: one at a time).
+    pub max_batch: usize,
 }
 
 /// Loads the model, binds, prints the ready card and serves until Ctrl-C or SIGTERM; then
@@ -101,6 +109,7 @@ pub fn serve(cfg: ServeConfig) -> anyhow::Result<()> {
             prefix_reuse: cfg.prefix_reuse,
             forks: cfg.forks,
             startup: cfg.startup.clone(),
+            max_batch: cfg.max_batch,
         },
         jobs,
         metrics.clone(),
@@ -197,7 +206,7 @@ fn print_card(
     let mut out = std::io::stdout().lock();
     let _ = writeln!(
         out,
-        "mlxb serve: ready in {:.1}s\n  model    {} ({}, {})\n  backend  {}\n  tier     {} (oracle: {})\n  drafter  {}\n  queue    {} waiting at most, 1 generating; max_tokens {} by default, {} at most\n  limits   prompt {} tokens, body {} bytes, {} requests in flight\n  prefix   {}\n  auth     {}\n  url      http://{addr}\n  routes   POST /v1/chat/completions, POST /v1/completions, GET /v1/models, GET /health, GET /metrics",
+        "mlxb serve: ready in {:.1}s\n  model    {} ({}, {})\n  backend  {}\n  tier     {} (oracle: {})\n  drafter  {}\n  queue    {} waiting at most, {}; max_tokens {} by default, {} at most\n  limits   prompt {} tokens, body {} bytes, {} requests in flight\n  prefix   {}\n  auth     {}\n  url      http://{addr}\n  routes   POST /v1/chat/completions, POST /v1/completions, GET /v1/models, GET /health, GET /metrics",
         load_time.as_secs_f64(),
         state.model_id,
         cfg.dir.display(),
@@ -207,6 +216,7 @@ fn print_card(
         cfg.parity.oracle(),
         info.drafter.as_deref().unwrap_or("none"),
         cfg.max_queue.max(1),
+        batch_line(info),
         state.limits.default_max_tokens,
         cfg.max_tokens_limit,
         cfg.max_prompt_tokens,
@@ -220,6 +230,15 @@ fn print_card(
         if cfg.api_key.is_some() { "Bearer key required (all routes but /health)" } else { "none" },
     );
     let _ = out.flush();
+}
+
+/// The ready card's account of how many requests decode at once.
+fn batch_line(info: &worker::EngineInfo) -> String {
+    match (&info.batch_note, info.max_batch) {
+        (Some(why), _) => format!("1 generating ({why})"),
+        (None, 1) => "1 generating".into(),
+        (None, n) => format!("up to {n} generating together (continuous batching)"),
+    }
 }
 
 /// Resolves on Ctrl-C or (on Unix) SIGTERM.

@@ -32,7 +32,7 @@ impl JobQueue {
                 metrics.unqueued();
                 Err(match e {
                     TrySendError::Full(_) => ApiError::unavailable(format!(
-                        "the request queue is full ({} waiting, one generating); retry shortly",
+                        "the request queue is full ({} waiting); retry shortly",
                         self.capacity
                     )),
                     TrySendError::Disconnected(_) => ApiError::shutting_down(

@@ -2,6 +2,7 @@
 //! not thread-safe). It takes jobs off the queue one at a time, runs them through the
 //! shared generation loop and sends token events back to the HTTP handler that asked.
 
+use super::batching;
 use super::error::ApiError;
 use super::metrics::{Finished, Metrics};
 use super::prefix::PrefixCache;
@@ -96,6 +97,8 @@ pub struct EngineConfig {
     pub forks: Forks,
     /// Where opening the model and each generation mark their start-up steps.
     pub startup: StartupTrace,
+    /// Most requests decoded at once (`--max-batch`; 1: one at a time).
+    pub max_batch: usize,
 }
 
 /// Facts about the loaded model, for the ready card and request validation.
@@ -112,6 +115,10 @@ pub struct EngineInfo {
     /// Whether prompt prefixes are reused across requests (off with `--no-prefix-reuse` or
     /// a drafter that reads the target's hidden states during prefill).
     pub prefix_reuse: bool,
+    /// Most requests decoded at once (1 when batching is off).
+    pub max_batch: usize,
+    /// Why requests decode one at a time although `--max-batch` asked for more.
+    pub batch_note: Option<String>,
 }
 
 /// The running engine thread.
@@ -144,8 +151,22 @@ pub fn spawn(
                     return;
                 }
             };
-            while let Ok(job) = jobs.recv() {
-                state.serve(job, &metrics, &shutdown);
+            let mut next = None;
+            while let Some(job) = next.take().or_else(|| jobs.recv().ok()) {
+                if state.info.max_batch > 1
+                    && batching::fits_batch(&job, &state.session.tokenizer)
+                {
+                    next = batching::run(
+                        &mut state.session,
+                        state.info.max_batch,
+                        job,
+                        &jobs,
+                        &metrics,
+                        &shutdown,
+                    );
+                } else {
+                    state.serve(job, &metrics, &shutdown);
+                }
             }
         })?;
     let info = ready_rx
@@ -186,7 +207,7 @@ impl State {
             && drafter
                 .as_ref()
                 .is_none_or(|(s, _)| s.tap_layers().is_empty());
-        let info = EngineInfo {
+        let mut info = EngineInfo {
             model_type: session.model.model_type.clone(),
             vocab_size: usize::try_from(session.model.model.vocab_size()).unwrap_or(0),
             drafter: drafter.as_ref().map(|(s, o)| {
@@ -204,7 +225,20 @@ impl State {
                 runtime::mlx_version().unwrap_or_else(|_| "?".into())
             ),
             prefix_reuse,
+            max_batch: 1,
+            batch_note: None,
         };
+        if cfg.max_batch > 1 {
+            if info.drafter.is_some() {
+                info.batch_note =
+                    Some("requests with a drafter decode one at a time for now".into());
+            } else {
+                match batching::batch_size(&session, cfg.max_batch) {
+                    Ok(n) => info.max_batch = n,
+                    Err(why) => info.batch_note = Some(why),
+                }
+            }
+        }
         let mut state = Self {
             session,
             drafter,
@@ -382,7 +416,7 @@ impl State {
 }
 
 /// The generated token's logprob and the `top` most likely tokens at its position.
-fn score(step: &Step, top: usize) -> Result<TokenScore> {
+pub(super) fn score(step: &Step, top: usize) -> Result<TokenScore> {
     let lp = step.logprobs.as_dtype(Dtype::Float32)?;
     let values = lp
         .try_as_slice::<f32>()

@@ -1,0 +1,391 @@
+//! Continuous batching on the engine thread (`mlxb serve --max-batch N`, N > 1): requests join
+//! the engine's [`BatchGenerator`] as they arrive (up to N decoding at once), are prefilled
+//! between decode steps, and leave when they finish, stop, or their client goes away; every
+//! step's tokens are routed to their requests' streams. Requests the batch cannot serve exactly
+//! (logits processors, a fixed seed) wait for the batch to drain and then run alone through
+//! the single-stream path, as does everything when the server has a drafter.
+
+use super::error::ApiError;
+use super::metrics::{Finished, Metrics};
+use super::stop::StopMatcher;
+use super::types::{Timings, Usage};
+use super::worker::{score, Event, Job, Summary};
+use crate::engine::batch::{BatchGenerator, BatchSettings, BatchToken, SequenceRequest};
+use crate::engine::error::{EngineError, Result};
+use crate::engine::generate::{GenerationStats, Step};
+use crate::engine::sample::{LogitsProcessors, Sampler, SamplerConfig};
+use crate::engine::session::Session;
+use crate::engine::text::FinishReason;
+use crate::engine::tokenizer::{StreamingDetokenizer, Tokenizer};
+use std::collections::HashMap;
+use std::panic::{catch_unwind, AssertUnwindSafe};
+use std::sync::atomic::{AtomicBool, Ordering};
+use std::sync::mpsc::{Receiver, TryRecvError};
+use std::time::Instant;
+
+/// One request in the batch.
+struct Slot<'t> {
+    job: Job,
+    detok: StreamingDetokenizer<'t>,
+    stopper: StopMatcher,
+    ids: Vec<u32>,
+    admitted: Instant,
+    first: Option<Instant>,
+    last: Option<Instant>,
+}
+
+/// Whether `job` can decode in a batch with the same tokens it would get alone (greedy or
+/// sampled without a seed, no logits processors); `Some(sampler)` when it can (`None` inside:
+/// the batch's shared greedy sampler).
+fn batch_sampler(job: &Job, tokenizer: &Tokenizer) -> Result<Option<Option<Sampler>>> {
+    let params = &job.request.params;
+    if params.seed.is_some() || !LogitsProcessors::new(&params.processors)?.is_empty() {
+        return Ok(None);
+    }
+    if params.sampler.temp == 0.0 {
+        return Ok(Some(None));
+    }
+    let mut specials = tokenizer.encode("\n", false)?;
+    specials.extend(tokenizer.eos_token_ids());
+    let sampler = Sampler::new(&SamplerConfig {
+        xtc_special_tokens: specials,
+        ..params.sampler.clone()
+    })?;
+    Ok(Some(Some(sampler)))
+}
+
+/// Whether the engine serves requests in batches: more than one slot asked for and a model
+/// whose caches batch. `Err` carries why not, for the ready card.
+pub fn batch_size(session: &Session, max_batch: usize) -> std::result::Result<usize, String> {
+    if max_batch <= 1 {
+        return Ok(1);
+    }
+    new_generator(session, max_batch)
+        .map(|_| max_batch)
+        .map_err(|e| e.to_string())
+}
+
+fn new_generator(session: &Session, max_batch: usize) -> Result<BatchGenerator> {
+    new_generator_for(&session.model, &session.tokenizer, max_batch)
+}
+
+/// Whether `job` runs in the batch (else alone, once the batch has drained).
+pub fn fits_batch(job: &Job, tokenizer: &Tokenizer) -> bool {
+    // A request whose settings cannot even build a sampler fails inside the batch loop.
+    batch_sampler(job, tokenizer).map_or(true, |s| s.is_some())
+}
+
+/// Serves `first` and whatever else arrives on `jobs` in batches of at most `max_batch` until
+/// nothing is left running; returns the job that must run alone, if one arrived meanwhile
+/// (taken off the queue in its turn, it runs before anything queued behind it).
+pub fn run(
+    session: &mut Session,
+    max_batch: usize,
+    first: Job,
+    jobs: &Receiver<Job>,
+    metrics: &Metrics,
+    shutdown: &AtomicBool,
+) -> Option<Job> {
+    let mut gen = match new_generator(session, max_batch) {
+        Ok(gen) => gen,
+        Err(e) => {
+            metrics.started(first.arrived.elapsed());
+            fail(first, metrics, &e);
+            return None;
+        }
+    };
+    let Session {
+        model, tokenizer, ..
+    } = session;
+    let tokenizer: &Tokenizer = tokenizer;
+    let mut slots: HashMap<usize, Slot<'_>> = HashMap::new();
+    let mut next = Some(first);
+    let mut deferred = None;
+    loop {
+        // Admission: jobs join while there is room, in queue order; one that must run alone
+        // ends admission until the batch has drained.
+        while deferred.is_none() && slots.len() < max_batch {
+            let job = match next.take() {
+                Some(job) => job,
+                None => match jobs.try_recv() {
+                    Ok(job) => job,
+                    Err(TryRecvError::Empty | TryRecvError::Disconnected) => break,
+                },
+            };
+            match batch_sampler(&job, tokenizer) {
+                Ok(Some(sampler)) => admit(&mut gen, &mut slots, job, sampler, tokenizer, metrics),
+                Ok(None) => deferred = Some(job),
+                Err(e) => {
+                    metrics.started(job.arrived.elapsed());
+                    fail(job, metrics, &e);
+                }
+            }
+        }
+        if slots.is_empty() {
+            return deferred;
+        }
+        let stepped = catch_unwind(AssertUnwindSafe(|| {
+            gen.next_tokens(model.model.as_mut())
+        }));
+        let tokens = match stepped {
+            Ok(Ok(tokens)) => tokens,
+            Ok(Err(e)) => {
+                fail_all(&mut slots, metrics, &e);
+                gen = match new_generator_for(model, tokenizer, max_batch) {
+                    Ok(g) => g,
+                    Err(_) => return deferred,
+                };
+                continue;
+            }
+            Err(_) => {
+                let e = EngineError::Runtime(
+                    "the engine failed on this batch (internal panic); the server keeps serving"
+                        .into(),
+                );
+                fail_all(&mut slots, metrics, &e);
+                gen = match new_generator_for(model, tokenizer, max_batch) {
+                    Ok(g) => g,
+                    Err(_) => return deferred,
+                };
+                continue;
+            }
+        };
+        let mut leaving = Vec::new();
+        for token in tokens {
+            let uid = token.uid;
+            let Some(slot) = slots.get_mut(&uid) else {
+                continue;
+            };
+            if let Some(done) = deliver(slot, &token, metrics, shutdown) {
+                let slot = slots.remove(&uid).expect("slot present");
+                if token.finish.is_none() {
+                    leaving.push(uid);
+                }
+                conclude(slot, done, metrics);
+            }
+        }
+        if !leaving.is_empty() {
+            if let Err(e) = gen.remove(&leaving) {
+                fail_all(&mut slots, metrics, &e);
+                gen = match new_generator_for(model, tokenizer, max_batch) {
+                    Ok(g) => g,
+                    Err(_) => return deferred,
+                };
+            }
+        }
+    }
+}
+
+/// [`new_generator`] from the session's parts (the loop holds them borrowed separately).
+fn new_generator_for(
+    model: &crate::engine::models::LoadedModel,
+    tokenizer: &Tokenizer,
+    max_batch: usize,
+) -> Result<BatchGenerator> {
+    let settings = BatchSettings {
+        completion_batch_size: max_batch,
+        prefill_batch_size: max_batch.min(BatchSettings::default().prefill_batch_size),
+        prefill_step_size: BatchSettings::default().prefill_step_size,
+    };
+    BatchGenerator::new(
+        model.model.as_ref(),
+        &model.plan,
+        Sampler::new(&SamplerConfig::default())?,
+        tokenizer.eos_token_ids().iter().copied().collect(),
+        settings,
+    )
+}
+
+/// Puts `job` in the batch.
+fn admit<'t>(
+    gen: &mut BatchGenerator,
+    slots: &mut HashMap<usize, Slot<'t>>,
+    job: Job,
+    sampler: Option<Sampler>,
+    tokenizer: &'t Tokenizer,
+    metrics: &Metrics,
+) {
+    metrics.started(job.arrived.elapsed());
+    if job.events.is_closed() {
+        metrics.aborted();
+        metrics.ended();
+        return;
+    }
+    let request = SequenceRequest {
+        prompt: job.prompt_ids.clone(),
+        max_tokens: job.request.params.generate.max_tokens,
+        sampler,
+    };
+    match gen.insert(vec![request]) {
+        Ok(uids) => {
+            let stopper = StopMatcher::new(job.request.stop.clone());
+            slots.insert(
+                uids[0],
+                Slot {
+                    job,
+                    detok: StreamingDetokenizer::new(tokenizer),
+                    stopper,
+                    ids: Vec::new(),
+                    admitted: Instant::now(),
+                    first: None,
+                    last: None,
+                },
+            );
+        }
+        Err(e) => fail(job, metrics, &e),
+    }
+}
+
+/// How a request left the batch.
+enum Done {
+    /// It finished: `stop` or `length`.
+    Finished(&'static str),
+    /// Its client went away.
+    Gone,
+    /// The server is shutting down.
+    Cancelled,
+}
+
+/// Hands one token to its request's stream; says whether the request is done.
+fn deliver(
+    slot: &mut Slot<'_>,
+    token: &BatchToken,
+    metrics: &Metrics,
+    shutdown: &AtomicBool,
+) -> Option<Done> {
+    let now = Instant::now();
+    match slot.last {
+        None => {
+            metrics.first_token(now - slot.job.arrived);
+            slot.first = Some(now);
+        }
+        Some(t) => metrics.inter_token(now - t),
+    }
+    slot.last = Some(now);
+    slot.ids.push(token.token);
+    if token.finish == Some(FinishReason::Eos) {
+        return Some(Done::Finished("stop"));
+    }
+    slot.detok.add_token(token.token);
+    let released = slot.stopper.push(&slot.detok.last_segment());
+    let req = &slot.job.request;
+    let score = match req.logprobs {
+        Some(top) => {
+            let step = Step {
+                index: slot.ids.len() - 1,
+                token: token.token,
+                logprobs: token.logprobs.clone(),
+            };
+            match score(&step, top) {
+                Ok(s) => Some(s),
+                Err(_) => None,
+            }
+        }
+        None => None,
+    };
+    if (!released.is_empty() || score.is_some())
+        && slot
+            .job
+            .events
+            .send(Event::Delta {
+                text: released,
+                token: score,
+            })
+            .is_err()
+    {
+        return Some(Done::Gone);
+    }
+    if slot.job.events.is_closed() {
+        return Some(Done::Gone);
+    }
+    if slot.stopper.stopped() {
+        return Some(Done::Finished("stop"));
+    }
+    if shutdown.load(Ordering::Relaxed) {
+        return Some(Done::Cancelled);
+    }
+    match token.finish {
+        Some(reason) => Some(Done::Finished(reason.as_str())),
+        None => None,
+    }
+}
+
+/// Sends a finished request's tail and summary, and settles its metrics.
+fn conclude(mut slot: Slot<'_>, done: Done, metrics: &Metrics) {
+    let finish_reason = match done {
+        Done::Gone => {
+            metrics.aborted();
+            metrics.ended();
+            return;
+        }
+        Done::Cancelled => {
+            metrics.aborted();
+            metrics.ended();
+            let _ = slot.job.events.send(Event::Error(ApiError::shutting_down(
+                "the server is shutting down; the request was cancelled",
+            )));
+            return;
+        }
+        Done::Finished(reason) => reason,
+    };
+    if !slot.stopper.stopped() {
+        slot.detok.finalize();
+        let tail = slot.stopper.push(&slot.detok.last_segment());
+        let rest = tail + &slot.stopper.finish();
+        if !rest.is_empty() {
+            let _ = slot.job.events.send(Event::Delta {
+                text: rest,
+                token: None,
+            });
+        }
+    }
+    let finish_reason = if slot.stopper.stopped() {
+        "stop"
+    } else {
+        finish_reason
+    };
+    let (first, last) = (
+        slot.first.unwrap_or(slot.admitted),
+        slot.last.unwrap_or(slot.admitted),
+    );
+    let stats = GenerationStats {
+        prompt_tokens: slot.job.prompt_ids.len(),
+        prompt_time: first - slot.admitted,
+        generation_tokens: slot.ids.len(),
+        generation_time: last - first,
+        peak_memory: 0,
+    };
+    metrics.finished(&Finished {
+        finish_reason,
+        prompt_tokens: stats.prompt_tokens,
+        cached_tokens: 0,
+        generation_tokens: slot.ids.len(),
+        latency: slot.job.arrived.elapsed(),
+        decode_tps: stats.generation_tps(),
+        spec: None,
+    });
+    metrics.ended();
+    let _ = slot.job.events.send(Event::Done(Box::new(Summary {
+        finish_reason,
+        usage: Usage::new(stats.prompt_tokens, 0, slot.ids.len()),
+        timings: Timings::new(&stats, None),
+        token_ids: slot.ids,
+    })));
+}
+
+/// Answers `job` with `err` (it was counted as started).
+fn fail(job: Job, metrics: &Metrics, err: &EngineError) {
+    metrics.failed();
+    metrics.ended();
+    let _ = job.events.send(Event::Error(match err {
+        EngineError::Input(msg) => ApiError::bad_request(msg.clone()),
+        other => ApiError::internal(format!("generation failed: {other}")),
+    }));
+}
+
+/// Fails every request in the batch (after an engine error, the batch is rebuilt empty).
+fn fail_all(slots: &mut HashMap<usize, Slot<'_>>, metrics: &Metrics, err: &EngineError) {
+    for (_, slot) in slots.drain() {
+        fail(slot.job, metrics, err);
+    }
+}
