@@ -328,7 +328,11 @@ async def load_level(url, clients, duration, max_tokens):
             k = i
             while time.monotonic() < deadline:
                 prompt = LOAD_PROMPTS[k % len(LOAD_PROMPTS)]
-                await load_request(client, st, prompt, expected[prompt], max_tokens)
+                try:
+                    await load_request(client, st, prompt, expected[prompt], max_tokens)
+                except (httpx.TimeoutException, httpx.TransportError) as e:
+                    st.fail(f"transport_{type(e).__name__}", str(e))
+                    await asyncio.sleep(0.1)
                 k += 1
 
         await asyncio.gather(*(loop(i) for i in range(clients)))

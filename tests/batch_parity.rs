@@ -8,10 +8,11 @@ mod common;
 
 use common::with;
 use mlx_rs::ops::indexing::IndexOp;
-use mlxb::engine::batch::{BatchGenerator, BatchSettings, SequenceRequest};
+use mlxb::engine::batch::{generate_all, BatchGenerator, BatchSettings, SequenceRequest};
 use mlxb::engine::forks::Forks;
+use mlxb::engine::generate::{Flow, GenerateConfig, Generator};
 use mlxb::engine::models;
-use mlxb::engine::sample::{Sampler, SamplerConfig};
+use mlxb::engine::sample::{LogitsProcessors, ProcessorConfig, Sampler, SamplerConfig};
 use mlxb::engine::text::FinishReason;
 use serde_json::json;
 use std::collections::HashMap;
@@ -43,31 +44,22 @@ fn mlxb_batch(dir: &std::path::Path, req: &serde_json::Value) -> Vec<Produced> {
         completion_batch_size: req["completion_batch_size"].as_u64().unwrap() as usize,
         prefill_step_size: req["prefill_step_size"].as_u64().unwrap() as usize,
     };
-    let sampler = Sampler::new(&SamplerConfig::default()).unwrap();
-    let plan = loaded.plan.clone();
-    let model = loaded.model.as_mut();
-    let mut gen = BatchGenerator::new(model, &plan, sampler, stop, settings).unwrap();
     let requests = prompts
         .into_iter()
         .zip(budgets)
         .map(|(p, m)| SequenceRequest::new(p, m))
         .collect();
-    let uids = gen.insert(requests).unwrap();
-    let mut out: Vec<Produced> = vec![(vec![], vec![], false); uids.len()];
-    loop {
-        let tokens = gen.next_tokens(model).unwrap();
-        if tokens.is_empty() {
-            break;
-        }
-        for t in tokens {
-            let slot = &mut out[uids.iter().position(|&u| u == t.uid).unwrap()];
-            slot.0.push(t.token as i32);
-            slot.1.push(t.logprobs);
-            slot.2 = t.finish == Some(FinishReason::Eos);
-        }
-    }
-    assert_eq!(gen.active(), 0, "sequences left behind");
-    out
+    let out = generate_all(&mut loaded, greedy(), stop, settings, requests).unwrap();
+    out.into_iter()
+        .map(|g| {
+            let ids = g.tokens.iter().map(|&t| t as i32).collect();
+            (ids, g.logprobs, g.finish == FinishReason::Eos)
+        })
+        .collect()
+}
+
+fn greedy() -> Sampler {
+    Sampler::new(&SamplerConfig::default()).unwrap()
 }
 
 fn request(
@@ -189,4 +181,60 @@ fn sliding_window_models_are_refused_with_the_reason() {
         msg.contains("sliding-window") && msg.contains("--max-batch 1"),
         "{msg}"
     );
+}
+
+/// A batch of one takes the batched path (left-padded cache, array mask, per-row RoPE offsets)
+/// and still equals the single-stream loop bit for bit: `serve` at one client answers exactly as
+/// `generate` does. (Rows in a batch of several need not: see docs/serving.md.)
+#[test]
+fn a_batch_of_one_is_bit_identical_to_the_single_stream_path() {
+    for (config, dtype, bits) in [
+        (common::tiny_llama(json!({})), "f32", None),
+        (
+            common::tiny_qwen3(json!({"hidden_size": 128, "intermediate_size": 256})),
+            "bf16",
+            Some(4),
+        ),
+    ] {
+        let dir = build(&config, dtype, bits);
+        let prompt = common::prompt_ids(23, 384, 5);
+        let mut loaded = models::load(dir.path(), Forks::default()).unwrap();
+        let request = vec![SequenceRequest::new(prompt.clone(), 20)];
+        let batched = generate_all(
+            &mut loaded,
+            greedy(),
+            vec![],
+            BatchSettings::default(),
+            request,
+        )
+        .unwrap()
+        .remove(0);
+        let mut sampler = greedy();
+        let mut processors = LogitsProcessors::new(&ProcessorConfig::default()).unwrap();
+        let plan = loaded.plan.clone();
+        let cfg = GenerateConfig {
+            max_tokens: 20,
+            prefill_step_size: 2048,
+        };
+        let mut alone = vec![];
+        Generator::new(loaded.model.as_mut(), &mut sampler, &mut processors)
+            .with_plan(&plan)
+            .run(&prompt, &cfg, |s| {
+                alone.push((s.token, s.logprobs.clone()));
+                Ok(Flow::Continue)
+            })
+            .unwrap();
+        let tokens: Vec<u32> = alone.iter().map(|(t, _)| *t).collect();
+        assert_eq!(
+            batched.tokens, tokens,
+            "{dtype}: ids differ from the single-stream loop"
+        );
+        for (s, ((_, lp), row)) in alone.iter().zip(&batched.logprobs).enumerate() {
+            assert_eq!(
+                common::bits(lp),
+                common::bits(row),
+                "{dtype}: logprobs differ from the single-stream loop at step {s}"
+            );
+        }
+    }
 }

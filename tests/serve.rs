@@ -298,7 +298,15 @@ fn bad_requests_get_400_naming_the_field() {
 
 #[test]
 fn queue_is_bounded_and_disconnects_free_the_engine() {
-    let s = Server::start(&["--max-queue", "1", "--max-tokens-limit", "1000000"]);
+    // One at a time (`--max-batch 1`): B waits in the queue while A generates.
+    let s = Server::start(&[
+        "--max-batch",
+        "1",
+        "--max-queue",
+        "1",
+        "--max-tokens-limit",
+        "1000000",
+    ]);
     // A: a long streaming generation; read one chunk so it is surely running.
     let a_reader = s.open_long_stream();
     // B waits in the queue (its own thread), C finds the queue full.
@@ -431,7 +439,8 @@ fn prefix_reuse_is_bit_exact() {
     // Same first 22 tokens, a different last one.
     let mut last_changed = base.clone();
     *last_changed.last_mut().unwrap() = 7;
-    let step = ["--prefill-step-size", "4"];
+    // Prefix reuse is the single-stream path's (`--max-batch 1`).
+    let step = ["--prefill-step-size", "4", "--max-batch", "1"];
     let reuse = Server::start(&step);
     let fresh = Server::start(&[&step[..], &["--no-prefix-reuse"]].concat());
     let ask = |s: &Server, body: &Value| {
@@ -497,6 +506,8 @@ fn prefix_reuse_is_bit_exact() {
 #[test]
 fn sixteen_concurrent_streams_stay_intact() {
     let s = Server::start(&[
+        "--max-batch",
+        "1",
         "--max-queue",
         "32",
         "--max-concurrent",
@@ -685,4 +696,75 @@ fn security_defaults_and_limits() {
         std::thread::sleep(Duration::from_millis(50));
     }
     assert!(s.metric("mlxb:request_rejected_total{reason=\"concurrency\"}") >= 1.0);
+}
+
+/// Continuous batching: with four slots, a long stream and sixteen short ones share the engine;
+/// the batch fills, the rest wait, the long stream's client leaves and frees its slot, and every
+/// short stream's text equals that prompt's answer when it ran alone.
+#[test]
+fn batched_streams_join_leave_and_stay_intact() {
+    let s = Server::start(&[
+        "--max-batch",
+        "4",
+        "--max-queue",
+        "32",
+        "--max-tokens-limit",
+        "1000000",
+    ]);
+    let prompts: Vec<String> = (0..16).map(|i| format!("Batch {i}: {PROMPT}")).collect();
+    let expected: Vec<String> = prompts
+        .iter()
+        .map(|p| {
+            let (status, v) = s.post("/v1/completions", &json!({"prompt": p, "max_tokens": 16}));
+            assert_eq!(status, 200, "{v}");
+            v["choices"][0]["text"].as_str().unwrap().to_owned()
+        })
+        .collect();
+    let holder = s.open_long_stream();
+    let url = s.url("/v1/completions");
+    let handles: Vec<_> = prompts
+        .iter()
+        .map(|p| {
+            let (agent, url, p) = (s.agent.clone(), url.clone(), p.clone());
+            std::thread::spawn(move || {
+                let body = json!({"prompt": p, "max_tokens": 16, "stream": true});
+                let r = agent
+                    .post(&url)
+                    .send_json(body)
+                    .map_err(|e| e.to_string())?;
+                Ok::<_, String>(
+                    BufReader::new(r.into_reader())
+                        .lines()
+                        .map_while(Result::ok)
+                        .filter_map(|l| l.strip_prefix("data: ").map(str::to_owned))
+                        .collect::<Vec<_>>(),
+                )
+            })
+        })
+        .collect();
+    // The batch fills (the holder and three short streams) while others wait.
+    let deadline = Instant::now() + Duration::from_secs(60);
+    let mut most = 0.0f64;
+    while most < 4.0 {
+        assert!(
+            Instant::now() < deadline,
+            "the batch never filled (most {most} running)"
+        );
+        most = most.max(s.metric("mlxb:num_requests_running"));
+        std::thread::sleep(Duration::from_millis(5));
+    }
+    drop(holder);
+    for (i, (h, want)) in handles.into_iter().zip(&expected).enumerate() {
+        let events = h
+            .join()
+            .unwrap()
+            .unwrap_or_else(|e| panic!("client {i}: {e}"));
+        assert_eq!(&stream_text(&events).0, want, "client {i}'s stream");
+    }
+    assert_eq!(s.metric("mlxb:request_aborted_total"), 1.0);
+    assert_eq!(
+        s.metric("mlxb:request_success_total{finished_reason=\"length\"}"),
+        32.0
+    );
+    assert_eq!(s.metric("mlxb:num_requests_running"), 0.0);
 }

@@ -551,3 +551,57 @@ impl BatchGenerator {
         filter_caches(&mut p.caches, keep)
     }
 }
+
+/// What one sequence of [`generate_all`] produced.
+pub struct Generated {
+    /// Its tokens (a stop token included when it ended the sequence).
+    pub tokens: Vec<u32>,
+    /// Each token's full-vocabulary logprobs `[V]`.
+    pub logprobs: Vec<Array>,
+    /// Why it ended.
+    pub finish: FinishReason,
+}
+
+/// Runs `requests` to completion in one [`BatchGenerator`] on `model` and returns every
+/// sequence's output, in request order (mlx-lm's `batch_generate`, with full logprobs).
+pub fn generate_all(
+    model: &mut super::models::LoadedModel,
+    sampler: Sampler,
+    stop_tokens: Vec<u32>,
+    settings: BatchSettings,
+    requests: Vec<SequenceRequest>,
+) -> Result<Vec<Generated>> {
+    let mut gen = BatchGenerator::new(
+        model.model.as_ref(),
+        &model.plan,
+        sampler,
+        stop_tokens,
+        settings,
+    )?;
+    let uids = gen.insert(requests)?;
+    let mut out: Vec<Generated> = uids
+        .iter()
+        .map(|_| Generated {
+            tokens: Vec::new(),
+            logprobs: Vec::new(),
+            finish: FinishReason::Length,
+        })
+        .collect();
+    loop {
+        let tokens = gen.next_tokens(model.model.as_mut())?;
+        if tokens.is_empty() {
+            return Ok(out);
+        }
+        for t in tokens {
+            let Some(i) = uids.iter().position(|&u| u == t.uid) else {
+                continue;
+            };
+            let slot = &mut out[i];
+            slot.tokens.push(t.token);
+            slot.logprobs.push(t.logprobs);
+            if let Some(reason) = t.finish {
+                slot.finish = reason;
+            }
+        }
+    }
+}

@@ -7,6 +7,7 @@ use super::error::{EngineError, Result};
 use super::models::activations::CompiledOp;
 use super::models::{Caches, ForwardOpts, LanguageModel};
 use super::plan::ForkPlan;
+use super::rollback::{rewind, Checkpoint, Rewind};
 use super::sample::{LogitsProcessors, Sampler};
 use super::startup::StartupTrace;
 use mlx_rs::ops::indexing::IndexOp;
@@ -79,18 +80,18 @@ impl GenerationStats {
 
 /// The model, its caches and the sampling state for one request.
 pub struct Generator<'a> {
-    pub(crate) model: &'a mut dyn LanguageModel,
-    pub(crate) caches: Caches,
-    pub(crate) sampler: &'a mut Sampler,
-    pub(crate) processors: &'a mut LogitsProcessors,
+    model: &'a mut dyn LanguageModel,
+    caches: Caches,
+    sampler: &'a mut Sampler,
+    processors: &'a mut LogitsProcessors,
     /// Every token fed so far, for the logits processors (mlx-lm's `tokens`).
-    pub(crate) history: Option<Array>,
+    history: Option<Array>,
     /// What decodes after the first token when decoding speculatively.
     spec: Option<&'a mut dyn Speculator>,
     /// Positions the target's caches hold.
-    pub(crate) positions: usize,
+    positions: usize,
     /// The forks this generation runs with (KV quantization, attention plan).
-    pub(crate) plan: ForkPlan,
+    plan: ForkPlan,
     /// `--compiled-decode`: the compiled `logits - logsumexp(logits)` of each step.
     logprobs_op: Option<CompiledOp>,
     /// Tokens to feed instead of sampling (teacher forcing), in order.
@@ -234,7 +235,7 @@ impl<'a> Generator<'a> {
         self
     }
 
-    pub(crate) fn remember(&mut self, tokens: &Array) -> Result<()> {
+    fn remember(&mut self, tokens: &Array) -> Result<()> {
         if self.processors.is_empty() || tokens.size() == 0 {
             return Ok(());
         }
@@ -247,7 +248,7 @@ impl<'a> Generator<'a> {
 
     /// Forwards `tokens` (`[L]`) through the target, handing tapped layers to the attached
     /// [`Speculator`].
-    pub(crate) fn forward_tokens(&mut self, tokens: &Array) -> Result<Array> {
+    fn forward_tokens(&mut self, tokens: &Array) -> Result<Array> {
         let layers = self
             .spec
             .as_ref()
@@ -264,7 +265,7 @@ impl<'a> Generator<'a> {
 
     /// Forwards `tokens` (`[L]`) through the target, returning the logits, the position of the
     /// first row and the outputs of the layers `taps` asks for.
-    pub(crate) fn forward_tapped(
+    pub fn forward_tapped(
         &mut self,
         tokens: &Array,
         taps: Vec<usize>,
@@ -283,7 +284,7 @@ impl<'a> Generator<'a> {
 
     /// mlx-lm's logits → processors → logprobs for one row `[1, V]` whose input token was
     /// `fed` (added to the processors' history first, as `_step` does).
-    pub(crate) fn logprobs_row(&mut self, row: Array, fed: &Array) -> Result<Array> {
+    pub fn logprobs_row(&mut self, row: Array, fed: &Array) -> Result<Array> {
         let mut logits = row;
         if !self.processors.is_empty() && fed.size() > 0 {
             self.remember(fed)?;
@@ -295,6 +296,64 @@ impl<'a> Generator<'a> {
             Some(op) => op.call1(&[logits]),
             None => Ok(logits.subtract(logits.logsumexp(true)?)?),
         }
+    }
+
+    /// Positions the target's caches hold.
+    pub fn positions(&self) -> usize {
+        self.positions
+    }
+
+    /// The target and its caches, for a drafter that reads them (the caches read-only).
+    pub fn target(&mut self) -> (&mut dyn LanguageModel, &Caches) {
+        (&mut *self.model, &self.caches)
+    }
+
+    /// The sampler this generation samples with.
+    pub fn sampler(&mut self) -> &mut Sampler {
+        self.sampler
+    }
+
+    /// Whether logits processors change the logits before sampling.
+    pub fn has_processors(&self) -> bool {
+        !self.processors.is_empty()
+    }
+
+    /// The most tokens a block fed at the current position may hold so that it does not
+    /// straddle the switch to quantized KV caches; `None`: no limit.
+    pub fn max_block(&self) -> Option<usize> {
+        self.plan.max_draft(self.positions)
+    }
+
+    /// Saves the caches before a block that may be partly taken back ([`Generator::rewind`]).
+    pub fn checkpoint(&self) -> Checkpoint {
+        Checkpoint::take(&self.caches, self.positions)
+    }
+
+    /// Takes the caches back to `keep` positions after a block fed since `checkpoint`
+    /// (`tokens`: the ids of positions `checkpoint.positions()..keep`, replayed where a cache
+    /// cannot trim exactly), then quantizes them where the plan says, as after any forward.
+    pub fn rewind(
+        &mut self,
+        checkpoint: Checkpoint,
+        keep: usize,
+        tokens: &[u32],
+    ) -> Result<Rewind> {
+        let model = &mut *self.model;
+        let how = rewind(
+            &mut self.caches,
+            checkpoint,
+            self.positions,
+            keep,
+            tokens,
+            |t, caches| {
+                let ids: Vec<i32> = t.iter().map(|&x| x as i32).collect();
+                let x = Array::from_slice(&ids, &[1, ids.len() as i32]);
+                model.forward(&x, caches).map(|_| ())
+            },
+        )?;
+        self.positions = keep;
+        self.plan.quantize(&mut self.caches)?;
+        Ok(how)
     }
 
     /// mlx-lm's `_step`: forward `tokens` ([L]), keep the last position, process, sample.

@@ -18,6 +18,7 @@ pub mod loader;
 pub mod models;
 pub mod nn;
 pub mod plan;
+pub mod rollback;
 pub mod runtime;
 pub mod sample;
 pub mod session;

@@ -124,9 +124,7 @@ pub fn run(
         if slots.is_empty() {
             return deferred;
         }
-        let stepped = catch_unwind(AssertUnwindSafe(|| {
-            gen.next_tokens(model.model.as_mut())
-        }));
+        let stepped = catch_unwind(AssertUnwindSafe(|| gen.next_tokens(model.model.as_mut())));
         let tokens = match stepped {
             Ok(Ok(tokens)) => tokens,
             Ok(Err(e)) => {
@@ -157,11 +155,12 @@ pub fn run(
                 continue;
             };
             if let Some(done) = deliver(slot, &token, metrics, shutdown) {
-                let slot = slots.remove(&uid).expect("slot present");
                 if token.finish.is_none() {
                     leaving.push(uid);
                 }
-                conclude(slot, done, metrics);
+                if let Some(slot) = slots.remove(&uid) {
+                    conclude(slot, done, metrics);
+                }
             }
         }
         if !leaving.is_empty() {
@@ -276,10 +275,7 @@ fn deliver(
                 token: token.token,
                 logprobs: token.logprobs.clone(),
             };
-            match score(&step, top) {
-                Ok(s) => Some(s),
-                Err(_) => None,
-            }
+            score(&step, top).ok()
         }
         None => None,
     };
@@ -304,10 +300,7 @@ fn deliver(
     if shutdown.load(Ordering::Relaxed) {
         return Some(Done::Cancelled);
     }
-    match token.finish {
-        Some(reason) => Some(Done::Finished(reason.as_str())),
-        None => None,
-    }
+    token.finish.map(|reason| Done::Finished(reason.as_str()))
 }
 
 /// Sends a finished request's tail and summary, and settles its metrics.

@@ -153,8 +153,7 @@ pub fn spawn(
             };
             let mut next = None;
             while let Some(job) = next.take().or_else(|| jobs.recv().ok()) {
-                if state.info.max_batch > 1
-                    && batching::fits_batch(&job, &state.session.tokenizer)
+                if state.info.max_batch > 1 && batching::fits_batch(&job, &state.session.tokenizer)
                 {
                     next = batching::run(
                         &mut state.session,

@@ -2,9 +2,9 @@
 //! separate draft model, or the target's first K layers): which tokens their caches hold,
 //! feeding what is new, drafting a chain lazily (one evaluation per draft), and exact rewind.
 
-use super::rollback::{rewind, Checkpoint};
 use crate::engine::error::{EngineError, Result};
 use crate::engine::models::Caches;
+use crate::engine::rollback::{rewind, Checkpoint};
 use mlx_rs::ops::indexing::{argmax_axis, IndexOp};
 use mlx_rs::transforms::eval;
 use mlx_rs::Array;

@@ -5,11 +5,11 @@
 //! exactly to the kept positions; the drafter is told what was committed.
 
 use super::factory::SpecOptions;
-use super::rollback::{rewind, Checkpoint, Rewind};
 use super::source::{Draft, DraftSource, TargetView, VerifyMode};
 use super::verify::{reject_step, target_distribution, Decision};
 use crate::engine::error::{EngineError, Result};
 use crate::engine::generate::{Flow, GenerateConfig, GenerationStats, Generator, Speculator, Step};
+use crate::engine::rollback::Rewind;
 use crate::spec::metrics::SpecMetrics;
 use crate::spec::trace::{RoundTrace, TraceSink};
 use mlx_rs::ops::indexing::{argmax_axis, IndexOp};
@@ -130,14 +130,8 @@ impl Speculator for Speculation<'_> {
             self.num_draft_tokens = block;
         }
         self.source
-            .configure_sampling(gen.sampler.temp(), self.verify);
-        self.source.begin(
-            TargetView {
-                model: &mut *gen.model,
-                caches: &gen.caches,
-            },
-            prompt,
-        )?;
+            .configure_sampling(gen.sampler().temp(), self.verify);
+        self.source.begin(view(&mut gen), prompt)?;
         while !out.stopped && out.emitted < cfg.max_tokens {
             let before = out.emitted;
             self.round(&mut gen, &mut seq, cfg.max_tokens - out.emitted, &mut out)?;
@@ -150,6 +144,12 @@ impl Speculator for Speculation<'_> {
         stats.peak_memory = memory::peak_memory()?;
         Ok(stats)
     }
+}
+
+/// The generation's target as a drafter sees it.
+fn view<'g>(gen: &'g mut Generator<'_>) -> TargetView<'g> {
+    let (model, caches) = gen.target();
+    TargetView { model, caches }
 }
 
 impl Speculation<'_> {
@@ -165,21 +165,14 @@ impl Speculation<'_> {
         let k = self
             .num_draft_tokens
             .min(remaining.saturating_sub(1))
-            .min(gen.plan.max_draft(gen.positions).unwrap_or(usize::MAX));
+            .min(gen.max_block().unwrap_or(usize::MAX));
         let anchor = *seq
             .last()
             .ok_or_else(|| EngineError::Runtime("empty sequence".into()))?;
         let emitted_before = out.emitted;
         let drafting = Instant::now();
         let mut draft = if k > 0 {
-            self.source.draft(
-                TargetView {
-                    model: &mut *gen.model,
-                    caches: &gen.caches,
-                },
-                seq,
-                k,
-            )?
+            self.source.draft(view(gen), seq, k)?
         } else {
             Draft::default()
         };
@@ -188,8 +181,8 @@ impl Speculation<'_> {
         self.metrics.draft_seconds += drafting.elapsed().as_secs_f64();
         let verifying = Instant::now();
 
-        let base = gen.positions;
-        let checkpoint = Checkpoint::take(&gen.caches, base);
+        let base = gen.positions();
+        let checkpoint = gen.checkpoint();
         let mut input = vec![anchor];
         input.extend_from_slice(&draft.tokens);
         let (logits, first, taps) = gen.forward_tapped(&ids(&input), self.source.tap_layers())?;
@@ -198,7 +191,7 @@ impl Speculation<'_> {
         }
 
         let accepted = match self.verify {
-            VerifyMode::Match if gen.sampler.is_greedy() && gen.processors.is_empty() => {
+            VerifyMode::Match if gen.sampler().is_greedy() && !gen.has_processors() => {
                 accept_greedy(gen, &logits, &draft.tokens, out)?
             }
             VerifyMode::Match => accept_matching(gen, &logits, &input, out)?,
@@ -209,17 +202,7 @@ impl Speculation<'_> {
 
         let rolling_back = Instant::now();
         let keep = base + accepted + 1;
-        let model = &mut *gen.model;
-        let how = rewind(
-            &mut gen.caches,
-            checkpoint,
-            gen.positions,
-            keep,
-            &input[..accepted + 1],
-            |t, caches| model.forward(&ids(t).expand_dims(0)?, caches).map(|_| ()),
-        )?;
-        gen.positions = keep;
-        gen.plan.quantize(&mut gen.caches)?;
+        let how = gen.rewind(checkpoint, keep, &input[..accepted + 1])?;
         self.metrics.rollback_seconds += rolling_back.elapsed().as_secs_f64();
         self.metrics.record(m, accepted);
         if how == Rewind::Replayed {
@@ -246,13 +229,7 @@ impl Speculation<'_> {
             *rounds += 1;
         }
         let committing = Instant::now();
-        self.source.commit(
-            TargetView {
-                model: &mut *gen.model,
-                caches: &gen.caches,
-            },
-            keep,
-        )?;
+        self.source.commit(view(gen), keep)?;
         self.metrics.draft_seconds += committing.elapsed().as_secs_f64();
         // The token after the accepted drafts (correction or bonus) is the next anchor.
         if let Some(next) = out.last {
@@ -304,7 +281,7 @@ fn accept_matching(
     let mut accepted = 0;
     for i in 0..input.len() {
         let lp = gen.logprobs_row(logits.index((.., i as i32, ..)), &ids(&input[i..=i]))?;
-        let t = gen.sampler.sample(&lp)?.try_item_cast::<u32>()?;
+        let t = gen.sampler().sample(&lp)?.try_item_cast::<u32>()?;
         out.emit(t, lp.squeeze_axes(&[0])?)?;
         if out.stopped || i + 1 == input.len() || t != input[i + 1] {
             break;
@@ -322,16 +299,16 @@ fn accept_rejecting(
     draft: &Draft,
     out: &mut Emitter<'_>,
 ) -> Result<usize> {
-    let temp = gen.sampler.temp();
+    let temp = gen.sampler().temp();
     let mut accepted = 0;
     for i in 0..input.len() {
         let lp = gen.logprobs_row(logits.index((.., i as i32, ..)), &ids(&input[i..=i]))?;
         if i + 1 == input.len() {
-            let t = gen.sampler.sample(&lp)?.try_item_cast::<u32>()?;
+            let t = gen.sampler().sample(&lp)?.try_item_cast::<u32>()?;
             out.emit(t, lp.squeeze_axes(&[0])?)?;
             break;
         }
-        let p = target_distribution(gen.sampler, &lp, temp)?;
+        let p = target_distribution(gen.sampler(), &lp, temp)?;
         let q = draft.probs.as_ref().map(|q| q.index(i as i32));
         let d = input[i + 1];
         match reject_step(&p, q.as_ref(), d)? {

@@ -4,7 +4,7 @@
 //!
 //! Roles are split by file: `source` (the seam: what a drafter is, proposes and sees),
 //! `factory` (drafter options and the one function that opens any drafter), `executor` (the
-//! round driver), `verify` (acceptance policies), `rollback` (exact cache rewind), `metrics`
+//! round driver), `verify` (acceptance policies), `metrics`
 //! (vLLM-style acceptance counters), `trace` (per-round JSONL traces), and one file per drafter
 //! (`dspark/` and `assistant/` are directories).
 
@@ -16,7 +16,6 @@ pub mod executor;
 pub mod factory;
 pub mod metrics;
 pub mod ngram;
-pub mod rollback;
 pub mod source;
 pub mod trace;
 pub mod two_model;

@@ -4,9 +4,9 @@
 //! wraps or a block straddles its edge (where mlx-lm's trim silently does nothing) and for
 //! recurrent state that cannot be trimmed at all.
 
-use crate::engine::cache::CacheSnapshot;
-use crate::engine::error::Result;
-use crate::engine::models::Caches;
+use super::cache::CacheSnapshot;
+use super::error::Result;
+use super::models::Caches;
 
 /// The caches' state before a block, at a known number of positions.
 pub struct Checkpoint {
