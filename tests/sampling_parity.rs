@@ -238,6 +238,43 @@ fn check_filter(o: &HashMap<String, Array>, name: &str, dt_name: &str, dt: Dtype
     }
 }
 
+/// Every sampler on a whole batch of rows at once (`[ROWS, VOCAB]`, one call per step, as the
+/// batched engine samples) draws mlx-lm's tokens: the filters and the categorical draw keep
+/// rows apart and consume the random state as mlx-lm does.
+#[test]
+fn batched_sampling_matches_mlx_lm() {
+    let o = oracle();
+    for name in [
+        "greedy",
+        "temp",
+        "temp_hot",
+        "top_p",
+        "top_k",
+        "min_p",
+        "min_p_keep",
+        "xtc",
+        "xtc_special",
+        "all",
+    ] {
+        for (dt_name, dt) in DTYPES {
+            let want = ids(get(&o, &format!("batch.{name}.{dt_name}")));
+            let logits = get(&o, "logits").as_dtype(dt).unwrap();
+            let rows = logits
+                .subtract(logits.logsumexp_axis(-1, true).unwrap())
+                .unwrap();
+            seed(SEED).unwrap();
+            let mut sampler = Sampler::new(&sampler_case(name)).unwrap();
+            let draws: Vec<Array> = (0..4).map(|_| sampler.sample(&rows).unwrap()).collect();
+            let got = ids(&ops::concatenate(&draws, 0).unwrap());
+            assert_eq!(got.len(), 4 * 8, "one token per row per step");
+            assert_eq!(
+                got, want,
+                "batched `{name}` ({dt_name}) drew other tokens than mlx-lm"
+            );
+        }
+    }
+}
+
 #[test]
 fn greedy_matches_mlx_lm() {
     check_sampler("greedy");

@@ -82,6 +82,10 @@ pub struct TrainDsparkArgs {
     /// Tokens per regenerated reply at most.
     #[arg(long, default_value_t = 512)]
     pub max_tokens: usize,
+    /// Replies regenerated together by the batched engine (1: one at a time). A sequences
+    /// file records it: the same seed gives other replies at another batch size.
+    #[arg(long, default_value_t = 1)]
+    pub regen_batch: usize,
     /// Seed (init, data regeneration, sequence order and anchors).
     #[arg(long, default_value_t = 42)]
     pub seed: u64,
@@ -190,6 +194,7 @@ pub fn run(args: TrainDsparkArgs) -> anyhow::Result<()> {
     let regen = RegenOptions {
         max_tokens: args.max_tokens,
         seed: args.seed,
+        batch: args.regen_batch.max(1),
     };
     let seq_path = args
         .sequences

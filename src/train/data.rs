@@ -15,6 +15,7 @@
 //!   shard.
 
 use super::example::{extract_example, Example};
+use crate::engine::batch::{generate_all, BatchSettings, SequenceRequest};
 use crate::engine::chat_template::ChatMessage;
 use crate::engine::error::{EngineError, Result};
 use crate::engine::generate::{Flow, GenerateConfig, Generator};
@@ -72,6 +73,19 @@ pub struct RegenOptions {
     pub max_tokens: usize,
     /// Seed (each prompt uses `seed + index`).
     pub seed: u64,
+    /// Replies sampled together by the batched engine (1: one at a time, each with its own seed;
+    /// more: each group of single-turn prompts seeded once, by its first prompt's seed).
+    pub batch: usize,
+}
+
+/// The sampler of the regeneration (Qwen's recommended chat sampling).
+fn regen_sampler() -> Result<Sampler> {
+    Sampler::new(&SamplerConfig {
+        temp: 0.7,
+        top_p: 0.8,
+        top_k: 20,
+        ..SamplerConfig::default()
+    })
 }
 
 /// The target's sampled reply to `prompt` ids (EOS included when it stopped there).
@@ -83,12 +97,7 @@ fn reply(
 ) -> Result<Vec<u32>> {
     sample::seed(seed)?;
     let eos = session.tokenizer.eos_token_ids().clone();
-    let mut sampler = Sampler::new(&SamplerConfig {
-        temp: 0.7,
-        top_p: 0.8,
-        top_k: 20,
-        ..SamplerConfig::default()
-    })?;
+    let mut sampler = regen_sampler()?;
     let mut processors = LogitsProcessors::new(&ProcessorConfig::default())?;
     let mut out = Vec::new();
     let cfg = GenerateConfig {
@@ -298,13 +307,17 @@ impl Manifest {
 /// (the target's config and vocabulary, the reply budget, the seed and the sampler).
 pub fn sequences_header(session: &Session, opts: &RegenOptions) -> Result<Value> {
     let config_sha256 = crate::convert::registry::sha256_file(&session.dir.join("config.json"))?;
-    Ok(serde_json::json!({
+    let mut header = serde_json::json!({
         "mlxb_sequences": 1,
         "target_config_sha256": config_sha256,
         "vocab_size": session.model.model.vocab_size(),
         "max_tokens": opts.max_tokens, "seed": opts.seed,
         "sampling": {"temp": 0.7, "top_p": 0.8, "top_k": 20},
-    }))
+    });
+    if opts.batch > 1 {
+        header["regen_batch"] = opts.batch.into();
+    }
+    Ok(header)
 }
 
 /// Regenerates the sequences `file` lacks for `prompts`, appending each as it is done (the
@@ -318,18 +331,86 @@ pub fn regenerate_all(
 ) -> Result<()> {
     progress.begin("regenerating", prompts.len() as u64, "prompts");
     progress.set(file.done().len().min(prompts.len()) as u64);
-    for (j, prompt) in prompts.iter().enumerate().skip(file.done().len()) {
-        let seq = regenerate(
-            session,
-            prompt,
-            opts,
-            opts.seed.wrapping_add(j as u64 * 1000),
-        )?;
-        file.append(prompt, seq)?;
-        progress.set(j as u64 + 1);
+    let mut j = file.done().len();
+    while j < prompts.len() {
+        // Groups start at multiples of the batch size, so a run resumed inside a group samples
+        // the same group again and keeps the replies it lacks: the same file as an unbroken run.
+        let start = j / opts.batch * opts.batch;
+        let group = &prompts[start..prompts.len().min(start + opts.batch)];
+        let single: Option<Vec<Vec<u32>>> = group
+            .iter()
+            .map(|p| single_turn_ids(session, p))
+            .collect::<Result<_>>()?;
+        match single.filter(|_| opts.batch > 1) {
+            Some(ids) => {
+                let seed = opts.seed.wrapping_add(start as u64 * 1000);
+                let seqs = regenerate_batch(session, &ids, opts, seed)?;
+                for (prompt, seq) in group.iter().zip(seqs).skip(j - start) {
+                    file.append(prompt, seq)?;
+                    j += 1;
+                    progress.set(j as u64);
+                }
+            }
+            None => {
+                let seed = opts.seed.wrapping_add(j as u64 * 1000);
+                file.append(&prompts[j], regenerate(session, &prompts[j], opts, seed)?)?;
+                j += 1;
+                progress.set(j as u64);
+            }
+        }
     }
     progress.end();
     Ok(())
+}
+
+/// The prompt ids of a prompt answered in one reply (ids, or a conversation whose only user
+/// turn is its last); `None` for conversations with earlier turns to regenerate first.
+fn single_turn_ids(session: &Session, prompt: &TrainPrompt) -> Result<Option<Vec<u32>>> {
+    match prompt {
+        TrainPrompt::Ids(ids) => Ok(Some(ids.clone())),
+        TrainPrompt::Chat(messages) => {
+            if messages.iter().filter(|m| m.role != "system").count() != 1
+                || messages.last().is_none_or(|m| m.role != "user")
+            {
+                return Ok(None);
+            }
+            let rendered = session.tokenizer.apply_chat_template(messages, true)?;
+            Ok(Some(session.tokenizer.encode(&rendered, false)?))
+        }
+    }
+}
+
+/// The target's replies to `prompts` sampled together in the batched engine (one seed for the
+/// group; EOS included where a reply stopped there).
+fn regenerate_batch(
+    session: &mut Session,
+    prompts: &[Vec<u32>],
+    opts: &RegenOptions,
+    seed: u64,
+) -> Result<Vec<Sequence>> {
+    sample::seed(seed)?;
+    let eos: Vec<u32> = session.tokenizer.eos_token_ids().iter().copied().collect();
+    let settings = BatchSettings {
+        completion_batch_size: prompts.len(),
+        prefill_batch_size: prompts.len(),
+        ..BatchSettings::default()
+    };
+    let requests = prompts
+        .iter()
+        .map(|p| SequenceRequest::new(p.clone(), opts.max_tokens))
+        .collect();
+    let replies = generate_all(
+        &mut session.model,
+        regen_sampler()?,
+        eos,
+        settings,
+        requests,
+    )?;
+    Ok(prompts
+        .iter()
+        .zip(replies)
+        .map(|(p, r)| Sequence::new(p, &r.tokens))
+        .collect())
 }
 
 /// Builds (or resumes) the hidden-state cache of the sequences in `file` in `dir` and returns

@@ -118,6 +118,13 @@ def main(out):
                 toks.append(sampler(lp))
             res[f"sample.{name}.{dt_name}"] = mx.concatenate(toks)
 
+            # A batch: every row at once, as mlx-lm's BatchGenerator samples (one call on
+            # [ROWS, VOCAB] logprobs), a few steps from one seed.
+            mx.random.seed(SEED)
+            sampler = make_sampler(**kw)
+            rows = logits - mx.logsumexp(logits, axis=-1, keepdims=True)
+            res[f"batch.{name}.{dt_name}"] = mx.concatenate([sampler(rows) for _ in range(4)])
+
             if kw["temp"] != 0:
                 # The masked logprobs the categorical draw sees, from the same seed.
                 mx.random.seed(SEED)
