@@ -912,8 +912,8 @@ fn regenerated_sequences_are_a_reusable_stage() {
 
 /// `--regen-batch N` samples N replies at once in the batched engine. The sequences file records
 /// the batch size (a run at another size refuses the file, untouched), the same seed gives the
-/// same file, and a run resumed inside a group (the file cut after 5 of 6 sequences) samples the
-/// group again and ends with exactly the file of an unbroken run.
+/// same file, and a run resumed inside a group (the file cut after 5 of 6 sequences; a group
+/// is 8 batch widths) samples the group again and ends with exactly the file of an unbroken run.
 #[test]
 fn replies_regenerate_in_batches_reproducibly() {
     let prompts: String = (0..6)
@@ -936,24 +936,24 @@ fn replies_regenerate_in_batches_reproducibly() {
             batch,
         ])
     };
-    let (code, out, err) = run("4");
+    let (code, out, err) = run("2");
     assert_eq!(code, 0, "{err}");
     assert!(out.contains("regenerated 6 sequences"), "{out}");
     let file = fx.out.join("cache/sequences.jsonl");
     let body = std::fs::read_to_string(&file).unwrap();
     let lines: Vec<&str> = body.lines().collect();
     assert_eq!(lines.len(), 7, "a header and six sequences:\n{body}");
-    assert!(lines[0].contains("\"regen_batch\":4"), "{}", lines[0]);
+    assert!(lines[0].contains("\"regen_batch\":2"), "{}", lines[0]);
     let (header, seqs) = mlxb::train::sequences::read_sequences(&file).unwrap();
-    assert_eq!(header["regen_batch"], 4);
+    assert_eq!(header["regen_batch"], 2);
     assert!(
         seqs.iter().all(|s| s.loss_tokens() > 0),
         "every reply has tokens"
     );
 
-    // Resumed inside the second group: the same file.
+    // Resumed inside the group: the same file.
     std::fs::write(&file, lines[..6].join("\n") + "\n").unwrap();
-    let (code, _, err) = run("4");
+    let (code, _, err) = run("2");
     assert_eq!(code, 0, "{err}");
     assert_eq!(
         std::fs::read_to_string(&file).unwrap(),
@@ -962,7 +962,7 @@ fn replies_regenerate_in_batches_reproducibly() {
     );
     // From scratch again: the same file.
     std::fs::remove_file(&file).unwrap();
-    let (code, _, err) = run("4");
+    let (code, _, err) = run("2");
     assert_eq!(code, 0, "{err}");
     assert_eq!(
         std::fs::read_to_string(&file).unwrap(),
@@ -970,7 +970,7 @@ fn replies_regenerate_in_batches_reproducibly() {
         "rerun differs"
     );
     // Another batch size samples other replies: refused, the file untouched.
-    let (code, _, err) = run("2");
-    common::assert_refused("--regen-batch 2", code, &err, &["--sequences"]);
+    let (code, _, err) = run("3");
+    common::assert_refused("--regen-batch 3", code, &err, &["--sequences"]);
     assert_eq!(std::fs::read_to_string(&file).unwrap(), body);
 }

@@ -82,8 +82,9 @@ pub struct TrainDsparkArgs {
     /// Tokens per regenerated reply at most.
     #[arg(long, default_value_t = 512)]
     pub max_tokens: usize,
-    /// Replies regenerated together by the batched engine (1: one at a time). A sequences
-    /// file records it: the same seed gives other replies at another batch size.
+    /// Replies regenerated together by the batched engine (1: one at a time), in seeded groups
+    /// of 8 batch widths. A sequences file records it: the same seed gives other replies at
+    /// another batch size.
     #[arg(long, default_value_t = 1)]
     pub regen_batch: usize,
     /// Seed (init, data regeneration, sequence order and anchors).

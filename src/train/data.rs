@@ -74,7 +74,7 @@ pub struct RegenOptions {
     /// Seed (each prompt uses `seed + index`).
     pub seed: u64,
     /// Replies sampled together by the batched engine (1: one at a time, each with its own seed;
-    /// more: each group of single-turn prompts seeded once, by its first prompt's seed).
+    /// more: groups of single-turn prompts, each seeded once by its first prompt's seed).
     pub batch: usize,
 }
 
@@ -333,10 +333,11 @@ pub fn regenerate_all(
     progress.set(file.done().len().min(prompts.len()) as u64);
     let mut j = file.done().len();
     while j < prompts.len() {
-        // Groups start at multiples of the batch size, so a run resumed inside a group samples
-        // the same group again and keeps the replies it lacks: the same file as an unbroken run.
-        let start = j / opts.batch * opts.batch;
-        let group = &prompts[start..prompts.len().min(start + opts.batch)];
+        // Groups start at multiples of their size, so a run resumed inside a group samples the
+        // same group again and keeps the replies it lacks: the same file as an unbroken run.
+        let size = opts.batch * REGEN_GROUP;
+        let start = j / size * size;
+        let group = &prompts[start..prompts.len().min(start + size)];
         let single: Option<Vec<Vec<u32>>> = group
             .iter()
             .map(|p| single_turn_ids(session, p))
@@ -380,8 +381,13 @@ fn single_turn_ids(session: &Session, prompt: &TrainPrompt) -> Result<Option<Vec
     }
 }
 
-/// The target's replies to `prompts` sampled together in the batched engine (one seed for the
-/// group; EOS included where a reply stopped there).
+/// Prompts per regeneration group, in batch widths: a group is seeded once and decoded
+/// `batch` at a time, a finished reply's slot going to the group's next prompt (so the batch
+/// stays full instead of waiting for its longest reply); a resumed run redoes at most a group.
+const REGEN_GROUP: usize = 8;
+
+/// The target's replies to `prompts` sampled in the batched engine, `opts.batch` at a time (one
+/// seed for the group; EOS included where a reply stopped there).
 fn regenerate_batch(
     session: &mut Session,
     prompts: &[Vec<u32>],
@@ -391,8 +397,8 @@ fn regenerate_batch(
     sample::seed(seed)?;
     let eos: Vec<u32> = session.tokenizer.eos_token_ids().iter().copied().collect();
     let settings = BatchSettings {
-        completion_batch_size: prompts.len(),
-        prefill_batch_size: prompts.len(),
+        completion_batch_size: opts.batch,
+        prefill_batch_size: opts.batch.min(BatchSettings::default().prefill_batch_size),
         ..BatchSettings::default()
     };
     let requests = prompts
