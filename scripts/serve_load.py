@@ -124,6 +124,40 @@ class Stats:
             self.examples.append(f"{key}: {detail}"[:300])
 
 
+async def read_stream(r, endpoint, st, sent, cancel_after=None):
+    """Reads an SSE completion stream, recording TTFT and inter-token gaps in `st`. Returns
+    (text, usage, saw [DONE], error event); text is None when it stopped after `cancel_after`
+    text chunks on purpose."""
+    text, last, chunks, usage, done, error = "", None, 0, None, False, None
+    async for line in r.aiter_lines():
+        if not line.startswith("data: "):
+            continue
+        data = line[6:]
+        if data == "[DONE]":
+            done = True
+            break
+        v = json.loads(data)
+        if "error" in v:
+            error = v["error"]
+            continue
+        if v.get("usage"):
+            usage = v["usage"]
+        for c in v.get("choices", []):
+            piece = text_of(c, endpoint, True)
+            if piece:
+                now = time.perf_counter()
+                if last is None:
+                    st.ttft.append(now - sent)
+                else:
+                    st.itl.append(now - last)
+                last = now
+                text += piece
+                chunks += 1
+        if cancel_after is not None and chunks >= cancel_after:
+            return None, usage, False, None
+    return text, usage, done, error
+
+
 async def one_request(client, st, rng, expected, args, deadline):
     endpoint = rng.choice(["chat", "completions"])
     prompt = rng.choice(PROMPTS)
@@ -162,34 +196,10 @@ async def one_request(client, st, rng, expected, args, deadline):
             st.server_5xx += r.status_code >= 500
             st.fail(f"http_{r.status_code}", r.text)
             return
-        text, last, chunks, usage, done, error = "", None, 0, None, False, None
-        async for line in r.aiter_lines():
-            if not line.startswith("data: "):
-                continue
-            data = line[6:]
-            if data == "[DONE]":
-                done = True
-                break
-            v = json.loads(data)
-            if "error" in v:
-                error = v["error"]
-                continue
-            if v.get("usage"):
-                usage = v["usage"]
-            for c in v.get("choices", []):
-                piece = text_of(c, endpoint, True)
-                if piece:
-                    now = time.perf_counter()
-                    if last is None:
-                        st.ttft.append(now - sent)
-                    else:
-                        st.itl.append(now - last)
-                    last = now
-                    text += piece
-                    chunks += 1
-            if cancel_after is not None and chunks >= cancel_after:
-                st.count("cancelled_midstream")
-                return  # leaving the block closes the connection mid-stream
+        text, usage, done, error = await read_stream(r, endpoint, st, sent, cancel_after)
+        if cancel_after is not None and not done and error is None and text is None:
+            st.count("cancelled_midstream")
+            return  # leaving the block closes the connection mid-stream
         if error is not None:
             st.server_5xx += 1
             st.fail("stream_error_event", error)
@@ -287,23 +297,10 @@ async def load_request(client, st, prompt, want, max_tokens):
             await r.aread()
             st.fail(f"http_{r.status_code}", r.text)
             return
-        text, last, usage = "", None, None
-        async for line in r.aiter_lines():
-            if not line.startswith("data: ") or line[6:] == "[DONE]":
-                continue
-            v = json.loads(line[6:])
-            if v.get("usage"):
-                usage = v["usage"]
-            for c in v.get("choices", []):
-                piece = text_of(c, "chat", True)
-                if piece:
-                    now = time.perf_counter()
-                    if last is None:
-                        st.ttft.append(now - sent)
-                    else:
-                        st.itl.append(now - last)
-                    last = now
-                    text += piece
+        text, usage, _, error = await read_stream(r, "chat", st, sent)
+    if error is not None:
+        st.fail("stream_error_event", error)
+        return
     if text != want:
         st.corrupted += 1
         st.fail("corrupted_stream", f"{prompt!r}: {text!r} != {want!r}")

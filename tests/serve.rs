@@ -528,40 +528,14 @@ fn sixteen_concurrent_streams_stay_intact() {
     // A client holds the engine, 16 streams queue behind it, then it disconnects mid-stream:
     // the 16 can only finish if its slot is freed.
     let holder = s.open_long_stream();
-    let url = s.url("/v1/completions");
-    let handles: Vec<_> = prompts
-        .iter()
-        .map(|p| {
-            let (agent, url, p) = (s.agent.clone(), url.clone(), p.clone());
-            std::thread::spawn(move || {
-                let body = json!({"prompt": p, "max_tokens": 16, "stream": true});
-                let r = agent
-                    .post(&url)
-                    .send_json(body)
-                    .map_err(|e| e.to_string())?;
-                Ok::<_, String>(
-                    BufReader::new(r.into_reader())
-                        .lines()
-                        .map_while(Result::ok)
-                        .filter_map(|l| l.strip_prefix("data: ").map(str::to_owned))
-                        .collect::<Vec<_>>(),
-                )
-            })
-        })
-        .collect();
+    let handles = spawn_streams(&s, &prompts, 16);
     let deadline = Instant::now() + Duration::from_secs(60);
     while s.metric("mlxb:num_requests_waiting") < 16.0 {
         assert!(Instant::now() < deadline, "the 16 streams never queued");
         std::thread::sleep(Duration::from_millis(20));
     }
     drop(holder);
-    for (i, (h, want)) in handles.into_iter().zip(&expected).enumerate() {
-        let events = h
-            .join()
-            .unwrap()
-            .unwrap_or_else(|e| panic!("client {i}: {e}"));
-        assert_eq!(&stream_text(&events).0, want, "client {i}'s stream");
-    }
+    check_streams(handles, &expected);
     assert_eq!(s.metric("mlxb:request_aborted_total"), 1.0);
     assert_eq!(
         s.metric("mlxb:request_success_total{finished_reason=\"length\"}"),
@@ -721,27 +695,7 @@ fn batched_streams_join_leave_and_stay_intact() {
         })
         .collect();
     let holder = s.open_long_stream();
-    let url = s.url("/v1/completions");
-    let handles: Vec<_> = prompts
-        .iter()
-        .map(|p| {
-            let (agent, url, p) = (s.agent.clone(), url.clone(), p.clone());
-            std::thread::spawn(move || {
-                let body = json!({"prompt": p, "max_tokens": 16, "stream": true});
-                let r = agent
-                    .post(&url)
-                    .send_json(body)
-                    .map_err(|e| e.to_string())?;
-                Ok::<_, String>(
-                    BufReader::new(r.into_reader())
-                        .lines()
-                        .map_while(Result::ok)
-                        .filter_map(|l| l.strip_prefix("data: ").map(str::to_owned))
-                        .collect::<Vec<_>>(),
-                )
-            })
-        })
-        .collect();
+    let handles = spawn_streams(&s, &prompts, 16);
     // The batch fills (the holder and three short streams) while others wait.
     let deadline = Instant::now() + Duration::from_secs(60);
     let mut most = 0.0f64;
@@ -754,17 +708,53 @@ fn batched_streams_join_leave_and_stay_intact() {
         std::thread::sleep(Duration::from_millis(5));
     }
     drop(holder);
-    for (i, (h, want)) in handles.into_iter().zip(&expected).enumerate() {
-        let events = h
-            .join()
-            .unwrap()
-            .unwrap_or_else(|e| panic!("client {i}: {e}"));
-        assert_eq!(&stream_text(&events).0, want, "client {i}'s stream");
-    }
+    check_streams(handles, &expected);
     assert_eq!(s.metric("mlxb:request_aborted_total"), 1.0);
     assert_eq!(
         s.metric("mlxb:request_success_total{finished_reason=\"length\"}"),
         32.0
     );
     assert_eq!(s.metric("mlxb:num_requests_running"), 0.0);
+}
+
+/// One thread per prompt streaming `/v1/completions` (`max_tokens`), each returning its SSE
+/// data lines.
+fn spawn_streams(
+    s: &Server,
+    prompts: &[String],
+    max_tokens: usize,
+) -> Vec<std::thread::JoinHandle<Result<Vec<String>, String>>> {
+    let url = s.url("/v1/completions");
+    prompts
+        .iter()
+        .map(|p| {
+            let (agent, url, p) = (s.agent.clone(), url.clone(), p.clone());
+            std::thread::spawn(move || {
+                let body = json!({"prompt": p, "max_tokens": max_tokens, "stream": true});
+                let r = agent
+                    .post(&url)
+                    .send_json(body)
+                    .map_err(|e| e.to_string())?;
+                Ok(BufReader::new(r.into_reader())
+                    .lines()
+                    .map_while(Result::ok)
+                    .filter_map(|l| l.strip_prefix("data: ").map(str::to_owned))
+                    .collect())
+            })
+        })
+        .collect()
+}
+
+/// Every stream ended and its text equals the expected answer.
+fn check_streams(
+    handles: Vec<std::thread::JoinHandle<Result<Vec<String>, String>>>,
+    expected: &[String],
+) {
+    for (i, (h, want)) in handles.into_iter().zip(expected).enumerate() {
+        let events = h
+            .join()
+            .unwrap()
+            .unwrap_or_else(|e| panic!("client {i}: {e}"));
+        assert_eq!(&stream_text(&events).0, want, "client {i}'s stream");
+    }
 }

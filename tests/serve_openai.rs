@@ -11,7 +11,9 @@ use serve_harness::{generate, Server, PROMPT};
 
 #[test]
 fn the_openai_client_reads_every_shape() {
-    let s = Server::start(&["--api-key", "sk-test"]);
+    // One request at a time (`--max-batch 1`): the repeated prompt is served from the reused
+    // prefix, which only the single-stream path keeps.
+    let s = Server::start(&["--api-key", "sk-test", "--max-batch", "1"]);
     let max_tokens = 20;
     let chat_want = generate(PROMPT, max_tokens, &[]);
     let comp_want = generate(PROMPT, max_tokens, &["--ignore-chat-template"]);

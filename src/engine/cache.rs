@@ -278,30 +278,47 @@ fn grow_kv(
     Ok(())
 }
 
+/// mlx-lm's `KVCache.update_and_fetch` buffer step (also `BatchKVCache`'s): grows the buffers
+/// in whole steps of [`STEP`] when `keys` do not fit after position `prev` (cutting them to
+/// `prev` first when that is not a whole step), then writes `keys`/`values` there; returns the
+/// buffers.
+fn append_kv<'b>(
+    buffers: (&'b mut Option<Array>, &'b mut Option<Array>),
+    prev: i32,
+    keys: &Array,
+    values: &Array,
+) -> Result<(&'b mut Array, &'b mut Array)> {
+    let s = keys.shape()[2];
+    let need_grow = match &*buffers.0 {
+        None => true,
+        Some(k) => prev + s > k.shape()[2],
+    };
+    if need_grow {
+        let n = (STEP + s - 1) / STEP * STEP;
+        let keep = (prev % STEP != 0).then_some(prev);
+        grow_kv((&mut *buffers.0, &mut *buffers.1), keys, values, n, keep)?;
+    }
+    let (Some(k), Some(v)) = (buffers.0.as_mut(), buffers.1.as_mut()) else {
+        unreachable!("buffers allocated above")
+    };
+    k.try_index_mut((Ellipsis, prev..prev + s, ..), keys)?;
+    v.try_index_mut((Ellipsis, prev..prev + s, ..), values)?;
+    Ok((k, v))
+}
+
 impl KvCache for FullCache {
     fn offset(&self) -> i32 {
         self.offset
     }
 
     fn update_and_fetch(&mut self, keys: &Array, values: &Array) -> Result<(Array, Array)> {
-        let prev = self.offset;
-        let s = keys.shape()[2];
-        let need_grow = match &self.keys {
-            None => true,
-            Some(k) => prev + s > k.shape()[2],
-        };
-        if need_grow {
-            let n = (STEP + s - 1) / STEP * STEP;
-            let keep = (prev % STEP != 0).then_some(prev);
-            grow_kv((&mut self.keys, &mut self.values), keys, values, n, keep)?;
-        }
-        self.offset += s;
-        let (k, v) = (self.keys.as_mut(), self.values.as_mut());
-        let (Some(k), Some(v)) = (k, v) else {
-            unreachable!("buffers allocated above")
-        };
-        k.try_index_mut((Ellipsis, prev..self.offset, ..), keys)?;
-        v.try_index_mut((Ellipsis, prev..self.offset, ..), values)?;
+        let (k, v) = append_kv(
+            (&mut self.keys, &mut self.values),
+            self.offset,
+            keys,
+            values,
+        )?;
+        self.offset += keys.shape()[2];
         if self.offset < k.shape()[2] {
             Ok((prefix(k, self.offset), prefix(v, self.offset)))
         } else {

@@ -399,12 +399,15 @@ impl Embedding {
     }
 }
 
-static HOST_NORM_CALLS: std::sync::atomic::AtomicUsize = std::sync::atomic::AtomicUsize::new(0);
+thread_local! {
+    static HOST_NORM_CALLS: std::cell::Cell<usize> = const { std::cell::Cell::new(0) };
+}
 
-/// How many RMSNorms the host path computed in this process (lets tests check that
-/// `--host-elementwise on` really took it).
+/// How many RMSNorms the host path computed on this thread (lets tests check that
+/// `--host-elementwise on` really took it; per thread, so tests running side by side in one
+/// process do not count each other's).
 pub fn host_norm_calls() -> usize {
-    HOST_NORM_CALLS.load(std::sync::atomic::Ordering::Relaxed)
+    HOST_NORM_CALLS.with(std::cell::Cell::get)
 }
 
 /// `nn.RMSNorm`: `fast.rms_norm(x, weight, eps)`.
@@ -469,7 +472,7 @@ impl RmsNorm {
         }
         let mut out = vec![0.0; xs.len()];
         elementwise::rms_norm(xs, ws, self.eps, &mut out);
-        HOST_NORM_CALLS.fetch_add(1, std::sync::atomic::Ordering::Relaxed);
+        HOST_NORM_CALLS.with(|c| c.set(c.get() + 1));
         Ok(Some(Array::from_slice(&out, x.shape())))
     }
 

@@ -6,10 +6,10 @@
 //! Every buffer operation is mlx-lm's, in its order, because the buffer's length is a reduction
 //! length of attention and so part of the bits.
 
-use super::{grow_kv, kv_state, AttentionMask, KvCache, STEP};
+use super::{append_kv, kv_state, AttentionMask, KvCache};
 use crate::engine::cache_attention::AttentionPlan;
 use crate::engine::error::{EngineError, Result};
-use mlx_rs::ops::indexing::{Ellipsis, IndexOp, TryIndexMutOp};
+use mlx_rs::ops::indexing::{Ellipsis, IndexOp};
 use mlx_rs::{ops, Array};
 
 /// Batched full-attention cache (see the module docs).
@@ -200,26 +200,13 @@ impl KvCache for BatchKvCache {
     }
 
     fn update_and_fetch(&mut self, keys: &Array, values: &Array) -> Result<(Array, Array)> {
-        let prev = self.idx;
         let s = keys.shape()[2];
-        let need_grow = match &self.keys {
-            None => true,
-            Some(k) => prev + s > k.shape()[2],
-        };
-        if need_grow {
-            let n = (STEP + s - 1) / STEP * STEP;
-            let keep = (prev % STEP != 0).then_some(prev);
-            grow_kv((&mut self.keys, &mut self.values), keys, values, n, keep)?;
-        }
+        let (k, v) = append_kv((&mut self.keys, &mut self.values), self.idx, keys, values)?;
+        let (k, v) = (k.clone(), v.clone());
         for o in &mut self.offset {
             *o += s;
         }
         self.idx += s;
-        let (Some(k), Some(v)) = (self.keys.as_mut(), self.values.as_mut()) else {
-            unreachable!("buffers allocated above")
-        };
-        k.try_index_mut((Ellipsis, prev..self.idx, ..), keys)?;
-        v.try_index_mut((Ellipsis, prev..self.idx, ..), values)?;
         Ok((
             k.index((Ellipsis, ..self.idx, ..)),
             v.index((Ellipsis, ..self.idx, ..)),

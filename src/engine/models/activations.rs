@@ -11,7 +11,6 @@ use mlx_rs::transforms::compile::compile;
 use mlx_rs::transforms::eval;
 use mlx_rs::{ops, Array, Dtype};
 use std::rc::Rc;
-use std::sync::atomic::{AtomicUsize, Ordering};
 use std::sync::OnceLock;
 
 /// A graph over arrays, as mlx-lm writes the body of a compiled function.
@@ -177,7 +176,7 @@ impl SwiGlu {
         };
         let mut out = vec![0.0; g.len()];
         elementwise::swiglu(g, u, &mut out);
-        HOST_SWIGLU_CALLS.fetch_add(1, Ordering::Relaxed);
+        HOST_SWIGLU_CALLS.with(|c| c.set(c.get() + 1));
         Ok(Some(Array::from_slice(&out, gate.shape())))
     }
 
@@ -212,12 +211,15 @@ fn swiglu_probe() -> (Vec<f32>, Vec<f32>) {
     (gate, up)
 }
 
-static HOST_SWIGLU_CALLS: AtomicUsize = AtomicUsize::new(0);
+thread_local! {
+    static HOST_SWIGLU_CALLS: std::cell::Cell<usize> = const { std::cell::Cell::new(0) };
+}
 
-/// How many SwiGLUs the host kernel computed in this process (lets tests check that
-/// `--host-elementwise on` really took it).
+/// How many SwiGLUs the host kernel computed on this thread (lets tests check that
+/// `--host-elementwise on` really took it; per thread, so tests running side by side in one
+/// process do not count each other's).
 pub fn host_swiglu_calls() -> usize {
-    HOST_SWIGLU_CALLS.load(Ordering::Relaxed)
+    HOST_SWIGLU_CALLS.with(std::cell::Cell::get)
 }
 
 /// `nn.gelu_approx` as a reusable object.
