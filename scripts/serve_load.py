@@ -47,16 +47,7 @@ PROMPTS = [
     "Say hello in Spanish.",
     "What is 2 + 2?",
 ]
-LOAD_PROMPTS = [
-    "What is the capital of France?",
-    "Write one sentence about the sea.",
-    "List three colors.",
-    "Explain what a CPU does in one sentence.",
-    "Say hello in Spanish.",
-    "What is 2 + 2?",
-    "Name a planet in the solar system.",
-    "Give me a synonym for happy.",
-]
+LOAD_PROMPTS = PROMPTS + ["Name a planet in the solar system.", "Give me a synonym for happy."]
 MALFORMED = [
     ("/v1/chat/completions", "{not json"),
     ("/v1/chat/completions", json.dumps({"messages": "hi"})),

@@ -517,14 +517,7 @@ fn sixteen_concurrent_streams_stay_intact() {
     ]);
     let prompts: Vec<String> = (0..16).map(|i| format!("Client {i}: {PROMPT}")).collect();
     // The non-concurrent greedy text of each prompt, one request at a time.
-    let expected: Vec<String> = prompts
-        .iter()
-        .map(|p| {
-            let (status, v) = s.post("/v1/completions", &json!({"prompt": p, "max_tokens": 16}));
-            assert_eq!(status, 200, "{v}");
-            v["choices"][0]["text"].as_str().unwrap().to_owned()
-        })
-        .collect();
+    let expected = answers_alone(&s, &prompts, 16);
     // A client holds the engine, 16 streams queue behind it, then it disconnects mid-stream:
     // the 16 can only finish if its slot is freed.
     let holder = s.open_long_stream();
@@ -686,14 +679,7 @@ fn batched_streams_join_leave_and_stay_intact() {
         "1000000",
     ]);
     let prompts: Vec<String> = (0..16).map(|i| format!("Batch {i}: {PROMPT}")).collect();
-    let expected: Vec<String> = prompts
-        .iter()
-        .map(|p| {
-            let (status, v) = s.post("/v1/completions", &json!({"prompt": p, "max_tokens": 16}));
-            assert_eq!(status, 200, "{v}");
-            v["choices"][0]["text"].as_str().unwrap().to_owned()
-        })
-        .collect();
+    let expected = answers_alone(&s, &prompts, 16);
     let holder = s.open_long_stream();
     let handles = spawn_streams(&s, &prompts, 16);
     // The batch fills (the holder and three short streams) while others wait.
@@ -757,4 +743,17 @@ fn check_streams(
             .unwrap_or_else(|e| panic!("client {i}: {e}"));
         assert_eq!(&stream_text(&events).0, want, "client {i}'s stream");
     }
+}
+
+/// Each prompt's non-streamed greedy text, asked one request at a time.
+fn answers_alone(s: &Server, prompts: &[String], max_tokens: usize) -> Vec<String> {
+    prompts
+        .iter()
+        .map(|p| {
+            let body = json!({"prompt": p, "max_tokens": max_tokens});
+            let (status, v) = s.post("/v1/completions", &body);
+            assert_eq!(status, 200, "{v}");
+            v["choices"][0]["text"].as_str().unwrap().to_owned()
+        })
+        .collect()
 }
