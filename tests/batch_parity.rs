@@ -161,9 +161,64 @@ fn qwen2_f32_untied() {
     compare(dir.path(), &req);
 }
 
+/// gemma2: attention computed by hand with soft-capped scores over the batch's padded mask
+/// (with as many key/value heads as query heads: mlx-lm's gemma2 cannot broadcast a batch mask
+/// over grouped heads).
 #[test]
-fn sliding_window_models_are_refused_with_the_reason() {
+fn gemma2_bf16_softcapped_attention() {
+    let config = common::tiny_gemma2(json!({"num_key_value_heads": 4}));
+    let dir = build(&config, "bf16", None);
+    let req = request(dir.path(), 384, &[16, 3, 25], &[10, 14, 8]);
+    compare(dir.path(), &req);
+}
+
+/// Sliding-window layers (mlx-lm's `BatchRotatingKVCache`, window 8) beside global ones:
+/// prompts shorter and longer than the window, decoding far past it, rows joining a batch whose
+/// rings have wrapped (at other write positions) and leaving it.
+#[test]
+fn gemma3_bf16_sliding_window_rings_join_and_leave() {
     let dir = build(&common::tiny_gemma3(), "bf16", None);
+    let mut req = request(dir.path(), 384, &[5, 19, 3, 12, 27], &[20, 9, 25, 14, 6]);
+    req["prefill_batch_size"] = json!(2);
+    req["completion_batch_size"] = json!(3);
+    compare(dir.path(), &req);
+}
+
+/// llama with `layer_types`: sliding layers (window 12) first, so the batch's sliding mask comes
+/// from a ring and the full one from the layer after it.
+#[test]
+fn llama_f32_sliding_layers() {
+    let config = common::tiny_llama(json!({"num_hidden_layers": 3, "sliding_window": 12,
+        "layer_types": ["sliding_attention", "full_attention", "sliding_attention"]}));
+    let dir = build(&config, "f32", None);
+    let mut req = request(dir.path(), 384, &[9, 26, 15], &[20, 8, 16]);
+    req["prefill_batch_size"] = json!(2);
+    compare(dir.path(), &req);
+}
+
+/// Prefill chunks shorter than the prompts, so right padding is appended to the ring chunk by
+/// chunk and rolled out before it can evict a row's real positions.
+#[test]
+fn gemma3_f32_chunked_prefill_past_the_window() {
+    let dir = build(&common::tiny_gemma3(), "f32", None);
+    let mut req = request(dir.path(), 384, &[30, 7, 18, 11], &[12, 16, 10, 18]);
+    req["prefill_step_size"] = json!(6);
+    compare(dir.path(), &req);
+}
+
+/// gemma4: sliding and global layers with their own head widths, keys/values shared across
+/// layers, per-layer inputs; every row rotated at its own position.
+#[test]
+fn gemma4_bf16_shared_kv_layers() {
+    let dir = build(&common::tiny_gemma4(json!({})), "bf16", None);
+    let mut req = request(dir.path(), 384, &[14, 4, 22, 9], &[11, 18, 7, 13]);
+    req["prefill_batch_size"] = json!(3);
+    compare(dir.path(), &req);
+}
+
+#[test]
+fn recurrent_models_are_refused_with_the_reason() {
+    let dir = build(&common::tiny_qwen3_5(json!({})), "bf16", None);
     let loaded = models::load(dir.path(), Forks::default()).unwrap();
     let plan = loaded.plan.clone();
     let sampler = Sampler::new(&SamplerConfig::default()).unwrap();
@@ -175,12 +230,73 @@ fn sliding_window_models_are_refused_with_the_reason() {
         BatchSettings::default(),
     )
     .err()
-    .expect("a gemma3 model with sliding layers cannot batch yet");
+    .expect("a qwen3_5 model with linear-attention layers cannot batch yet");
     let msg = err.to_string();
     assert!(
-        msg.contains("sliding-window") && msg.contains("--max-batch 1"),
+        msg.contains("recurrent") && msg.contains("--max-batch 1"),
         "{msg}"
     );
+}
+
+/// The single-stream loop's greedy tokens and logprobs for `prompt`.
+fn single_stream(
+    loaded: &mut models::LoadedModel,
+    prompt: &[u32],
+    max_tokens: usize,
+) -> Vec<(u32, mlx_rs::Array)> {
+    let mut sampler = greedy();
+    let mut processors = LogitsProcessors::new(&ProcessorConfig::default()).unwrap();
+    let plan = loaded.plan.clone();
+    let cfg = GenerateConfig {
+        max_tokens,
+        prefill_step_size: 2048,
+    };
+    let mut alone = vec![];
+    Generator::new(loaded.model.as_mut(), &mut sampler, &mut processors)
+        .with_plan(&plan)
+        .run(prompt, &cfg, |s| {
+            alone.push((s.token, s.logprobs.clone()));
+            Ok(Flow::Continue)
+        })
+        .unwrap();
+    alone
+}
+
+/// gemma2 with grouped heads, which mlx-lm's own gemma2 cannot batch (its `[B, 1, L, S]` mask
+/// meets `[B, kv, rep, L, S]` scores; with B equal to the group size it broadcasts, silently,
+/// over the wrong axis): each row of a batch of two must follow its own prompt, as alone (f32:
+/// the same greedy ids, logprobs within 1e-4; a row's batch mask on another row's heads moves
+/// them by far more).
+#[test]
+fn gemma2_grouped_heads_batch_row_by_row() {
+    let dir = build(&common::tiny_gemma2(json!({})), "f32", None);
+    let mut loaded = models::load(dir.path(), Forks::default()).unwrap();
+    let prompts = [
+        common::prompt_ids(19, 384, 3),
+        common::prompt_ids(6, 384, 4),
+    ];
+    let requests = prompts
+        .iter()
+        .map(|p| SequenceRequest::new(p.clone(), 12))
+        .collect();
+    let batched = generate_all(
+        &mut loaded,
+        greedy(),
+        vec![],
+        BatchSettings::default(),
+        requests,
+    )
+    .unwrap();
+    for (i, (prompt, got)) in prompts.iter().zip(&batched).enumerate() {
+        let alone = single_stream(&mut loaded, prompt, 12);
+        let ids: Vec<u32> = alone.iter().map(|(t, _)| *t).collect();
+        assert_eq!(got.tokens, ids, "row {i}: ids differ from the row alone");
+        for (s, ((_, lp), row)) in alone.iter().zip(&got.logprobs).enumerate() {
+            let diff = lp.subtract(row).unwrap().abs().unwrap().max(None).unwrap();
+            let diff = diff.item_exact::<f32>();
+            assert!(diff < 1e-4, "row {i} step {s}: logprobs differ by {diff}");
+        }
+    }
 }
 
 /// A batch of one takes the batched path (left-padded cache, array mask, per-row RoPE offsets)
@@ -190,6 +306,9 @@ fn sliding_window_models_are_refused_with_the_reason() {
 fn a_batch_of_one_is_bit_identical_to_the_single_stream_path() {
     for (config, dtype, bits) in [
         (common::tiny_llama(json!({})), "f32", None),
+        // Grouped heads under gemma2's hand-written attention, which mlx-lm cannot batch.
+        (common::tiny_gemma2(json!({})), "bf16", None),
+        (common::tiny_gemma3(), "bf16", None),
         (
             common::tiny_qwen3(json!({"hidden_size": 128, "intermediate_size": 256})),
             "bf16",
@@ -209,21 +328,7 @@ fn a_batch_of_one_is_bit_identical_to_the_single_stream_path() {
         )
         .unwrap()
         .remove(0);
-        let mut sampler = greedy();
-        let mut processors = LogitsProcessors::new(&ProcessorConfig::default()).unwrap();
-        let plan = loaded.plan.clone();
-        let cfg = GenerateConfig {
-            max_tokens: 20,
-            prefill_step_size: 2048,
-        };
-        let mut alone = vec![];
-        Generator::new(loaded.model.as_mut(), &mut sampler, &mut processors)
-            .with_plan(&plan)
-            .run(&prompt, &cfg, |s| {
-                alone.push((s.token, s.logprobs.clone()));
-                Ok(Flow::Continue)
-            })
-            .unwrap();
+        let alone = single_stream(&mut loaded, &prompt, 20);
         let tokens: Vec<u32> = alone.iter().map(|(t, _)| *t).collect();
         assert_eq!(
             batched.tokens, tokens,

@@ -278,28 +278,16 @@ fn llama_seeded_sampling_matches_mlx_lm() {
     assert_eq!(ids, want, "seeded sampled ids differ from mlx-lm");
 }
 
-fn gemma2(extra: serde_json::Value) -> serde_json::Value {
-    with(
-        json!({
-            "model_type": "gemma2", "hidden_size": 64, "num_hidden_layers": 2, "intermediate_size": 128,
-            "num_attention_heads": 4, "num_key_value_heads": 2, "head_dim": 16, "rms_norm_eps": 1e-6,
-            "vocab_size": 384, "query_pre_attn_scalar": 16, "attn_logit_softcapping": 5.0,
-            "final_logit_softcapping": 3.0
-        }),
-        extra,
-    )
-}
-
 #[test]
 fn gemma2_bf16_softcaps() {
-    check(gemma2(json!({})), "bf16", None, 2048);
+    check(common::tiny_gemma2(json!({})), "bf16", None, 2048);
 }
 
 #[test]
 fn gemma2_bf16_chunked_prefill_mha() {
     // No grouping (kv heads == heads), default caps, wider heads.
     check(
-        gemma2(
+        common::tiny_gemma2(
             json!({"num_key_value_heads": 4, "head_dim": 32, "num_hidden_layers": 3,
             "attn_logit_softcapping": 50.0, "final_logit_softcapping": 30.0, "query_pre_attn_scalar": 144}),
         ),
@@ -312,7 +300,7 @@ fn gemma2_bf16_chunked_prefill_mha() {
 #[test]
 fn gemma2_4bit_mqa() {
     check(
-        gemma2(
+        common::tiny_gemma2(
             json!({"hidden_size": 128, "intermediate_size": 256, "num_key_value_heads": 1,
             "head_dim": 64, "rope_theta": 500.0}),
         ),
@@ -507,25 +495,12 @@ fn qwen3_5_moe_4bit() {
     );
 }
 
-fn gemma4(extra: serde_json::Value) -> serde_json::Value {
-    with(
-        json!({
-            "model_type": "gemma4_text", "hidden_size": 64, "num_hidden_layers": 5, "intermediate_size": 64,
-            "num_attention_heads": 4, "head_dim": 16, "global_head_dim": 32, "num_key_value_heads": 2,
-            "rms_norm_eps": 1e-6, "vocab_size": 384, "vocab_size_per_layer_input": 384,
-            "num_kv_shared_layers": 2, "hidden_size_per_layer_input": 16, "sliding_window": 8,
-            "sliding_window_pattern": 3
-        }),
-        extra,
-    )
-}
-
 #[test]
 fn gemma4_text_bf16_kv_sharing_per_layer_inputs() {
     // Layers s, s, F, s, s (window 8 < prompt); the last two reuse layer 1's keys/values and have
     // double-wide MLPs; global layer: 32-wide heads with mlx-lm's default proportional RoPE
     // (a quarter rotated); per-layer input embeddings; final soft-cap 30.
-    check(gemma4(json!({})), "bf16", None, 2048);
+    check(common::tiny_gemma4(json!({})), "bf16", None, 2048);
 }
 
 #[test]
@@ -533,7 +508,7 @@ fn gemma4_text_bf16_layer_types_chunked_prefill() {
     // Explicit layer types; shared layers 4 (sliding → 2) and 5 (full → 3); no global head dim,
     // half-rotated proportional RoPE with a factor; no per-layer inputs, no soft-cap, untied.
     check(
-        gemma4(json!({
+        common::tiny_gemma4(json!({
             "num_hidden_layers": 6, "global_head_dim": null, "hidden_size_per_layer_input": 0,
             "layer_types": ["full_attention", "sliding_attention", "sliding_attention",
                 "full_attention", "sliding_attention", "full_attention"],
@@ -553,7 +528,7 @@ fn gemma4_text_bf16_layer_types_chunked_prefill() {
 #[test]
 fn gemma4_text_4bit_per_layer_inputs() {
     check(
-        gemma4(
+        common::tiny_gemma4(
             json!({"hidden_size": 128, "intermediate_size": 128, "hidden_size_per_layer_input": 64,
             "num_attention_heads": 2, "head_dim": 64, "global_head_dim": 128, "num_key_value_heads": 1}),
         ),
@@ -564,7 +539,7 @@ fn gemma4_text_4bit_per_layer_inputs() {
 }
 
 fn gemma4_moe(extra: serde_json::Value) -> serde_json::Value {
-    gemma4(with(
+    common::tiny_gemma4(with(
         json!({"enable_moe_block": true, "num_experts": 4, "top_k_experts": 2,
             "moe_intermediate_size": 32, "attention_k_eq_v": true, "num_global_key_value_heads": 1,
             "num_kv_shared_layers": 0, "hidden_size_per_layer_input": 0, "num_hidden_layers": 4}),

@@ -6,10 +6,11 @@
 //! forward holds and how long its cache buffer is both change the bits), so batched greedy ids
 //! and logprobs equal `mlx_lm.generate.batch_generate`'s for the same prompts and settings.
 //!
-//! Only models whose every layer keeps a full-attention cache batch (mlx-lm's `BatchKVCache`);
-//! others are refused with the reason.
+//! Models whose layers keep full-attention or sliding-window caches batch (mlx-lm's
+//! `BatchKVCache` and `BatchRotatingKVCache`); models with recurrent layers are refused with the
+//! reason.
 
-use super::cache::{BatchKvCache, KvCache};
+use super::cache::{BatchRows, KvCache};
 use super::error::{EngineError, Result};
 use super::models::{Caches, LanguageModel};
 use super::plan::ForkPlan;
@@ -134,14 +135,14 @@ fn fresh_caches(model: &dyn LanguageModel, plan: &ForkPlan, rows: usize) -> Resu
         .collect::<Option<Caches>>()
         .ok_or_else(|| {
             EngineError::Input(
-                "this model has layers whose caches (sliding-window, recurrent) have no batched form yet; use --max-batch 1".into(),
+                "this model has recurrent (linear-attention) layers, whose caches have no batched form yet; use --max-batch 1".into(),
             )
         })?;
     plan.prepare(&mut caches);
     Ok(caches)
 }
 
-fn batch_of(cache: &mut dyn KvCache) -> Result<&mut BatchKvCache> {
+fn batch_of(cache: &mut dyn KvCache) -> Result<&mut dyn BatchRows> {
     cache
         .as_batch_mut()
         .ok_or_else(|| EngineError::Runtime("a batched step met an unbatched cache".into()))
@@ -153,10 +154,8 @@ fn extend_caches(caches: &mut Caches, other: Caches) -> Result<()> {
         *caches = other;
         return Ok(());
     }
-    for (mine, theirs) in caches.iter_mut().zip(other) {
-        let mut theirs = theirs;
-        let theirs = batch_of(theirs.as_mut())?.clone();
-        batch_of(mine.as_mut())?.extend(theirs)?;
+    for (mine, mut theirs) in caches.iter_mut().zip(other) {
+        batch_of(mine.as_mut())?.extend(batch_of(theirs.as_mut())?)?;
     }
     Ok(())
 }
@@ -367,11 +366,12 @@ impl BatchGenerator {
     /// forwards of `prefill_step_size` positions, the padding then moved to the left.
     fn prefill(&mut self, model: &mut dyn LanguageModel, chunks: &[Vec<u32>]) -> Result<()> {
         let longest = chunks.iter().map(Vec::len).max().unwrap_or(0);
-        let padding: Vec<i32> = chunks.iter().map(|c| (longest - c.len()) as i32).collect();
+        let lengths: Vec<i32> = chunks.iter().map(|c| c.len() as i32).collect();
+        let padding: Vec<i32> = lengths.iter().map(|&n| longest as i32 - n).collect();
         let padded = padding.iter().any(|&p| p > 0);
         if padded {
             for c in self.prompt.caches.iter_mut() {
-                batch_of(c.as_mut())?.prepare_right_padding(&padding);
+                batch_of(c.as_mut())?.prepare(&lengths, &padding);
             }
         }
         let ids: Vec<i32> = chunks

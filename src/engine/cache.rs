@@ -68,9 +68,11 @@ macro_rules! offset_semantics {
 
 mod arrays;
 mod batch;
+mod batch_rotating;
 mod quantized;
 pub use arrays::ArraysCache;
-pub use batch::BatchKvCache;
+pub use batch::{BatchKvCache, BatchRows};
+pub use batch_rotating::BatchRotatingKvCache;
 pub use quantized::{QuantizedCache, QuantizedKv, KV_BITS};
 
 /// The mask an attention call receives, as mlx-lm passes it to SDPA.
@@ -142,7 +144,7 @@ pub trait KvCache {
         StoredKv::Unsupported
     }
     /// Per row, the RoPE position of the next token when rows sit at different positions (a
-    /// [`BatchKvCache`]); `None` when [`KvCache::offset`] is everyone's position.
+    /// batched cache); `None` when [`KvCache::offset`] is everyone's position.
     fn rope_offsets(&self) -> Option<Array> {
         None
     }
@@ -151,8 +153,9 @@ pub trait KvCache {
     fn empty_batch(&self, _rows: usize) -> Option<Box<dyn KvCache>> {
         None
     }
-    /// The batched cache when this is one ([`BatchKvCache`]).
-    fn as_batch_mut(&mut self) -> Option<&mut BatchKvCache> {
+    /// The row operations when this is a batched cache ([`BatchKvCache`],
+    /// [`BatchRotatingKvCache`]).
+    fn as_batch_mut(&mut self) -> Option<&mut dyn BatchRows> {
         None
     }
 }
@@ -532,7 +535,7 @@ impl KvCache for RotatingCache {
             };
             let mask =
                 ops::arange::<_, i32>(0, mask_size, 1)?.ge(Array::from_int(mask_size - window))?;
-            return Ok(AttentionMask::Array(roll(&mask, idx + 1)?));
+            return Ok(AttentionMask::Array(roll(&mask, idx + 1, 0)?));
         }
         Ok(AttentionMask::None)
     }
@@ -569,17 +572,28 @@ impl KvCache for RotatingCache {
             _ => None,
         })
     }
+
+    /// mlx-lm's `BatchRotatingKVCache.merge` of fresh caches (which has no `keep`).
+    fn empty_batch(&self, rows: usize) -> Option<Box<dyn KvCache>> {
+        (self.keep == 0).then(|| -> Box<dyn KvCache> {
+            Box::new(BatchRotatingKvCache::new(self.max_size, vec![0; rows]))
+        })
+    }
 }
 
-/// `mx.roll(a, shift)` for a 1-D array: element i moves to (i + shift) mod n.
-fn roll(a: &Array, shift: i32) -> Result<Array> {
-    let n = a.shape()[0];
+/// `mx.roll(a, shift, axis)`: element i along `axis` moves to (i + shift) mod n (a copy, so
+/// the bits are the input's).
+pub(super) fn roll(a: &Array, shift: i32, axis: i32) -> Result<Array> {
+    let axis = if axis < 0 {
+        axis + a.ndim() as i32
+    } else {
+        axis
+    };
+    let n = a.shape()[axis as usize];
     let s = shift.rem_euclid(n.max(1));
     if s == 0 {
         return Ok(a.clone());
     }
-    Ok(ops::concatenate(
-        &[a.index((n - s)..), a.index(..(n - s))],
-        0,
-    )?)
+    let cut = ops::split_at_indices(a, &[n - s], axis)?;
+    Ok(ops::concatenate(&[&cut[1], &cut[0]], axis)?)
 }

@@ -299,6 +299,20 @@ pub fn tiny_qwen3(extra: serde_json::Value) -> serde_json::Value {
     )
 }
 
+/// A tiny gemma2 config with attention and final soft-caps (2 layers, width 64, vocabulary
+/// 384), with `extra` fields added or replaced.
+pub fn tiny_gemma2(extra: serde_json::Value) -> serde_json::Value {
+    with(
+        serde_json::json!({
+            "model_type": "gemma2", "hidden_size": 64, "num_hidden_layers": 2, "intermediate_size": 128,
+            "num_attention_heads": 4, "num_key_value_heads": 2, "head_dim": 16, "rms_norm_eps": 1e-6,
+            "vocab_size": 384, "query_pre_attn_scalar": 16, "attn_logit_softcapping": 5.0,
+            "final_logit_softcapping": 3.0
+        }),
+        extra,
+    )
+}
+
 /// A tiny gemma3_text config with a sliding window of 8 on every other layer (4 layers, width
 /// 64, vocabulary 384).
 pub fn tiny_gemma3() -> serde_json::Value {
@@ -308,6 +322,22 @@ pub fn tiny_gemma3() -> serde_json::Value {
         "vocab_size": 384, "sliding_window": 8, "sliding_window_pattern": 2, "query_pre_attn_scalar": 32,
         "rope_theta": 10000.0, "rope_local_base_freq": 10000.0, "max_position_embeddings": 512
     })
+}
+
+/// A tiny gemma4_text config: layers sliding, sliding, full, sliding, sliding (window 8), the
+/// last two sharing earlier layers' keys/values, per-layer input embeddings (width 64,
+/// vocabulary 384), with `extra` fields added or replaced.
+pub fn tiny_gemma4(extra: serde_json::Value) -> serde_json::Value {
+    with(
+        serde_json::json!({
+            "model_type": "gemma4_text", "hidden_size": 64, "num_hidden_layers": 5, "intermediate_size": 64,
+            "num_attention_heads": 4, "head_dim": 16, "global_head_dim": 32, "num_key_value_heads": 2,
+            "rms_norm_eps": 1e-6, "vocab_size": 384, "vocab_size_per_layer_input": 384,
+            "num_kv_shared_layers": 2, "hidden_size_per_layer_input": 16, "sliding_window": 8,
+            "sliding_window_pattern": 3
+        }),
+        extra,
+    )
 }
 
 /// A tiny qwen3_5 config: linear-attention and full-attention layers alternating (4 layers,

@@ -48,22 +48,61 @@ impl BatchKvCache {
         self.offset.len()
     }
 
-    /// Per row: how many real positions it holds.
-    pub fn lengths(&self) -> Vec<i32> {
-        self.offset.clone()
+    /// `extract(idx)`: row `row`'s real positions as its own keys and values `[1, H, n, D]`.
+    pub fn extract(&self, row: usize) -> Result<Option<(Array, Array)>> {
+        let (Some(k), Some(v)) = (&self.keys, &self.values) else {
+            return Ok(None);
+        };
+        let (r, p) = (row as i32, self.left_padding[row]);
+        let cut = |a: &Array| a.index((r..r + 1, .., p..self.idx, ..));
+        Ok(Some((cut(k).contiguous()?, cut(v).contiguous()?)))
     }
+}
 
-    /// `prepare(right_padding=...)`: the prefill about to run has `padding[i]` pad tokens after
-    /// row `i`'s prompt.
-    pub fn prepare_right_padding(&mut self, padding: &[i32]) {
-        if padding.iter().any(|&p| p > 0) {
-            self.right_padding = Some(padding.to_vec());
+/// What a batched cache does to its rows between forwards (mlx-lm's `prepare`, `finalize`,
+/// `filter` and `extend`, which every batched cache kind has).
+pub trait BatchRows {
+    /// `prepare(lengths=..., right_padding=...)`: the prefill about to run holds `lengths[i]`
+    /// real tokens of row `i` followed by `right_padding[i]` pad tokens.
+    fn prepare(&mut self, lengths: &[i32], right_padding: &[i32]);
+    /// `finalize`: after that prefill, the pad positions become left padding, which the mask
+    /// hides.
+    fn finalize(&mut self) -> Result<()>;
+    /// `filter(batch_indices)`: keeps rows `keep`, in that order.
+    fn filter(&mut self, keep: &[usize]) -> Result<()>;
+    /// `extend(other)`: appends the rows of `other`, a batched cache of the same kind.
+    fn extend(&mut self, other: &mut dyn BatchRows) -> Result<()>;
+    /// Itself, for [`BatchRows::extend`] to find the other side's kind.
+    fn as_any_mut(&mut self) -> &mut dyn std::any::Any;
+}
+
+/// `other` as a cache of kind `T` (the other side of an `extend`).
+pub(super) fn same_kind<T: Clone + 'static>(other: &mut dyn BatchRows) -> Result<T> {
+    other
+        .as_any_mut()
+        .downcast_mut::<T>()
+        .cloned()
+        .ok_or_else(|| EngineError::Runtime("batched caches of different kinds were joined".into()))
+}
+
+/// Rows `keep` of `a` along its first axis.
+pub(super) fn take_rows(a: &Array, keep: &[usize]) -> Result<Array> {
+    let rows = Array::from_slice(
+        &keep.iter().map(|&i| i as i32).collect::<Vec<_>>(),
+        &[keep.len() as i32],
+    );
+    Ok(a.take_axis(&rows, 0)?)
+}
+
+impl BatchRows for BatchKvCache {
+    fn prepare(&mut self, _lengths: &[i32], right_padding: &[i32]) {
+        if right_padding.iter().any(|&p| p > 0) {
+            self.right_padding = Some(right_padding.to_vec());
         }
     }
 
-    /// `finalize`: rolls each row right by its right padding (over the whole buffer) so that the
-    /// pad positions become left padding, which the mask hides.
-    pub fn finalize(&mut self) -> Result<()> {
+    /// Rolls each row right by its right padding (over the whole buffer).
+    fn finalize(&mut self) -> Result<()> {
         let Some(padding) = self.right_padding.take() else {
             return Ok(());
         };
@@ -79,16 +118,11 @@ impl BatchKvCache {
         Ok(())
     }
 
-    /// `filter(batch_indices)`: keeps rows `keep` (in that order), then drops the leading
-    /// positions every remaining row pads.
-    pub fn filter(&mut self, keep: &[usize]) -> Result<()> {
-        let rows = Array::from_slice(
-            &keep.iter().map(|&i| i as i32).collect::<Vec<_>>(),
-            &[keep.len() as i32],
-        );
+    /// Also drops the leading positions that every remaining row pads.
+    fn filter(&mut self, keep: &[usize]) -> Result<()> {
         if let (Some(k), Some(v)) = (&self.keys, &self.values) {
-            self.keys = Some(k.take_axis(&rows, 0)?);
-            self.values = Some(v.take_axis(&rows, 0)?);
+            self.keys = Some(take_rows(k, keep)?);
+            self.values = Some(take_rows(v, keep)?);
         }
         self.offset = keep.iter().map(|&i| self.offset[i]).collect();
         self.left_padding = keep.iter().map(|&i| self.left_padding[i]).collect();
@@ -106,9 +140,9 @@ impl BatchKvCache {
         Ok(())
     }
 
-    /// `extend(other)`: appends `other`'s rows, padding both sides' buffers so that every row
-    /// ends at the larger of the two indices.
-    pub fn extend(&mut self, other: BatchKvCache) -> Result<()> {
+    /// Pads both sides' buffers so that every row ends at the larger of the two indices.
+    fn extend(&mut self, other: &mut dyn BatchRows) -> Result<()> {
+        let other: BatchKvCache = same_kind(other)?;
         let (kd, vd) = match (&self.keys, &other.keys) {
             (None, None) => {
                 self.left_padding.extend(other.left_padding);
@@ -169,14 +203,8 @@ impl BatchKvCache {
         Ok(())
     }
 
-    /// `extract(idx)`: row `row`'s real positions as its own keys and values `[1, H, n, D]`.
-    pub fn extract(&self, row: usize) -> Result<Option<(Array, Array)>> {
-        let (Some(k), Some(v)) = (&self.keys, &self.values) else {
-            return Ok(None);
-        };
-        let (r, p) = (row as i32, self.left_padding[row]);
-        let cut = |a: &Array| a.index((r..r + 1, .., p..self.idx, ..));
-        Ok(Some((cut(k).contiguous()?, cut(v).contiguous()?)))
+    fn as_any_mut(&mut self) -> &mut dyn std::any::Any {
+        self
     }
 }
 
@@ -186,7 +214,7 @@ fn missing_values() -> EngineError {
 
 /// mlx-lm's `dynamic_roll(x, shifts, axis=2)`: row `b` of `x` (`[B, H, L, D]`) rolled right by
 /// `shifts[b]` (`[B, 1]`) along the sequence axis.
-fn dynamic_roll(x: &Array, shifts: &Array) -> Result<Array> {
+pub(super) fn dynamic_roll(x: &Array, shifts: &Array) -> Result<Array> {
     let n = x.shape()[2];
     let positions = ops::arange::<_, i32>(0, n, 1)?.expand_dims(1)?;
     let shifts = shifts.expand_dims_axes(&[2, 3])?;
@@ -250,7 +278,7 @@ impl KvCache for BatchKvCache {
         Some(Array::from_slice(&self.offset, &[self.rows() as i32]))
     }
 
-    fn as_batch_mut(&mut self) -> Option<&mut BatchKvCache> {
+    fn as_batch_mut(&mut self) -> Option<&mut dyn BatchRows> {
         Some(self)
     }
 

@@ -87,6 +87,12 @@ pub fn softcap_attention(
             Some(causal_mask(l, s - l, None)?)
         }
     };
+    // A batch's mask `[B, 1, L, S]` gets an axis for the grouped heads `[B, kv, rep, L, S]`
+    // (mlx-lm's gemma2 leaves it out and cannot batch grouped heads; the values are the same).
+    let mask = match mask {
+        Some(m) if repeats > 1 && m.ndim() == 4 => Some(m.expand_dims(2)?),
+        m => m,
+    };
     let scores = match mask {
         Some(m) => {
             let min = scores.dtype().finfo_min().unwrap_or(f32::MIN as f64);

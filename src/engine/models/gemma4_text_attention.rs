@@ -115,7 +115,10 @@ impl Attention {
                     Some(v) => heads(v.forward(x)?, self.n_kv_heads)?,
                     None => keys.clone(),
                 };
-                let offset = Array::from_int(cache.offset());
+                // Rows of a batch sit at their own positions (one offset per row).
+                let offset = cache
+                    .rope_offsets()
+                    .unwrap_or_else(|| Array::from_int(cache.offset()));
                 let keys = kv.k_norm.forward(&keys)?.transpose_axes(&[0, 2, 1, 3])?;
                 let keys = self.rope.apply_dynamic(&keys, &offset)?;
                 let values =
