@@ -216,24 +216,50 @@ fn gemma4_bf16_shared_kv_layers() {
     compare(dir.path(), &req);
 }
 
+/// qwen3_5: gated delta-net layers (mlx-lm's `ArraysCache` rows: pad tokens masked out of the
+/// conv and recurrent states, each row's conv state cut at its own length) beside gated
+/// full-attention layers; right-padded prefill groups, rows joining and leaving.
 #[test]
-fn recurrent_models_are_refused_with_the_reason() {
+fn qwen3_5_bf16_recurrent_layers() {
     let dir = build(&common::tiny_qwen3_5(json!({})), "bf16", None);
-    let loaded = models::load(dir.path(), Forks::default()).unwrap();
-    let plan = loaded.plan.clone();
+    let mut req = request(dir.path(), 384, &[12, 3, 21, 8, 15], &[9, 14, 6, 12, 10]);
+    req["prefill_batch_size"] = json!(3);
+    req["completion_batch_size"] = json!(4);
+    compare(dir.path(), &req);
+}
+
+/// The same in f32 with prefill chunks shorter than the prompts.
+#[test]
+fn qwen3_5_f32_chunked_prefill() {
+    let dir = build(&common::tiny_qwen3_5(json!({})), "f32", None);
+    let mut req = request(dir.path(), 384, &[17, 6, 11], &[8, 12, 10]);
+    req["prefill_step_size"] = json!(5);
+    compare(dir.path(), &req);
+}
+
+/// A quantized KV cache has no batched form (mlx-lm's batched caches cannot quantize): refused
+/// with the reason and the way out.
+#[test]
+fn quantized_kv_caches_are_refused_with_the_reason() {
+    let dir = build(&common::tiny_llama(json!({})), "f32", None);
+    let forks = Forks {
+        kv_quant: mlxb::engine::forks::KvQuant::Bits(4),
+        ..Forks::default()
+    };
+    let loaded = models::load(dir.path(), forks).unwrap();
     let sampler = Sampler::new(&SamplerConfig::default()).unwrap();
     let err = BatchGenerator::new(
         loaded.model.as_ref(),
-        &plan,
+        &loaded.plan,
         sampler,
         vec![],
         BatchSettings::default(),
     )
     .err()
-    .expect("a qwen3_5 model with linear-attention layers cannot batch yet");
+    .expect("a quantized KV cache cannot batch");
     let msg = err.to_string();
     assert!(
-        msg.contains("recurrent") && msg.contains("--max-batch 1"),
+        msg.contains("--kv-quant") && msg.contains("--max-batch 1"),
         "{msg}"
     );
 }

@@ -6,9 +6,9 @@
 //! forward holds and how long its cache buffer is both change the bits), so batched greedy ids
 //! and logprobs equal `mlx_lm.generate.batch_generate`'s for the same prompts and settings.
 //!
-//! Models whose layers keep full-attention or sliding-window caches batch (mlx-lm's
-//! `BatchKVCache` and `BatchRotatingKVCache`); models with recurrent layers are refused with the
-//! reason.
+//! Every cache kind mlx-lm batches has its batched form here (full attention: `BatchKVCache`;
+//! sliding window: `BatchRotatingKVCache`; recurrent: `ArraysCache` with its padding mask);
+//! quantized KV caches, which mlx-lm cannot batch, are refused with the reason.
 
 use super::cache::{BatchRows, KvCache};
 use super::error::{EngineError, Result};
@@ -135,7 +135,7 @@ fn fresh_caches(model: &dyn LanguageModel, plan: &ForkPlan, rows: usize) -> Resu
         .collect::<Option<Caches>>()
         .ok_or_else(|| {
             EngineError::Input(
-                "this model has recurrent (linear-attention) layers, whose caches have no batched form yet; use --max-batch 1".into(),
+                "this model has layers whose caches have no batched form; use --max-batch 1".into(),
             )
         })?;
     plan.prepare(&mut caches);

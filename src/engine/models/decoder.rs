@@ -115,12 +115,18 @@ pub fn run<P: Default, M: Decoder<P>>(
         Some(i) => caches[i].make_mask(n, m.sliding_window(), false)?,
         None => AttentionMask::None,
     };
+    // `create_ssm_mask`: none for one sequence, a batch's padding for recurrent layers.
+    let recurrent = match first(LayerKind::Recurrent) {
+        Some(i) => caches[i].make_mask(n, None, false)?,
+        None => AttentionMask::None,
+    };
     let mut taps = Vec::new();
     let mut own = caches.iter_mut().take(cached);
     for i in 0..run {
         let mask = match m.layer_kind(i) {
             LayerKind::Sliding => &sliding,
-            LayerKind::Full | LayerKind::Recurrent => &full,
+            LayerKind::Full => &full,
+            LayerKind::Recurrent => &recurrent,
         };
         let cache = own.next().map(|c| -> &mut dyn KvCache { c.as_mut() });
         let io = LayerIo {

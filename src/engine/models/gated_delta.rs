@@ -71,10 +71,19 @@ fn delta_step_graph(x: &[Array]) -> std::result::Result<Vec<Array>, Exception> {
     Ok(vec![y.as_dtype(q.dtype())?, state])
 }
 
+/// `_gated_delta_step_ops` with a mask `[B]`: rows whose token is padding keep their state.
+fn masked_step_graph(x: &[Array]) -> std::result::Result<Vec<Array>, Exception> {
+    let mut out = delta_step_graph(&x[..6])?;
+    let keep = x[6].expand_dims_axes(&[1, 2, 3])?;
+    out[1] = ops::select(&keep, &out[1], &x[5])?;
+    Ok(out)
+}
+
 /// The compiled pieces of the recurrence, shared by all linear-attention layers of a model.
 pub struct Recurrence {
     compute_g: CompiledOp,
     step: CompiledOp,
+    masked_step: CompiledOp,
 }
 
 impl Recurrence {
@@ -84,11 +93,12 @@ impl Recurrence {
         Self {
             compute_g: CompiledOp::new(compute_g_graph, true, compiled),
             step: CompiledOp::new(delta_step_graph, false, compiled),
+            masked_step: CompiledOp::new(masked_step_graph, false, compiled),
         }
     }
 
-    /// `gated_delta_update(q, k, v, a, b, A_log, dt_bias, state)` for one sequence (no mask):
-    /// returns `y` `[B, T, Hv, Dv]` and the new state.
+    /// `gated_delta_update(q, k, v, a, b, A_log, dt_bias, state, mask)`: returns `y`
+    /// `[B, T, Hv, Dv]` and the new state; `mask` `[B, T]` marks a batch's real tokens.
     #[allow(clippy::too_many_arguments)]
     pub fn run(
         &mut self,
@@ -100,6 +110,7 @@ impl Recurrence {
         a_log: &Array,
         dt_bias: &Array,
         state: Option<&Array>,
+        mask: Option<&Array>,
     ) -> Result<(Array, Array)> {
         let beta = ops::sigmoid(b)?;
         let g = self
@@ -115,11 +126,12 @@ impl Recurrence {
         };
         // Seam: a Metal build would dispatch to mlx-lm's `gated_delta_kernel` here when on the
         // GPU with `Dk % 32 == 0`; everywhere else mlx-lm runs the ops path below.
-        self.ops_path(q, k, v, &g, &beta, state)
+        self.ops_path(q, k, v, &g, &beta, state, mask)
     }
 
     /// `gated_delta_ops`: the key heads repeated up to the value heads, then one compiled step
     /// per token.
+    #[allow(clippy::too_many_arguments)]
     fn ops_path(
         &mut self,
         q: &Array,
@@ -128,6 +140,7 @@ impl Recurrence {
         g: &Array,
         beta: &Array,
         mut state: Array,
+        mask: Option<&Array>,
     ) -> Result<(Array, Array)> {
         let (t, hk) = (q.shape()[1], q.shape()[2]);
         let repeat = v.shape()[2] / hk;
@@ -142,9 +155,15 @@ impl Recurrence {
         let mut ys = Vec::with_capacity(t as usize);
         for i in 0..t {
             let at = |a: &Array| a.index((.., i));
-            let mut out = self
-                .step
-                .call(&[at(&q), at(&k), at(v), at(g), at(beta), state])?;
+            let mut args = vec![at(&q), at(&k), at(v), at(g), at(beta), state];
+            let step = match mask {
+                Some(m) => {
+                    args.push(at(m));
+                    &mut self.masked_step
+                }
+                None => &mut self.step,
+            };
+            let mut out = step.call(&args)?;
             let (Some(new_state), Some(y)) = (out.pop(), out.pop()) else {
                 return Err(EngineError::Runtime(
                     "gated delta step returned too few arrays".into(),
@@ -208,11 +227,22 @@ impl GatedDeltaNet {
         })
     }
 
-    /// Runs the layer over `x` `[B, S, D]`, reading and replacing the cache's two state slots.
-    pub fn forward(&self, x: &Array, cache: &mut ArraysCache, fns: &mut DeltaOps) -> Result<Array> {
+    /// Runs the layer over `x` `[B, S, D]`, reading and replacing the cache's two state slots;
+    /// `mask` `[B, S]` (a batch's real tokens) keeps pad tokens out of both states.
+    pub fn forward(
+        &self,
+        x: &Array,
+        cache: &mut ArraysCache,
+        mask: Option<&Array>,
+        fns: &mut DeltaOps,
+    ) -> Result<Array> {
         let s = &self.shape;
         let (b, l) = (x.shape()[0], x.shape()[1]);
-        let qkv = self.in_proj_qkv.forward(x)?;
+        let mut qkv = self.in_proj_qkv.forward(x)?;
+        if let Some(m) = mask {
+            let zero = Array::from_int(0).as_dtype(qkv.dtype())?;
+            qkv = ops::select(&m.expand_dims(-1)?, &qkv, &zero)?;
+        }
         let z = self
             .in_proj_z
             .forward(x)?
@@ -226,13 +256,24 @@ impl GatedDeltaNet {
         };
         let conv_input = ops::concatenate(&[conv_state, qkv], 1)?;
         let n_keep = s.conv_kernel - 1;
-        let total = conv_input.shape()[1];
-        cache.set(
-            0,
-            conv_input
-                .index((.., (total - n_keep).., ..))
-                .contiguous()?,
-        )?;
+        let conv_state = match cache.lengths() {
+            // Each row's last `n_keep` inputs before its padding.
+            Some(lengths) => {
+                let ends: Vec<i32> = lengths.iter().map(|&n| n.clamp(0, l)).collect();
+                let ends = Array::from_slice(&ends, &[b, 1]);
+                let positions = ends
+                    .add(ops::arange::<_, i32>(0, n_keep, 1)?)?
+                    .expand_dims(-1)?;
+                mlx_rs::ops::indexing::take_along_axis(&conv_input, &positions, 1)?
+            }
+            None => {
+                let total = conv_input.shape()[1];
+                conv_input
+                    .index((.., (total - n_keep).., ..))
+                    .contiguous()?
+            }
+        };
+        cache.set(0, conv_state)?;
         let conv = ops::conv1d(&conv_input, &self.conv_weight, 1, 0, 1, s.conv_dim())?;
         let conv_out = fns.silu.call1(&[conv])?;
 
@@ -261,6 +302,7 @@ impl GatedDeltaNet {
             &self.a_log,
             &self.dt_bias,
             cache.get(1),
+            mask,
         )?;
         cache.set(1, state)?;
         cache.advance(l);

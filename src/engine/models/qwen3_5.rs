@@ -393,20 +393,24 @@ impl Block {
     fn forward(
         &self,
         h: &Array,
-        fa_mask: &AttentionMask,
+        mask: &AttentionMask,
         cache: &mut dyn KvCache,
         swiglu: &mut CompiledOp,
         delta: &mut DeltaOps,
     ) -> Result<Array> {
         let mixer = |x: &Array| match &self.mixer {
-            Mixer::Attention(attn) => attn.forward(x, fa_mask, cache),
+            Mixer::Attention(attn) => attn.forward(x, mask, cache),
             Mixer::Linear(net) => {
                 let state = cache.as_arrays_mut().ok_or_else(|| {
                     EngineError::Runtime(
                         "a linear-attention layer was given a key/value cache".into(),
                     )
                 })?;
-                net.forward(x, state, delta)
+                let padding = match mask {
+                    AttentionMask::Array(m) => Some(m),
+                    _ => None,
+                };
+                net.forward(x, state, padding, delta)
             }
         };
         self.norms
@@ -420,7 +424,8 @@ impl Decoder for Model {
     }
 
     /// Gated attention layers share the full-attention mask (mlx-lm takes it from the first
-    /// one, layer `full_attention_interval - 1`); linear-attention layers take none.
+    /// one, layer `full_attention_interval - 1`); linear-attention layers take the padding
+    /// mask of a batch (none for one sequence).
     fn layer_kind(&self, i: usize) -> LayerKind {
         match self.layers.get(i).map(|l| &l.mixer) {
             Some(Mixer::Linear(_)) => LayerKind::Recurrent,
