@@ -269,13 +269,14 @@ fn single_stream(
     loaded: &mut models::LoadedModel,
     prompt: &[u32],
     max_tokens: usize,
+    prefill_step_size: usize,
 ) -> Vec<(u32, mlx_rs::Array)> {
     let mut sampler = greedy();
     let mut processors = LogitsProcessors::new(&ProcessorConfig::default()).unwrap();
     let plan = loaded.plan.clone();
     let cfg = GenerateConfig {
         max_tokens,
-        prefill_step_size: 2048,
+        prefill_step_size,
     };
     let mut alone = vec![];
     Generator::new(loaded.model.as_mut(), &mut sampler, &mut processors)
@@ -314,7 +315,7 @@ fn gemma2_grouped_heads_batch_row_by_row() {
     )
     .unwrap();
     for (i, (prompt, got)) in prompts.iter().zip(&batched).enumerate() {
-        let alone = single_stream(&mut loaded, prompt, 12);
+        let alone = single_stream(&mut loaded, prompt, 12, 2048);
         let ids: Vec<u32> = alone.iter().map(|(t, _)| *t).collect();
         assert_eq!(got.tokens, ids, "row {i}: ids differ from the row alone");
         for (s, ((_, lp), row)) in alone.iter().zip(&got.logprobs).enumerate() {
@@ -354,18 +355,80 @@ fn a_batch_of_one_is_bit_identical_to_the_single_stream_path() {
         )
         .unwrap()
         .remove(0);
-        let alone = single_stream(&mut loaded, &prompt, 20);
-        let tokens: Vec<u32> = alone.iter().map(|(t, _)| *t).collect();
-        assert_eq!(
-            batched.tokens, tokens,
-            "{dtype}: ids differ from the single-stream loop"
-        );
-        for (s, ((_, lp), row)) in alone.iter().zip(&batched.logprobs).enumerate() {
-            assert_eq!(
-                common::bits(lp),
-                common::bits(row),
-                "{dtype}: logprobs differ from the single-stream loop at step {s}"
-            );
-        }
+        let alone = single_stream(&mut loaded, &prompt, 20, 2048);
+        assert_same(dtype, &batched, &alone);
     }
+}
+
+/// Asserts a batched sequence's ids and logprobs equal the single-stream loop's, bit for bit.
+fn assert_same(what: &str, got: &mlxb::engine::batch::Generated, alone: &[(u32, mlx_rs::Array)]) {
+    let ids: Vec<u32> = alone.iter().map(|(t, _)| *t).collect();
+    assert_eq!(
+        got.tokens, ids,
+        "{what}: ids differ from the single-stream loop"
+    );
+    for (s, ((_, lp), row)) in alone.iter().zip(&got.logprobs).enumerate() {
+        assert_eq!(
+            common::bits(lp),
+            common::bits(row),
+            "{what}: logprobs differ from the single-stream loop at step {s}"
+        );
+    }
+}
+
+/// The server's kept prefixes: a prompt the batch prefilled alone leaves the keys and values of
+/// all but its last token; a later prompt that starts from them at a prefill boundary (or the
+/// same prompt again), prefilled alone as well, is bit-identical to the single-stream loop on
+/// the whole prompt. Prompts prefilled together are not kept.
+#[test]
+fn kept_prefixes_continue_bit_identically() {
+    let dir = build(&common::tiny_llama(json!({})), "f32", None);
+    let mut loaded = models::load(dir.path(), Forks::default()).unwrap();
+    let settings = BatchSettings {
+        prefill_step_size: 16,
+        ..BatchSettings::default()
+    };
+    let keep = |loaded: &mut models::LoadedModel, prompts: &[Vec<u32>]| {
+        let mut gen = BatchGenerator::new(
+            loaded.model.as_ref(),
+            &loaded.plan,
+            greedy(),
+            vec![],
+            settings,
+        )
+        .unwrap()
+        .capture_prefixes();
+        let requests = prompts
+            .iter()
+            .map(|p| SequenceRequest::new(p.clone(), 3))
+            .collect();
+        gen.insert(requests).unwrap();
+        while !gen.next_tokens(loaded.model.as_mut()).unwrap().is_empty() {}
+        gen.take_prefixes()
+    };
+    let first = common::prompt_ids(40, 384, 7);
+    let kept = keep(&mut loaded, std::slice::from_ref(&first));
+    assert_eq!(kept.len(), 1, "a prompt prefilled alone is kept");
+    let kv = kept[0].1.clone();
+    assert_eq!(kv.len, 39);
+    let mut next = first[..35].to_vec();
+    next.extend(common::prompt_ids(12, 384, 9));
+    for (what, prompt, reuse) in [
+        ("two shared chunks of 16", next, 32),
+        ("the same prompt again", first.clone(), 39),
+    ] {
+        let request = SequenceRequest {
+            prefix: Some(kv.truncated(reuse)),
+            ..SequenceRequest::new(prompt.clone(), 10)
+        };
+        let got = generate_all(&mut loaded, greedy(), vec![], settings, vec![request])
+            .unwrap()
+            .remove(0);
+        assert_same(what, &got, &single_stream(&mut loaded, &prompt, 10, 16));
+    }
+    let together = [first.clone(), common::prompt_ids(30, 384, 8)];
+    assert!(
+        keep(&mut loaded, &together).is_empty(),
+        "prompts prefilled together are not kept"
+    );
 }

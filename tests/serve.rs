@@ -503,6 +503,61 @@ fn prefix_reuse_is_bit_exact() {
     );
 }
 
+/// The batched server keeps prompts it prefilled alone (an LRU bounded by
+/// `--prompt-cache-bytes`) and a later request reuses one only where a fresh prefill would also
+/// cut: answers stay bit-identical to a server that keeps nothing, and to `mlxb generate`.
+#[test]
+fn batched_requests_reuse_kept_prefixes_bit_exactly() {
+    let base = common::prompt_ids(23, 384, 5);
+    let longer: Vec<u32> = base
+        .iter()
+        .copied()
+        .chain(common::prompt_ids(6, 384, 9))
+        .collect();
+    let other = common::prompt_ids(17, 384, 11);
+    let step = ["--prefill-step-size", "4"];
+    let keep = Server::start(&step);
+    let none = Server::start(&[&step[..], &["--prompt-cache-bytes", "0"]].concat());
+    let ask = |s: &Server, prompt: &[u32]| {
+        let (status, v) = s.post("/v1/completions", &ids_body(prompt, 12));
+        assert_eq!(status, 200, "{v}");
+        v
+    };
+    // (prompt, cached tokens expected): other prompts in between stay in the LRU beside them.
+    let steps: [(&[u32], u64); 5] = [
+        (&base, 0),
+        (&other, 0),
+        (&base, 22),   // repeated: all but the last token
+        (&longer, 20), // longer: whole 4-token prefill chunks only
+        (&longer, 28), // repeated in turn
+    ];
+    for (i, (prompt, cached)) in steps.into_iter().enumerate() {
+        let got = ask(&keep, prompt);
+        let want = ask(&none, prompt);
+        assert_eq!(
+            output_of(&got),
+            output_of(&want),
+            "step {i}: reuse changed the output"
+        );
+        assert_eq!(cached_tokens(&got), cached, "step {i}");
+        assert_eq!(cached_tokens(&want), 0, "step {i}");
+    }
+    let id_list = longer
+        .iter()
+        .map(u32::to_string)
+        .collect::<Vec<_>>()
+        .join(",");
+    let cli = generate(
+        "",
+        12,
+        &["--prompt-ids", &id_list, "--prefill-step-size", "4"],
+    );
+    let got = ask(&keep, &longer);
+    assert_eq!(ids(&got["choices"][0]["token_ids"]), ids(&cli["token_ids"]));
+    assert_eq!(keep.metric("mlxb:prompt_tokens_cached_total"), 98.0);
+    assert_eq!(none.metric("mlxb:prompt_tokens_cached_total"), 0.0);
+}
+
 #[test]
 fn sixteen_concurrent_streams_stay_intact() {
     let s = Server::start(&[

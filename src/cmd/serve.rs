@@ -53,6 +53,10 @@ pub struct ServeArgs {
     /// shared prefix (reuse is bit-exact either way; this is for comparisons).
     #[arg(long)]
     pub no_prefix_reuse: bool,
+    /// Most bytes of prompt prefixes kept for reuse by batched requests (an LRU shared by all
+    /// conversations; 0 keeps none).
+    #[arg(long, default_value_t = crate::server::DEFAULT_PROMPT_CACHE_BYTES)]
+    pub prompt_cache_bytes: usize,
     /// Require `Authorization: Bearer KEY` on every route but /health.
     #[arg(long)]
     pub api_key: Option<String>,
@@ -102,5 +106,6 @@ pub fn run(args: ServeArgs) -> anyhow::Result<()> {
         prefix_reuse: !args.no_prefix_reuse,
         startup: super::progress::startup_trace(),
         max_batch: args.max_batch,
+        prompt_cache_bytes: args.prompt_cache_bytes,
     })
 }

@@ -10,7 +10,7 @@
 //! sliding window: `BatchRotatingKVCache`; recurrent: `ArraysCache` with its padding mask);
 //! quantized KV caches, which mlx-lm cannot batch, are refused with the reason.
 
-use super::cache::{BatchRows, KvCache};
+use super::cache::{BatchKvCache, BatchRows, KvCache};
 use super::error::{EngineError, Result};
 use super::models::{Caches, LanguageModel};
 use super::plan::ForkPlan;
@@ -65,6 +65,9 @@ pub struct SequenceRequest {
     /// Its own sampler; `None` samples with the generator's (rows that all use it are sampled
     /// in one call, as mlx-lm does for a batch that shares a sampler).
     pub sampler: Option<Sampler>,
+    /// Keys and values already computed for the prompt's first tokens (mlx-lm's `insert(...,
+    /// caches=...)`): only the rest is prefilled. Shorter than the prompt.
+    pub prefix: Option<PrefixKv>,
 }
 
 impl SequenceRequest {
@@ -74,6 +77,37 @@ impl SequenceRequest {
             prompt,
             max_tokens,
             sampler: None,
+            prefix: None,
+        }
+    }
+}
+
+/// The keys and values of a prompt's first `len` tokens, per layer `[1, H, len, D]` (every layer
+/// a full-attention one).
+#[derive(Clone)]
+pub struct PrefixKv {
+    /// Positions held.
+    pub len: usize,
+    /// Per layer: keys and values.
+    pub layers: Vec<(Array, Array)>,
+}
+
+impl PrefixKv {
+    /// Bytes its arrays hold.
+    pub fn nbytes(&self) -> usize {
+        self.layers
+            .iter()
+            .map(|(k, v)| k.nbytes() + v.nbytes())
+            .sum()
+    }
+
+    /// Its first `len` positions.
+    pub fn truncated(&self, len: usize) -> PrefixKv {
+        let n = len.min(self.len) as i32;
+        let cut = |a: &Array| a.index((.., .., ..n, ..));
+        PrefixKv {
+            len: n as usize,
+            layers: self.layers.iter().map(|(k, v)| (cut(k), cut(v))).collect(),
         }
     }
 }
@@ -84,6 +118,11 @@ struct Prefill {
     segments: VecDeque<Vec<u32>>,
     max_tokens: usize,
     sampler: Option<Sampler>,
+    /// What it starts from, taken when it joins the prompt batch.
+    prefix: Option<PrefixKv>,
+    /// Whether every prefill forward it took part in held it alone (then its keys and values
+    /// are bit-identical to a single-stream prefill's).
+    alone: bool,
 }
 
 /// A sequence in the decoding batch.
@@ -124,6 +163,9 @@ pub struct BatchGenerator {
     prompt: PromptBatch,
     decode: DecodeBatch,
     steps: usize,
+    /// Whether prompts prefilled alone are kept for [`BatchGenerator::take_prefixes`].
+    capture: bool,
+    captured: Vec<(usize, PrefixKv)>,
 }
 
 /// Per-layer batched caches, all rows empty.
@@ -140,6 +182,44 @@ fn fresh_caches(model: &dyn LanguageModel, plan: &ForkPlan, rows: usize) -> Resu
         })?;
     plan.prepare(&mut caches);
     Ok(caches)
+}
+
+/// mlx-lm's `BatchKVCache.merge` of per-row caches: rows with a prefix hold it, left-padded to
+/// the longest; rows without one start empty.
+fn merged_caches(plan: &ForkPlan, prefixes: &[Option<PrefixKv>]) -> Result<Caches> {
+    let layers = prefixes
+        .iter()
+        .flatten()
+        .map(|p| p.layers.len())
+        .next()
+        .unwrap_or(0);
+    let mut caches: Caches = (0..layers)
+        .map(|l| -> Result<Box<dyn KvCache>> {
+            let rows: Vec<Option<&(Array, Array)>> = prefixes
+                .iter()
+                .map(|p| p.as_ref().and_then(|p| p.layers.get(l)))
+                .collect();
+            Ok(Box::new(BatchKvCache::merge(&rows)?))
+        })
+        .collect::<Result<_>>()?;
+    plan.prepare(&mut caches);
+    Ok(caches)
+}
+
+/// Row `row`'s keys and values when every layer is full attention (`None` otherwise).
+fn row_prefix(caches: &mut Caches, row: usize) -> Result<Option<PrefixKv>> {
+    let mut layers = Vec::with_capacity(caches.len());
+    for c in caches.iter_mut() {
+        let full = c
+            .as_batch_mut()
+            .and_then(|b| b.as_any_mut().downcast_mut::<BatchKvCache>());
+        match full.map(|b| b.extract(row)).transpose()?.flatten() {
+            Some(kv) => layers.push(kv),
+            None => return Ok(None),
+        }
+    }
+    let len = layers.first().map_or(0, |(k, _)| k.shape()[2] as usize);
+    Ok((len > 0).then_some(PrefixKv { len, layers }))
 }
 
 fn batch_of(cache: &mut dyn KvCache) -> Result<&mut dyn BatchRows> {
@@ -232,7 +312,22 @@ impl BatchGenerator {
             prompt: PromptBatch::default(),
             decode: DecodeBatch::default(),
             steps: 0,
+            capture: false,
+            captured: Vec::new(),
         })
+    }
+
+    /// Keeps the keys and values of every prompt prefilled alone (all but its last token) for
+    /// [`BatchGenerator::take_prefixes`]: a server's reusable prefixes. Only for models whose
+    /// every layer is full attention (others keep nothing).
+    pub fn capture_prefixes(mut self) -> Self {
+        self.capture = true;
+        self
+    }
+
+    /// The prefixes kept since the last call, by sequence id.
+    pub fn take_prefixes(&mut self) -> Vec<(usize, PrefixKv)> {
+        std::mem::take(&mut self.captured)
     }
 
     /// Queues the sequences in order; returns their ids.
@@ -247,9 +342,18 @@ impl BatchGenerator {
                 "prompt {i} has a token budget of 0; give at least 1"
             )));
         }
+        if let Some(i) = requests
+            .iter()
+            .position(|r| r.prefix.as_ref().is_some_and(|p| p.len >= r.prompt.len()))
+        {
+            return Err(EngineError::Input(format!(
+                "prompt {i} has a reused prefix as long as itself; at least its last token must be computed"
+            )));
+        }
         let mut uids = Vec::with_capacity(requests.len());
         for request in requests {
-            let (last, head) = request.prompt.split_last().unwrap_or((&0, &[]));
+            let skip = request.prefix.as_ref().map_or(0, |p| p.len);
+            let (last, head) = request.prompt[skip..].split_last().unwrap_or((&0, &[]));
             let mut segments = VecDeque::new();
             if !head.is_empty() {
                 segments.push_back(head.to_vec());
@@ -262,6 +366,8 @@ impl BatchGenerator {
                 segments,
                 max_tokens: request.max_tokens,
                 sampler: request.sampler,
+                prefix: request.prefix,
+                alone: true,
             });
             uids.push(uid);
         }
@@ -329,8 +435,14 @@ impl BatchGenerator {
         .min(self.settings.completion_batch_size - self.decode.rows.len())
         .min(self.queue.len());
         if n > 0 {
-            let rows: Vec<Prefill> = self.queue.drain(..n).collect();
-            let caches = fresh_caches(model, &self.plan, rows.len())?;
+            let mut rows: Vec<Prefill> = self.queue.drain(..n).collect();
+            let prefixes: Vec<Option<PrefixKv>> =
+                rows.iter_mut().map(|r| r.prefix.take()).collect();
+            let caches = if prefixes.iter().any(Option::is_some) {
+                merged_caches(&self.plan, &prefixes)?
+            } else {
+                fresh_caches(model, &self.plan, rows.len())?
+            };
             extend_caches(&mut self.prompt.caches, caches)?;
             self.prompt.rows.extend(rows);
         }
@@ -366,6 +478,9 @@ impl BatchGenerator {
     /// forwards of `prefill_step_size` positions, the padding then moved to the left.
     fn prefill(&mut self, model: &mut dyn LanguageModel, chunks: &[Vec<u32>]) -> Result<()> {
         let longest = chunks.iter().map(Vec::len).max().unwrap_or(0);
+        if chunks.len() > 1 {
+            self.prompt.rows.iter_mut().for_each(|r| r.alone = false);
+        }
         let lengths: Vec<i32> = chunks.iter().map(|c| c.len() as i32).collect();
         let padding: Vec<i32> = lengths.iter().map(|&n| longest as i32 - n).collect();
         let padded = padding.iter().any(|&p| p > 0);
@@ -415,6 +530,15 @@ impl BatchGenerator {
             })?);
         }
         filter_caches(&mut caches, ready)?;
+        if self.capture {
+            for (row, &i) in ready.iter().enumerate() {
+                if self.prompt.rows[i].alone {
+                    if let Some(prefix) = row_prefix(&mut caches, row)? {
+                        self.captured.push((self.prompt.rows[i].uid, prefix));
+                    }
+                }
+            }
+        }
         let mut moved = Vec::with_capacity(ready.len());
         let mut rows: Vec<Option<Prefill>> = std::mem::take(&mut self.prompt.rows)
             .into_iter()

@@ -3,14 +3,16 @@
 //! between decode steps, and leave when they finish, stop, or their client goes away; every
 //! step's tokens are routed to their requests' streams. Requests the batch cannot serve exactly
 //! (logits processors, a fixed seed) wait for the batch to drain and then run alone through
-//! the single-stream path, as does everything when the server has a drafter.
+//! the single-stream path, as does everything when the server has a drafter. Prompts the batch
+//! prefilled alone are kept in a [`PrefixStore`] for later requests that share their start.
 
 use super::error::ApiError;
 use super::metrics::{Finished, Metrics};
+use super::prefix_store::PrefixStore;
 use super::stop::StopMatcher;
 use super::types::{Timings, Usage};
 use super::worker::{score, Event, Job, Summary};
-use crate::engine::batch::{BatchGenerator, BatchSettings, BatchToken, SequenceRequest};
+use crate::engine::batch::{BatchGenerator, BatchSettings, BatchToken, PrefixKv, SequenceRequest};
 use crate::engine::error::{EngineError, Result};
 use crate::engine::generate::{GenerationStats, Step};
 use crate::engine::sample::{LogitsProcessors, Sampler, SamplerConfig};
@@ -29,6 +31,8 @@ struct Slot<'t> {
     detok: StreamingDetokenizer<'t>,
     stopper: StopMatcher,
     ids: Vec<u32>,
+    /// Prompt tokens reused from a kept prefix.
+    cached: usize,
     admitted: Instant,
     first: Option<Instant>,
     last: Option<Instant>,
@@ -66,7 +70,33 @@ pub fn batch_size(session: &Session, max_batch: usize) -> std::result::Result<us
 }
 
 fn new_generator(session: &Session, max_batch: usize) -> Result<BatchGenerator> {
-    new_generator_for(&session.model, &session.tokenizer, max_batch)
+    new_generator_for(
+        &session.model,
+        &session.tokenizer,
+        &Batching::new(max_batch, BatchSettings::default().prefill_step_size, 0),
+    )
+}
+
+/// How the server batches, and the prompt prefixes it keeps between batches.
+pub struct Batching {
+    /// Most requests decoded at once (`--max-batch`).
+    pub max_batch: usize,
+    /// Prompt tokens per prefill forward (`--prefill-step-size`).
+    pub prefill_step_size: usize,
+    /// Prompt prefixes kept for reuse (`--prompt-cache-bytes`; see [`PrefixStore`]).
+    pub store: PrefixStore,
+}
+
+impl Batching {
+    /// Batches of at most `max_batch`, prefilled `prefill_step_size` tokens at a time, keeping
+    /// at most `prompt_cache_bytes` of prompt prefixes.
+    pub fn new(max_batch: usize, prefill_step_size: usize, prompt_cache_bytes: usize) -> Self {
+        Self {
+            max_batch,
+            prefill_step_size,
+            store: PrefixStore::new(prompt_cache_bytes, prefill_step_size),
+        }
+    }
 }
 
 /// Whether `job` runs in the batch (else alone, once the batch has drained).
@@ -80,13 +110,14 @@ pub fn fits_batch(job: &Job, tokenizer: &Tokenizer) -> bool {
 /// (taken off the queue in its turn, it runs before anything queued behind it).
 pub fn run(
     session: &mut Session,
-    max_batch: usize,
+    batching: &mut Batching,
     first: Job,
     jobs: &Receiver<Job>,
     metrics: &Metrics,
     shutdown: &AtomicBool,
 ) -> Option<Job> {
-    let mut gen = match new_generator(session, max_batch) {
+    let max_batch = batching.max_batch;
+    let mut gen = match new_generator_for(&session.model, &session.tokenizer, batching) {
         Ok(gen) => gen,
         Err(e) => {
             metrics.started(first.arrived.elapsed());
@@ -113,7 +144,15 @@ pub fn run(
                 },
             };
             match batch_sampler(&job, tokenizer) {
-                Ok(Some(sampler)) => admit(&mut gen, &mut slots, job, sampler, tokenizer, metrics),
+                Ok(Some(sampler)) => {
+                    let prefix = batching.store.lookup(&job.prompt_ids);
+                    let admission = Admission {
+                        job,
+                        sampler,
+                        prefix,
+                    };
+                    admit(&mut gen, &mut slots, admission, tokenizer, metrics)
+                }
                 Ok(None) => deferred = Some(job),
                 Err(e) => {
                     metrics.started(job.arrived.elapsed());
@@ -129,7 +168,7 @@ pub fn run(
             Ok(Ok(tokens)) => tokens,
             Ok(Err(e)) => {
                 fail_all(&mut slots, metrics, &e);
-                gen = match new_generator_for(model, tokenizer, max_batch) {
+                gen = match new_generator_for(model, tokenizer, batching) {
                     Ok(g) => g,
                     Err(_) => return deferred,
                 };
@@ -141,13 +180,18 @@ pub fn run(
                         .into(),
                 );
                 fail_all(&mut slots, metrics, &e);
-                gen = match new_generator_for(model, tokenizer, max_batch) {
+                gen = match new_generator_for(model, tokenizer, batching) {
                     Ok(g) => g,
                     Err(_) => return deferred,
                 };
                 continue;
             }
         };
+        for (uid, prefix) in gen.take_prefixes() {
+            if let Some(slot) = slots.get(&uid) {
+                batching.store.insert(&slot.job.prompt_ids, prefix);
+            }
+        }
         let mut leaving = Vec::new();
         for token in tokens {
             let uid = token.uid;
@@ -166,7 +210,7 @@ pub fn run(
         if !leaving.is_empty() {
             if let Err(e) = gen.remove(&leaving) {
                 fail_all(&mut slots, metrics, &e);
-                gen = match new_generator_for(model, tokenizer, max_batch) {
+                gen = match new_generator_for(model, tokenizer, batching) {
                     Ok(g) => g,
                     Err(_) => return deferred,
                 };
@@ -179,41 +223,61 @@ pub fn run(
 fn new_generator_for(
     model: &crate::engine::models::LoadedModel,
     tokenizer: &Tokenizer,
-    max_batch: usize,
+    batching: &Batching,
 ) -> Result<BatchGenerator> {
+    let max_batch = batching.max_batch;
     let settings = BatchSettings {
         completion_batch_size: max_batch,
         prefill_batch_size: max_batch.min(BatchSettings::default().prefill_batch_size),
-        prefill_step_size: BatchSettings::default().prefill_step_size,
+        prefill_step_size: batching.prefill_step_size.max(1),
     };
-    BatchGenerator::new(
+    let gen = BatchGenerator::new(
         model.model.as_ref(),
         &model.plan,
         Sampler::new(&SamplerConfig::default())?,
         tokenizer.eos_token_ids().iter().copied().collect(),
         settings,
-    )
+    )?;
+    Ok(if batching.store.enabled() {
+        gen.capture_prefixes()
+    } else {
+        gen
+    })
 }
 
-/// Puts `job` in the batch.
+/// A job the batch takes: its sampler (`None`: the batch's greedy one) and the kept prefix it
+/// starts from.
+struct Admission {
+    job: Job,
+    sampler: Option<Sampler>,
+    prefix: Option<PrefixKv>,
+}
+
+/// Puts a job in the batch.
 fn admit<'t>(
     gen: &mut BatchGenerator,
     slots: &mut HashMap<usize, Slot<'t>>,
-    job: Job,
-    sampler: Option<Sampler>,
+    admission: Admission,
     tokenizer: &'t Tokenizer,
     metrics: &Metrics,
 ) {
+    let Admission {
+        job,
+        sampler,
+        prefix,
+    } = admission;
     metrics.started(job.arrived.elapsed());
     if job.events.is_closed() {
         metrics.aborted();
         metrics.ended();
         return;
     }
+    let cached = prefix.as_ref().map_or(0, |p| p.len);
     let request = SequenceRequest {
         prompt: job.prompt_ids.clone(),
         max_tokens: job.request.params.generate.max_tokens,
         sampler,
+        prefix,
     };
     match gen.insert(vec![request]) {
         Ok(uids) => {
@@ -225,6 +289,7 @@ fn admit<'t>(
                     detok: StreamingDetokenizer::new(tokenizer),
                     stopper,
                     ids: Vec::new(),
+                    cached,
                     admitted: Instant::now(),
                     first: None,
                     last: None,
@@ -351,7 +416,7 @@ fn conclude(mut slot: Slot<'_>, done: Done, metrics: &Metrics) {
     metrics.finished(&Finished {
         finish_reason,
         prompt_tokens: stats.prompt_tokens,
-        cached_tokens: 0,
+        cached_tokens: slot.cached,
         generation_tokens: slot.ids.len(),
         latency: slot.job.arrived.elapsed(),
         decode_tps: stats.generation_tps(),
@@ -360,7 +425,7 @@ fn conclude(mut slot: Slot<'_>, done: Done, metrics: &Metrics) {
     metrics.ended();
     let _ = slot.job.events.send(Event::Done(Box::new(Summary {
         finish_reason,
-        usage: Usage::new(stats.prompt_tokens, 0, slot.ids.len()),
+        usage: Usage::new(stats.prompt_tokens, slot.cached, slot.ids.len()),
         timings: Timings::new(&stats, None),
         token_ids: slot.ids,
     })));

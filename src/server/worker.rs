@@ -99,6 +99,8 @@ pub struct EngineConfig {
     pub startup: StartupTrace,
     /// Most requests decoded at once (`--max-batch`; 1: one at a time).
     pub max_batch: usize,
+    /// Most bytes of prompt prefixes the batch keeps for reuse (`--prompt-cache-bytes`).
+    pub prompt_cache_bytes: usize,
 }
 
 /// Facts about the loaded model, for the ready card and request validation.
@@ -157,7 +159,7 @@ pub fn spawn(
                 {
                     next = batching::run(
                         &mut state.session,
-                        state.info.max_batch,
+                        &mut state.batching,
                         job,
                         &jobs,
                         &metrics,
@@ -180,6 +182,7 @@ struct State {
     drafter: Option<(Box<dyn DraftSource>, SpecOptions)>,
     info: EngineInfo,
     prefix: PrefixCache,
+    batching: batching::Batching,
 }
 
 /// How a job ended.
@@ -238,11 +241,18 @@ impl State {
                 }
             }
         }
+        let kept = if prefix_reuse {
+            cfg.prompt_cache_bytes
+        } else {
+            0
+        };
+        let batching = batching::Batching::new(info.max_batch, cfg.prefill_step_size, kept);
         let mut state = Self {
             session,
             drafter,
             info,
             prefix: PrefixCache::new(cfg.prefill_step_size, prefix_reuse),
+            batching,
         };
         state.warm_up()?;
         Ok(state)

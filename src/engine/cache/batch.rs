@@ -48,6 +48,40 @@ impl BatchKvCache {
         self.offset.len()
     }
 
+    /// `BatchKVCache.merge`: one row per entry holding that row's keys and values
+    /// (`[1, H, n, D]`, `None`: empty), left-padded to the longest.
+    pub fn merge(rows: &[Option<&(Array, Array)>]) -> Result<Self> {
+        let len = |r: &Option<&(Array, Array)>| r.map_or(0, |(k, _)| k.shape()[2]);
+        let longest = rows.iter().map(len).max().unwrap_or(0);
+        let padding: Vec<i32> = rows.iter().map(|r| longest - len(r)).collect();
+        let mut cache = Self::new(padding.clone());
+        let Some((k0, v0)) = rows.iter().flatten().next() else {
+            return Ok(cache);
+        };
+        let (h, dk, dv, dtype) = (k0.shape()[1], k0.shape()[3], v0.shape()[3], k0.dtype());
+        let mut keys = Vec::with_capacity(rows.len());
+        let mut values = Vec::with_capacity(rows.len());
+        for (row, pad) in rows.iter().zip(&padding) {
+            let k_pad = ops::zeros_dtype(&[1, h, *pad, dk], dtype)?;
+            let v_pad = ops::zeros_dtype(&[1, h, *pad, dv], dtype)?;
+            match row {
+                Some((k, v)) => {
+                    keys.push(ops::concatenate(&[k_pad, k.as_dtype(dtype)?], 2)?);
+                    values.push(ops::concatenate(&[v_pad, v.as_dtype(dtype)?], 2)?);
+                }
+                None => {
+                    keys.push(k_pad);
+                    values.push(v_pad);
+                }
+            }
+        }
+        cache.keys = Some(ops::concatenate(&keys, 0)?);
+        cache.values = Some(ops::concatenate(&values, 0)?);
+        cache.offset = padding.iter().map(|p| longest - p).collect();
+        cache.idx = longest;
+        Ok(cache)
+    }
+
     /// `extract(idx)`: row `row`'s real positions as its own keys and values `[1, H, n, D]`.
     pub fn extract(&self, row: usize) -> Result<Option<(Array, Array)>> {
         let (Some(k), Some(v)) = (&self.keys, &self.values) else {
