@@ -24,6 +24,11 @@ against the same server's answer to the prompt alone.
 
   scripts/serve_load.py --baseline mlx-lm --model ~/.cache/mlxb/models/smollm2-135m-instruct \
       [--clients-list 1,4,8,32] [--duration 30] [--max-tokens 64] -- [mlxb serve args]
+
+With --multi-turn TURNS, each client instead holds new conversations of TURNS turns over a
+system note of their own (about 650 tokens), each turn sent with the conversation so far, as
+chat clients do; every answer is afterwards asked again alone and must match, and the table
+also gives the prompt tokens each server reported as cached.
 """
 
 import argparse
@@ -102,6 +107,8 @@ class Stats:
         self.ttft = []
         self.itl = []
         self.tokens = 0
+        self.prompt_tokens = 0
+        self.cached_tokens = 0
         self.corrupted = 0
         self.server_5xx = 0
         self.examples = []
@@ -279,52 +286,121 @@ async def run(args, url, pid):
     }
 
 
-async def load_request(client, st, prompt, want, max_tokens):
-    """One streamed chat completion; records TTFT, inter-token gaps, tokens and integrity."""
-    body = body_for("chat", prompt, max_tokens, True)
+COLORS = ["red", "blue", "green", "yellow", "white", "black", "orange", "purple"]
+QUESTIONS = [
+    "How many marbles are in the red box?",
+    "Which box holds the most marbles?",
+    "Summarize the note in one sentence.",
+    "Which colors does the note mention?",
+    "How many boxes are there?",
+    "Is any box empty?",
+]
+
+
+def conversation(k, turns):
+    """Conversation k of the multi-turn load: a system note of its own (about 650 tokens) and
+    `turns` questions about it."""
+    facts = [f"Fact {j} of note {k}: the {COLORS[(j + k) % len(COLORS)]} box number {j} holds "
+             f"{(j * 7 + k * 3) % 100} marbles." for j in range(30)]
+    return " ".join(facts), [QUESTIONS[(k + t) % len(QUESTIONS)] for t in range(turns)]
+
+
+def turn_messages(system, questions, replies, t):
+    """The messages of turn t: the note, the earlier questions and replies, question t."""
+    m = [{"role": "system", "content": system}]
+    for q, a in zip(questions[:t], replies[:t]):
+        m += [{"role": "user", "content": q}, {"role": "assistant", "content": a}]
+    return m + [{"role": "user", "content": questions[t]}]
+
+
+async def load_request(client, st, messages, want, max_tokens):
+    """One streamed chat completion of `messages` (a prompt string: one user message); records
+    TTFT, inter-token gaps, tokens and cached prompt tokens, checks the text against `want`
+    (unless None) and returns it (None on failure)."""
+    body = body_for("chat", "", max_tokens, True)
+    body["messages"] = [{"role": "user", "content": messages}] if isinstance(messages, str) else messages
+    prompt = messages if isinstance(messages, str) else messages[-1]["content"]
     sent = time.perf_counter()
     async with client.stream("POST", "/v1/chat/completions", json=body) as r:
         if r.status_code != 200:
             await r.aread()
             st.fail(f"http_{r.status_code}", r.text)
-            return
+            return None
         text, usage, _, error = await read_stream(r, "chat", st, sent)
     if error is not None:
         st.fail("stream_error_event", error)
-        return
-    if text != want:
+        return None
+    if want is not None and text != want:
         st.corrupted += 1
         st.fail("corrupted_stream", f"{prompt!r}: {text!r} != {want!r}")
-    st.tokens += (usage or {}).get("completion_tokens", 0)
+    usage = usage or {}
+    st.tokens += usage.get("completion_tokens", 0)
+    st.prompt_tokens += usage.get("prompt_tokens", 0)
+    st.cached_tokens += (usage.get("prompt_tokens_details") or {}).get("cached_tokens", 0)
     st.count("ok_stream")
+    return text
 
 
-async def load_level(url, clients, duration, max_tokens):
-    """`clients` concurrent clients for `duration` seconds; client i starts at prompt i."""
+async def answer_alone(client, messages, max_tokens):
+    r = await client.post("/v1/chat/completions",
+                          json={**body_for("chat", "", max_tokens, False), "messages": messages})
+    r.raise_for_status()
+    return text_of(r.json()["choices"][0], "chat", False)
+
+
+async def load_level(url, clients, duration, max_tokens, turns=0):
+    """`clients` concurrent clients for `duration` seconds; client i starts at prompt i. With
+    `turns`, each client holds multi-turn conversations instead, each one new (its own note),
+    each turn sent with the conversation so far; every answer is then asked again alone and
+    compared."""
     limits = httpx.Limits(max_connections=clients + 4, max_keepalive_connections=clients + 4)
     async with httpx.AsyncClient(base_url=url, timeout=600, limits=limits) as client:
         expected = {}
-        for p in LOAD_PROMPTS:
-            r = await client.post("/v1/chat/completions", json=body_for("chat", p, max_tokens, False))
-            r.raise_for_status()
-            expected[p] = text_of(r.json()["choices"][0], "chat", False)
+        if not turns:
+            for p in LOAD_PROMPTS:
+                expected[p] = await answer_alone(client, [{"role": "user", "content": p}], max_tokens)
         st = Stats()
         start = time.monotonic()
         deadline = start + duration
+        answered = []
+
+        async def send(messages, want):
+            try:
+                return await load_request(client, st, messages, want, max_tokens)
+            except (httpx.TimeoutException, httpx.TransportError) as e:
+                st.fail(f"transport_{type(e).__name__}", str(e))
+                await asyncio.sleep(0.1)
+                return None
 
         async def loop(i):
             k = i
             while time.monotonic() < deadline:
-                prompt = LOAD_PROMPTS[k % len(LOAD_PROMPTS)]
-                try:
-                    await load_request(client, st, prompt, expected[prompt], max_tokens)
-                except (httpx.TimeoutException, httpx.TransportError) as e:
-                    st.fail(f"transport_{type(e).__name__}", str(e))
-                    await asyncio.sleep(0.1)
-                k += 1
+                if turns:
+                    # Conversations never repeat, across levels either.
+                    system, questions = conversation(1000 * clients + k, turns)
+                    replies = []
+                    for t in range(turns):
+                        if time.monotonic() >= deadline:
+                            break
+                        msgs = turn_messages(system, questions, replies, t)
+                        text = await send(msgs, None)
+                        if text is None:
+                            break
+                        answered.append((msgs, text))
+                        replies.append(text)
+                    k += clients
+                else:
+                    prompt = LOAD_PROMPTS[k % len(LOAD_PROMPTS)]
+                    await send(prompt, expected[prompt])
+                    k += 1
 
         await asyncio.gather(*(loop(i) for i in range(clients)))
         elapsed = time.monotonic() - start
+        for msgs, text in answered:
+            alone = await answer_alone(client, msgs, max_tokens)
+            if alone != text:
+                st.corrupted += 1
+                st.fail("differs_from_alone", f"{msgs[-1]['content']!r}: {text!r} != {alone!r}")
     ms = lambda x: None if x is None else round(x * 1e3, 1)  # noqa: E731
     return {
         "clients": clients,
@@ -336,6 +412,8 @@ async def load_level(url, clients, duration, max_tokens):
         "ttft_ms_p99": ms(percentile(st.ttft, 99)),
         "itl_ms_p50": ms(percentile(st.itl, 50)),
         "itl_ms_p99": ms(percentile(st.itl, 99)),
+        "prompt_tokens": st.prompt_tokens,
+        "cached_tokens": st.cached_tokens,
         "examples": st.examples,
     }
 
@@ -389,27 +467,29 @@ def stop(server):
 def compare(args):
     levels = [int(c) for c in args.clients_list.split(",")]
     result = {"model": args.model, "max_tokens": args.max_tokens, "duration_s": args.duration,
-              "server_args": args.server_args, "mlxb": [], "mlx-lm": []}
+              "multi_turn": args.multi_turn, "server_args": args.server_args, "mlxb": [], "mlx-lm": []}
     for name, start in (("mlxb", lambda: start_mlxb(args)), ("mlx-lm", lambda: start_mlx_lm(args.model))):
         server, url = start()
         try:
             for c in levels:
                 print(f"serve_load: {name}, {c} clients ...", file=sys.stderr, flush=True)
-                result[name].append(asyncio.run(load_level(url, c, args.duration, args.max_tokens)))
+                result[name].append(asyncio.run(
+                    load_level(url, c, args.duration, args.max_tokens, args.multi_turn)))
         finally:
             stop(server)
     if args.json:
         print(json.dumps(result, indent=1))
         return
-    print("| clients | mlxb tok/s | mlx-lm tok/s | ratio | mlxb TTFT p50/p99 ms | mlx-lm TTFT p50/p99 ms | mlxb ITL p50/p99 ms | mlx-lm ITL p50/p99 ms | answers intact (mlxb / mlx-lm) |")
-    print("|---|---|---|---|---|---|---|---|---|")
+    print("| clients | mlxb tok/s | mlx-lm tok/s | ratio | mlxb TTFT p50/p99 ms | mlx-lm TTFT p50/p99 ms | mlxb ITL p50/p99 ms | mlx-lm ITL p50/p99 ms | answers intact (mlxb / mlx-lm) | prompt tokens cached (mlxb / mlx-lm) |")
+    print("|---|---|---|---|---|---|---|---|---|---|")
+    cached = lambda r: f"{r['cached_tokens']}/{r['prompt_tokens']}"  # noqa: E731
     for ours, theirs in zip(result["mlxb"], result["mlx-lm"]):
         ratio = ours["tok_s"] / theirs["tok_s"] if theirs["tok_s"] else float("nan")
         intact = lambda r: f"{r['requests'] - r['corrupted']}/{r['requests']}"  # noqa: E731
         print(f"| {ours['clients']} | {ours['tok_s']} | {theirs['tok_s']} | {ratio:.2f}x "
               f"| {ours['ttft_ms_p50']}/{ours['ttft_ms_p99']} | {theirs['ttft_ms_p50']}/{theirs['ttft_ms_p99']} "
               f"| {ours['itl_ms_p50']}/{ours['itl_ms_p99']} | {theirs['itl_ms_p50']}/{theirs['itl_ms_p99']} "
-              f"| {intact(ours)} / {intact(theirs)} |")
+              f"| {intact(ours)} / {intact(theirs)} | {cached(ours)} / {cached(theirs)} |")
     for name in ("mlxb", "mlx-lm"):
         for r in result[name]:
             for e in r["examples"]:
@@ -433,6 +513,9 @@ def main():
     ap.add_argument("--model", help="model directory (--baseline: both servers load it)")
     ap.add_argument("--clients-list", default="1,4,8,32", help="--baseline: client counts")
     ap.add_argument("--json", action="store_true", help="--baseline: JSON instead of a table")
+    ap.add_argument("--multi-turn", type=int, default=0, metavar="TURNS",
+                    help="--baseline: each client holds conversations of TURNS turns over a note of "
+                         "its own (prompt reuse under load) instead of one-shot prompts")
     ap.add_argument("server_args", nargs="*", help="extra `mlxb serve` flags (after --)")
     args = ap.parse_args()
     if args.baseline:

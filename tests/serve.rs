@@ -556,6 +556,9 @@ fn batched_requests_reuse_kept_prefixes_bit_exactly() {
     assert_eq!(ids(&got["choices"][0]["token_ids"]), ids(&cli["token_ids"]));
     assert_eq!(keep.metric("mlxb:prompt_tokens_cached_total"), 98.0);
     assert_eq!(none.metric("mlxb:prompt_tokens_cached_total"), 0.0);
+    // The kept prompts are counted in bytes; a server that keeps nothing holds none.
+    assert!(keep.metric("mlxb:prompt_cache_bytes") > 0.0);
+    assert_eq!(none.metric("mlxb:prompt_cache_bytes"), 0.0);
 }
 
 #[test]

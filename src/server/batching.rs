@@ -187,10 +187,14 @@ pub fn run(
                 continue;
             }
         };
-        for (uid, prefix) in gen.take_prefixes() {
-            if let Some(slot) = slots.get(&uid) {
-                batching.store.insert(&slot.job.prompt_ids, prefix);
+        let kept = gen.take_prefixes();
+        if !kept.is_empty() {
+            for (uid, prefix) in kept {
+                if let Some(slot) = slots.get(&uid) {
+                    batching.store.insert(&slot.job.prompt_ids, prefix);
+                }
             }
+            metrics.prompt_cache(batching.store.bytes());
         }
         let mut leaving = Vec::new();
         for token in tokens {

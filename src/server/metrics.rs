@@ -102,6 +102,7 @@ struct Inner {
     draft_tokens: u64,
     accepted_tokens: u64,
     accepted_per_pos: Vec<u64>,
+    prompt_cache_bytes: u64,
 }
 
 /// All counters of one server, shared by the HTTP handlers and the engine thread.
@@ -133,6 +134,7 @@ impl Default for Metrics {
                 draft_tokens: 0,
                 accepted_tokens: 0,
                 accepted_per_pos: Vec::new(),
+                prompt_cache_bytes: 0,
             }),
         }
     }
@@ -164,6 +166,11 @@ impl Metrics {
         m.waiting = m.waiting.saturating_sub(1);
         m.running += 1;
         m.queue_time.observe(waited.as_secs_f64());
+    }
+
+    /// The batch's kept prompt prefixes now hold `bytes`.
+    pub fn prompt_cache(&self, bytes: usize) {
+        self.lock().prompt_cache_bytes = bytes as u64;
     }
 
     /// The engine is done with a request (whatever the outcome).
@@ -275,8 +282,14 @@ impl Metrics {
         scalar(
             "mlxb:prompt_tokens_cached_total",
             "counter",
-            "Prompt tokens of finished requests whose KV was reused from the previous request.",
+            "Prompt tokens of finished requests whose KV was reused from an earlier request.",
             m.cached_tokens.to_string(),
+        );
+        scalar(
+            "mlxb:prompt_cache_bytes",
+            "gauge",
+            "Bytes of prompt prefixes kept for reuse by batched requests (--prompt-cache-bytes).",
+            m.prompt_cache_bytes.to_string(),
         );
         scalar(
             "mlxb:generation_tokens_total",

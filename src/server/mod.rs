@@ -230,14 +230,26 @@ fn print_card(
         cfg.max_prompt_tokens,
         cfg.max_body_bytes,
         cfg.max_concurrent.max(1),
-        if info.prefix_reuse {
-            "reused across requests where bit-exact"
-        } else {
-            "off"
-        },
+        prefix_line(cfg, info),
         if cfg.api_key.is_some() { "Bearer key required (all routes but /health)" } else { "none" },
     );
     let _ = out.flush();
+}
+
+/// The ready card's account of prompt-prefix reuse.
+fn prefix_line(cfg: &ServeConfig, info: &worker::EngineInfo) -> String {
+    if !info.prefix_reuse {
+        return "off".into();
+    }
+    let kept = if info.max_batch > 1 && cfg.prompt_cache_bytes > 0 {
+        format!(
+            "; batched requests share up to {} MiB of kept prompts",
+            cfg.prompt_cache_bytes >> 20
+        )
+    } else {
+        String::new()
+    };
+    format!("reused across requests where bit-exact{kept}")
 }
 
 /// The ready card's account of how many requests decode at once.
