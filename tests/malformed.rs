@@ -841,6 +841,11 @@ fn contradictory_or_out_of_range_flags_are_refused() {
             &["--max-tokens-limit must be at least 1"],
         ),
         (
+            "serve_prompt_concurrency",
+            vec!["serve", "--model", fx.model(), "--prompt-concurrency", "0"],
+            &["--prompt-concurrency must be at least 1"],
+        ),
+        (
             "bench_drafter_vs_ngram",
             vec![
                 "bench",
@@ -858,7 +863,7 @@ fn contradictory_or_out_of_range_flags_are_refused() {
         let dir = s.dir(name);
         s.refuse(&dir, &args, b"", needles);
     }
-    assert_eq!(s.count, 24);
+    assert_eq!(s.count, 25);
 }
 
 /// A hand-made GGUF file, byte by byte (little endian, as the format is).

@@ -559,6 +559,22 @@ fn batched_requests_reuse_kept_prefixes_bit_exactly() {
     // The kept prompts are counted in bytes; a server that keeps nothing holds none.
     assert!(keep.metric("mlxb:prompt_cache_bytes") > 0.0);
     assert_eq!(none.metric("mlxb:prompt_cache_bytes"), 0.0);
+
+    // With --prompt-concurrency 1, prompts arriving together are still prefilled one at a time,
+    // so each is kept: asked again, each reuses all but its last token.
+    let alone = Server::start(&[&step[..], &["--prompt-concurrency", "1"]].concat());
+    let prompts = [base.clone(), other.clone(), common::prompt_ids(21, 384, 13)];
+    std::thread::scope(|scope| {
+        for p in &prompts {
+            let alone = &alone;
+            scope.spawn(move || ask(alone, p));
+        }
+    });
+    for p in &prompts {
+        let again = ask(&alone, p);
+        assert_eq!(cached_tokens(&again), p.len() as u64 - 1);
+        assert_eq!(output_of(&again), output_of(&ask(&none, p)));
+    }
 }
 
 #[test]

@@ -53,6 +53,10 @@ pub struct ServeArgs {
     /// shared prefix (reuse is bit-exact either way; this is for comparisons).
     #[arg(long)]
     pub no_prefix_reuse: bool,
+    /// Most prompts prefilled together, as mlx-lm's --prompt-concurrency (1: each prompt is
+    /// prefilled alone, so every prompt can be kept for reuse).
+    #[arg(long, default_value_t = 8)]
+    pub prompt_concurrency: usize,
     /// Most bytes of prompt prefixes kept for reuse by batched requests (an LRU shared by all
     /// conversations; 0 keeps none).
     #[arg(long, default_value_t = crate::server::DEFAULT_PROMPT_CACHE_BYTES)]
@@ -70,6 +74,7 @@ pub fn run(args: ServeArgs) -> anyhow::Result<()> {
         ("--max-concurrent", args.max_concurrent),
         ("--max-body-bytes", args.max_body_bytes),
         ("--max-batch", args.max_batch),
+        ("--prompt-concurrency", args.prompt_concurrency),
     ] {
         if value == 0 {
             return Err(EngineError::Input(format!("{flag} must be at least 1")).into());
@@ -107,5 +112,6 @@ pub fn run(args: ServeArgs) -> anyhow::Result<()> {
         startup: super::progress::startup_trace(),
         max_batch: args.max_batch,
         prompt_cache_bytes: args.prompt_cache_bytes,
+        prompt_concurrency: args.prompt_concurrency,
     })
 }

@@ -81,6 +81,8 @@ fn new_generator(session: &Session, max_batch: usize) -> Result<BatchGenerator> 
 pub struct Batching {
     /// Most requests decoded at once (`--max-batch`).
     pub max_batch: usize,
+    /// Most prompts prefilled together (`--prompt-concurrency`; 1 keeps every prompt for reuse).
+    pub prompt_concurrency: usize,
     /// Prompt tokens per prefill forward (`--prefill-step-size`).
     pub prefill_step_size: usize,
     /// Prompt prefixes kept for reuse (`--prompt-cache-bytes`; see [`PrefixStore`]).
@@ -93,6 +95,7 @@ impl Batching {
     pub fn new(max_batch: usize, prefill_step_size: usize, prompt_cache_bytes: usize) -> Self {
         Self {
             max_batch,
+            prompt_concurrency: BatchSettings::default().prefill_batch_size,
             prefill_step_size,
             store: PrefixStore::new(prompt_cache_bytes, prefill_step_size),
         }
@@ -232,7 +235,7 @@ fn new_generator_for(
     let max_batch = batching.max_batch;
     let settings = BatchSettings {
         completion_batch_size: max_batch,
-        prefill_batch_size: max_batch.min(BatchSettings::default().prefill_batch_size),
+        prefill_batch_size: max_batch.min(batching.prompt_concurrency).max(1),
         prefill_step_size: batching.prefill_step_size.max(1),
     };
     let gen = BatchGenerator::new(

@@ -91,6 +91,8 @@ pub struct ServeConfig {
     pub max_batch: usize,
     /// Most bytes of prompt prefixes the batch keeps for reuse (0: none).
     pub prompt_cache_bytes: usize,
+    /// Most prompts prefilled together (mlx-lm's `--prompt-concurrency`).
+    pub prompt_concurrency: usize,
 }
 
 /// Loads the model, binds, prints the ready card and serves until Ctrl-C or SIGTERM; then
@@ -118,6 +120,7 @@ pub fn serve(cfg: ServeConfig) -> anyhow::Result<()> {
             startup: cfg.startup.clone(),
             max_batch: cfg.max_batch,
             prompt_cache_bytes: cfg.prompt_cache_bytes,
+            prompt_concurrency: cfg.prompt_concurrency,
         },
         jobs,
         metrics.clone(),

@@ -101,6 +101,8 @@ pub struct EngineConfig {
     pub max_batch: usize,
     /// Most bytes of prompt prefixes the batch keeps for reuse (`--prompt-cache-bytes`).
     pub prompt_cache_bytes: usize,
+    /// Most prompts prefilled together (`--prompt-concurrency`).
+    pub prompt_concurrency: usize,
 }
 
 /// Facts about the loaded model, for the ready card and request validation.
@@ -246,7 +248,8 @@ impl State {
         } else {
             0
         };
-        let batching = batching::Batching::new(info.max_batch, cfg.prefill_step_size, kept);
+        let mut batching = batching::Batching::new(info.max_batch, cfg.prefill_step_size, kept);
+        batching.prompt_concurrency = cfg.prompt_concurrency;
         let mut state = Self {
             session,
             drafter,
