@@ -421,6 +421,21 @@ fn output_of(v: &Value) -> Value {
     json!([c["text"], c["token_ids"], c["logprobs"], c["finish_reason"]])
 }
 
+/// `mlxb generate --prompt-ids` on `prompt` with prefill chunks of `step` (its `--json`).
+fn generate_ids(prompt: &[u32], max_tokens: usize, step: usize) -> Value {
+    let ids = prompt
+        .iter()
+        .map(u32::to_string)
+        .collect::<Vec<_>>()
+        .join(",");
+    let step = step.to_string();
+    generate(
+        "",
+        max_tokens,
+        &["--prompt-ids", &ids, "--prefill-step-size", &step],
+    )
+}
+
 fn cached_tokens(v: &Value) -> u64 {
     v["usage"]["prompt_tokens_details"]["cached_tokens"]
         .as_u64()
@@ -474,16 +489,7 @@ fn prefix_reuse_is_bit_exact() {
         assert_eq!(got["usage"]["prompt_tokens"], prompt.len(), "step {i}");
     }
     // And both equal `mlxb generate` on the same ids (an independent process, fresh caches).
-    let id_list = longer
-        .iter()
-        .map(u32::to_string)
-        .collect::<Vec<_>>()
-        .join(",");
-    let cli = generate(
-        "",
-        12,
-        &["--prompt-ids", &id_list, "--prefill-step-size", "4"],
-    );
+    let cli = generate_ids(&longer, 12, 4);
     let got = ask(&reuse, &ids_body(&longer, 12));
     assert_eq!(cached_tokens(&got), 28);
     assert_eq!(ids(&got["choices"][0]["token_ids"]), ids(&cli["token_ids"]));
@@ -542,16 +548,7 @@ fn batched_requests_reuse_kept_prefixes_bit_exactly() {
         assert_eq!(cached_tokens(&got), cached, "step {i}");
         assert_eq!(cached_tokens(&want), 0, "step {i}");
     }
-    let id_list = longer
-        .iter()
-        .map(u32::to_string)
-        .collect::<Vec<_>>()
-        .join(",");
-    let cli = generate(
-        "",
-        12,
-        &["--prompt-ids", &id_list, "--prefill-step-size", "4"],
-    );
+    let cli = generate_ids(&longer, 12, 4);
     let got = ask(&keep, &longer);
     assert_eq!(ids(&got["choices"][0]["token_ids"]), ids(&cli["token_ids"]));
     assert_eq!(keep.metric("mlxb:prompt_tokens_cached_total"), 98.0);

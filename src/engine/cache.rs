@@ -66,6 +66,46 @@ macro_rules! offset_semantics {
     };
 }
 
+/// The [`KvCache`] methods the left-padded batched key/value caches share (`keys`, `values`,
+/// `offset` per row, `plan`); `$mlx` is mlx-lm's class, named where it has no quantized form.
+macro_rules! batched_kv {
+    ($mlx:literal) => {
+        fn state(&self) -> Vec<mlx_rs::Array> {
+            $crate::engine::cache::kv_state(&self.keys, &self.values)
+        }
+
+        clone_state!();
+
+        plan!();
+
+        fn rope_offsets(&self) -> Option<mlx_rs::Array> {
+            Some(mlx_rs::Array::from_slice(
+                &self.offset,
+                &[self.offset.len() as i32],
+            ))
+        }
+
+        fn as_batch_mut(&mut self) -> Option<&mut dyn $crate::engine::cache::BatchRows> {
+            Some(self)
+        }
+
+        fn to_quantized(
+            &self,
+            _group_size: i32,
+            _bits: i32,
+        ) -> $crate::engine::error::Result<Option<Box<dyn $crate::engine::cache::KvCache>>> {
+            Err($crate::engine::error::EngineError::Input(
+                concat!(
+                    "--kv-quant has no batched form (mlx-lm's ",
+                    $mlx,
+                    " has no to_quantized); use --kv-quant off or --max-batch 1"
+                )
+                .into(),
+            ))
+        }
+    };
+}
+
 mod arrays;
 mod batch;
 mod batch_rotating;

@@ -6,7 +6,7 @@
 //! Every buffer operation is mlx-lm's, in its order, because the buffer's length is a reduction
 //! length of attention and so part of the bits.
 
-use super::{append_kv, kv_state, AttentionMask, KvCache};
+use super::{append_kv, AttentionMask, KvCache};
 use crate::engine::cache_attention::AttentionPlan;
 use crate::engine::error::{EngineError, Result};
 use mlx_rs::ops::indexing::{Ellipsis, IndexOp};
@@ -82,6 +82,28 @@ impl BatchKvCache {
         Ok(cache)
     }
 
+    fn rows_kv(&self) -> RowsKv<'_> {
+        RowsKv {
+            keys: &self.keys,
+            values: &self.values,
+            idx: self.idx,
+            left_padding: &self.left_padding,
+        }
+    }
+
+    /// Takes [`join_rows`]'s result (`None`: only the other side's padding is appended).
+    fn take_joined(&mut self, joined: Option<JoinedRows>, other_padding: Vec<i32>) {
+        match joined {
+            Some(j) => {
+                self.keys = Some(j.keys);
+                self.values = Some(j.values);
+                self.left_padding = j.left_padding;
+                self.idx = j.idx;
+            }
+            None => self.left_padding.extend(other_padding),
+        }
+    }
+
     /// `extract(idx)`: row `row`'s real positions as its own keys and values `[1, H, n, D]`.
     pub fn extract(&self, row: usize) -> Result<Option<(Array, Array)>> {
         let (Some(k), Some(v)) = (&self.keys, &self.values) else {
@@ -91,6 +113,71 @@ impl BatchKvCache {
         let cut = |a: &Array| a.index((r..r + 1, .., p..self.idx, ..));
         Ok(Some((cut(k).contiguous()?, cut(v).contiguous()?)))
     }
+}
+
+/// A batched key/value cache's rows as [`join_rows`] reads them.
+pub(super) struct RowsKv<'a> {
+    pub keys: &'a Option<Array>,
+    pub values: &'a Option<Array>,
+    /// The write index every row ends at.
+    pub idx: i32,
+    pub left_padding: &'a [i32],
+}
+
+/// Two sides' rows stacked by [`join_rows`], both padded so every row ends at `idx`.
+pub(super) struct JoinedRows {
+    pub keys: Array,
+    pub values: Array,
+    pub left_padding: Vec<i32>,
+    pub idx: i32,
+}
+
+/// The buffer work of mlx-lm's `extend` for left-padded key/value caches (`BatchKVCache` and
+/// `BatchRotatingKVCache`): each side padded left to the larger write index and right to the
+/// longer buffer (cut where it is longer than that), then stacked; `None` when neither side
+/// holds keys yet.
+pub(super) fn join_rows(a: RowsKv<'_>, b: RowsKv<'_>) -> Result<Option<JoinedRows>> {
+    let (Some(k), Some(v)) = (
+        b.keys.as_ref().or(a.keys.as_ref()),
+        b.values.as_ref().or(a.values.as_ref()),
+    ) else {
+        return Ok(None);
+    };
+    let (h, dk, dv, dtype) = (k.shape()[1], k.shape()[3], v.shape()[3], k.dtype());
+    let idx = a.idx.max(b.idx);
+    let size = |c: &RowsKv<'_>| c.keys.as_ref().map_or(0, |k| k.shape()[2]);
+    let longest = size(&a).max(size(&b));
+    let pad = |c: &RowsKv<'_>| -> Result<(Array, Array, Vec<i32>)> {
+        let rows = c.left_padding.len() as i32;
+        let (mut k, mut v) = match (c.keys, c.values) {
+            (Some(k), Some(v)) => (k.clone(), v.clone()),
+            _ => (
+                ops::zeros_dtype(&[rows, h, 0, dk], dtype)?,
+                ops::zeros_dtype(&[rows, h, 0, dv], dtype)?,
+            ),
+        };
+        let left = idx - c.idx;
+        let mut right = longest - k.shape()[2] - left;
+        if right < 0 {
+            k = k.index((Ellipsis, ..right, ..));
+            v = v.index((Ellipsis, ..right, ..));
+            right = 0;
+        }
+        if left != 0 || right != 0 {
+            let widths: &[(i32, i32)] = &[(0, 0), (0, 0), (left, right), (0, 0)];
+            k = ops::pad(&k, widths, None, None)?;
+            v = ops::pad(&v, widths, None, None)?;
+        }
+        Ok((k, v, c.left_padding.iter().map(|p| p + left).collect()))
+    };
+    let (k1, v1, p1) = pad(&a)?;
+    let (k2, v2, p2) = pad(&b)?;
+    Ok(Some(JoinedRows {
+        keys: ops::concatenate(&[k1, k2], 0)?,
+        values: ops::concatenate(&[v1, v2], 0)?,
+        left_padding: p1.into_iter().chain(p2).collect(),
+        idx,
+    }))
 }
 
 /// What a batched cache does to its rows between forwards (mlx-lm's `prepare`, `finalize`,
@@ -117,6 +204,25 @@ pub(super) fn same_kind<T: Clone + 'static>(other: &mut dyn BatchRows) -> Result
         .downcast_mut::<T>()
         .cloned()
         .ok_or_else(|| EngineError::Runtime("batched caches of different kinds were joined".into()))
+}
+
+/// `filter`'s common part for key/value caches: the buffers and the per-row records cut to rows
+/// `keep`, in that order.
+pub(super) fn keep_rows(
+    keys: &mut Option<Array>,
+    values: &mut Option<Array>,
+    per_row: [&mut Vec<i32>; 2],
+    keep: &[usize],
+) -> Result<()> {
+    if let (Some(k), Some(v)) = (keys.as_ref(), values.as_ref()) {
+        let (k, v) = (take_rows(k, keep)?, take_rows(v, keep)?);
+        *keys = Some(k);
+        *values = Some(v);
+    }
+    for record in per_row {
+        *record = keep.iter().map(|&i| record[i]).collect();
+    }
+    Ok(())
 }
 
 /// Rows `keep` of `a` along its first axis.
@@ -154,12 +260,8 @@ impl BatchRows for BatchKvCache {
 
     /// Also drops the leading positions that every remaining row pads.
     fn filter(&mut self, keep: &[usize]) -> Result<()> {
-        if let (Some(k), Some(v)) = (&self.keys, &self.values) {
-            self.keys = Some(take_rows(k, keep)?);
-            self.values = Some(take_rows(v, keep)?);
-        }
-        self.offset = keep.iter().map(|&i| self.offset[i]).collect();
-        self.left_padding = keep.iter().map(|&i| self.left_padding[i]).collect();
+        let rows = [&mut self.offset, &mut self.left_padding];
+        keep_rows(&mut self.keys, &mut self.values, rows, keep)?;
         let shift = self.left_padding.iter().copied().min().unwrap_or(0);
         if shift > 0 {
             if let (Some(k), Some(v)) = (&self.keys, &self.values) {
@@ -177,73 +279,15 @@ impl BatchRows for BatchKvCache {
     /// Pads both sides' buffers so that every row ends at the larger of the two indices.
     fn extend(&mut self, other: &mut dyn BatchRows) -> Result<()> {
         let other: BatchKvCache = same_kind(other)?;
-        let (kd, vd) = match (&self.keys, &other.keys) {
-            (None, None) => {
-                self.left_padding.extend(other.left_padding);
-                self.offset.extend(other.offset);
-                return Ok(());
-            }
-            (_, Some(k)) | (Some(k), None) => {
-                let v = if other.keys.is_some() {
-                    &other.values
-                } else {
-                    &self.values
-                };
-                let v = v.as_ref().ok_or_else(missing_values)?;
-                (k.shape().to_vec(), v.shape()[3])
-            }
-        };
-        let dtype = other
-            .keys
-            .as_ref()
-            .or(self.keys.as_ref())
-            .map(Array::dtype)
-            .ok_or_else(missing_values)?;
-        let (h, d) = (kd[1], kd[3]);
-        let max_idx = self.idx.max(other.idx);
-        let size = |c: &BatchKvCache| c.keys.as_ref().map_or(0, |k| k.shape()[2]);
-        let max_size = size(self).max(size(&other));
-        let pad = |c: &BatchKvCache| -> Result<(Array, Array, Vec<i32>)> {
-            let rows = c.rows() as i32;
-            let (mut k, mut v) = match (&c.keys, &c.values) {
-                (Some(k), Some(v)) => (k.clone(), v.clone()),
-                _ => (
-                    ops::zeros_dtype(&[rows, h, 0, d], dtype)?,
-                    ops::zeros_dtype(&[rows, h, 0, vd], dtype)?,
-                ),
-            };
-            let left = max_idx - c.idx;
-            let mut right = max_size - k.shape()[2] - left;
-            if right < 0 {
-                k = k.index((Ellipsis, ..right, ..));
-                v = v.index((Ellipsis, ..right, ..));
-                right = 0;
-            }
-            if left != 0 || right != 0 {
-                let widths: &[(i32, i32)] = &[(0, 0), (0, 0), (left, right), (0, 0)];
-                k = ops::pad(&k, widths, None, None)?;
-                v = ops::pad(&v, widths, None, None)?;
-            }
-            let padding = c.left_padding.iter().map(|p| p + left).collect();
-            Ok((k, v, padding))
-        };
-        let (k1, v1, p1) = pad(self)?;
-        let (k2, v2, p2) = pad(&other)?;
-        self.keys = Some(ops::concatenate(&[k1, k2], 0)?);
-        self.values = Some(ops::concatenate(&[v1, v2], 0)?);
+        let joined = join_rows(self.rows_kv(), other.rows_kv())?;
+        self.take_joined(joined, other.left_padding);
         self.offset.extend(other.offset);
-        self.left_padding = p1.into_iter().chain(p2).collect();
-        self.idx = max_idx;
         Ok(())
     }
 
     fn as_any_mut(&mut self) -> &mut dyn std::any::Any {
         self
     }
-}
-
-fn missing_values() -> EngineError {
-    EngineError::Runtime("a batched cache has keys without values".into())
 }
 
 /// mlx-lm's `dynamic_roll(x, shifts, axis=2)`: row `b` of `x` (`[B, H, L, D]`) rolled right by
@@ -300,25 +344,5 @@ impl KvCache for BatchKvCache {
         true
     }
 
-    fn state(&self) -> Vec<Array> {
-        kv_state(&self.keys, &self.values)
-    }
-
-    clone_state!();
-
-    plan!();
-
-    fn rope_offsets(&self) -> Option<Array> {
-        Some(Array::from_slice(&self.offset, &[self.rows() as i32]))
-    }
-
-    fn as_batch_mut(&mut self) -> Option<&mut dyn BatchRows> {
-        Some(self)
-    }
-
-    fn to_quantized(&self, _group_size: i32, _bits: i32) -> Result<Option<Box<dyn KvCache>>> {
-        Err(EngineError::Input(
-            "--kv-quant has no batched form (mlx-lm's BatchKVCache has no to_quantized); use --kv-quant off or --max-batch 1".into(),
-        ))
-    }
+    batched_kv!("BatchKVCache");
 }

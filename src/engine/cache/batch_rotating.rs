@@ -5,8 +5,8 @@
 //! to the left so that it never evicts a row's real positions. Every buffer operation is
 //! mlx-lm's, in its order: the buffer's length and order are part of attention's bits.
 
-use super::batch::{dynamic_roll, same_kind, take_rows, BatchRows};
-use super::{grow_kv, kv_state, roll, AttentionMask, KvCache, STEP};
+use super::batch::{dynamic_roll, join_rows, keep_rows, same_kind, BatchRows, RowsKv};
+use super::{grow_kv, roll, AttentionMask, KvCache, STEP};
 use crate::engine::cache_attention::AttentionPlan;
 use crate::engine::error::{EngineError, Result};
 use mlx_rs::ops::indexing::{Ellipsis, IndexOp, TryIndexMutOp};
@@ -62,6 +62,15 @@ impl BatchRotatingKvCache {
 
     fn rows(&self) -> usize {
         self.offset.len()
+    }
+
+    fn rows_kv(&self) -> RowsKv<'_> {
+        RowsKv {
+            keys: &self.keys,
+            values: &self.values,
+            idx: self.idx,
+            left_padding: &self.left_padding,
+        }
     }
 
     /// `_temporal_order`: unwraps a rotated buffer so that positions run oldest to newest.
@@ -223,13 +232,8 @@ impl BatchRows for BatchRotatingKvCache {
     }
 
     fn filter(&mut self, keep: &[usize]) -> Result<()> {
-        if let (Some(k), Some(v)) = (&self.keys, &self.values) {
-            self.keys = Some(take_rows(k, keep)?);
-            self.values = Some(take_rows(v, keep)?);
-        }
-        self.offset = keep.iter().map(|&i| self.offset[i]).collect();
-        self.left_padding = keep.iter().map(|&i| self.left_padding[i]).collect();
-        Ok(())
+        let rows = [&mut self.offset, &mut self.left_padding];
+        keep_rows(&mut self.keys, &mut self.values, rows, keep)
     }
 
     /// Both sides are put in temporal order when their rings differ, then padded so that every
@@ -245,51 +249,14 @@ impl BatchRows for BatchRotatingKvCache {
             self.temporal_order()?;
             other.temporal_order()?;
         }
-        let max_idx = self.idx.max(other.idx);
-        let (kd, vd, dtype) = {
-            let k = other.keys.as_ref().or(self.keys.as_ref());
-            let v = other.values.as_ref().or(self.values.as_ref());
-            match (k, v) {
-                (Some(k), Some(v)) => (k.shape().to_vec(), v.shape()[3], k.dtype()),
-                _ => {
-                    return Err(EngineError::Runtime(
-                        "a batched cache lost its values".into(),
-                    ))
-                }
-            }
-        };
-        let size = |c: &Self| c.keys.as_ref().map_or(0, |k| k.shape()[2]);
-        let max_size = size(self).max(size(&other));
-        let pad = |c: &Self| -> Result<(Array, Array, Vec<i32>)> {
-            let rows = c.rows() as i32;
-            let (mut k, mut v) = match (&c.keys, &c.values) {
-                (Some(k), Some(v)) => (k.clone(), v.clone()),
-                _ => (
-                    ops::zeros_dtype(&[rows, kd[1], 0, kd[3]], dtype)?,
-                    ops::zeros_dtype(&[rows, kd[1], 0, vd], dtype)?,
-                ),
-            };
-            let left = max_idx - c.idx;
-            let mut right = max_size - k.shape()[2] - left;
-            if right < 0 {
-                k = k.index((Ellipsis, ..right, ..));
-                v = v.index((Ellipsis, ..right, ..));
-                right = 0;
-            }
-            if left != 0 || right != 0 {
-                let widths: &[(i32, i32)] = &[(0, 0), (0, 0), (left, right), (0, 0)];
-                k = ops::pad(&k, widths, None, None)?;
-                v = ops::pad(&v, widths, None, None)?;
-            }
-            Ok((k, v, c.left_padding.iter().map(|p| p + left).collect()))
-        };
-        let (k1, v1, p1) = pad(self)?;
-        let (k2, v2, p2) = pad(&other)?;
-        self.keys = Some(ops::concatenate(&[k1, k2], 0)?);
-        self.values = Some(ops::concatenate(&[v1, v2], 0)?);
+        let joined = join_rows(self.rows_kv(), other.rows_kv())?;
+        if let Some(j) = joined {
+            self.keys = Some(j.keys);
+            self.values = Some(j.values);
+            self.left_padding = j.left_padding;
+            self.idx = j.idx;
+        }
         self.offset.extend(other.offset);
-        self.left_padding = p1.into_iter().chain(p2).collect();
-        self.idx = max_idx;
         self.written = self.written.max(other.written);
         Ok(())
     }
@@ -356,26 +323,5 @@ impl KvCache for BatchRotatingKvCache {
         self.written < self.max_size
     }
 
-    fn state(&self) -> Vec<Array> {
-        kv_state(&self.keys, &self.values)
-    }
-
-    clone_state!();
-
-    plan!();
-
-    fn rope_offsets(&self) -> Option<Array> {
-        Some(Array::from_slice(&self.offset, &[self.rows() as i32]))
-    }
-
-    fn as_batch_mut(&mut self) -> Option<&mut dyn BatchRows> {
-        Some(self)
-    }
-
-    /// mlx-lm raises `NotImplementedError("BatchRotatingKVCache Quantization NYI")`.
-    fn to_quantized(&self, _group_size: i32, _bits: i32) -> Result<Option<Box<dyn KvCache>>> {
-        Err(EngineError::Input(
-            "--kv-quant has no batched form (mlx-lm's BatchRotatingKVCache has no to_quantized); use --kv-quant off or --max-batch 1".into(),
-        ))
-    }
+    batched_kv!("BatchRotatingKVCache");
 }
