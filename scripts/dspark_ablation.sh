@@ -7,14 +7,17 @@
 #
 # OUT: scratch directory (the shared target cache goes to OUT/cache); STEPS: optimizer steps
 # per variant; N_TRAIN: the first N lines of assets/prompts/corpora/train.jsonl whose
-# sequences are in assets/sequences/smollm2-135m-instruct.jsonl; N_CALIB: the first N prompts
-# of assets/prompts/corpora/calibration.jsonl, 64 tokens each. VARIANTs (default: all) name
-# the rows below. Needs `python3 scripts/prompt_corpora.py` first.
+# sequences are in $SEQUENCES (default assets/sequences/smollm2-135m-instruct.jsonl; set
+# REGEN_BATCH=8 for the .b8.jsonl file); N_CALIB: the first N prompts of
+# assets/prompts/corpora/calibration.jsonl, 64 tokens each. VARIANTs (default: the first five)
+# name the rows below. Needs `python3 scripts/prompt_corpora.py` first.
 set -euo pipefail
 cd "$(dirname "$0")/.."
 out=$1 steps=$2 ntrain=$3 ncalib=$4
 shift 4
 mlxb=${MLXB:-target/release/mlxb}
+sequences=${SEQUENCES:-assets/sequences/smollm2-135m-instruct.jsonl}
+regen_batch=${REGEN_BATCH:-1}
 mkdir -p "$out"
 head -n "$ntrain" assets/prompts/corpora/train.jsonl >"$out/train.jsonl"
 head -n "$ncalib" assets/prompts/corpora/calibration.jsonl >"$out/calib.jsonl"
@@ -26,6 +29,9 @@ declare -A variants=(
   [markov-2l-g7-vocab]="--seq-head markov --layers 2 --gamma 7 --draft-vocab 8192"
   [markov-1l-g4-vocab]="--seq-head markov --layers 1 --gamma 4 --draft-vocab 8192"
   [markov-1l-g7-full]="--seq-head markov --layers 1 --gamma 7"
+  # loss-term weights CE,L1,CONF[,KL] (the rows above use DeepSpec's 0.1,0.9,1.0)
+  [rnn-1l-g7-vocab-ce1]="--seq-head rnn --layers 1 --gamma 7 --draft-vocab 8192 --loss-weights 1,0.9,1"
+  [rnn-1l-g7-vocab-kl]="--seq-head rnn --layers 1 --gamma 7 --draft-vocab 8192 --loss-weights 0.1,0,1,1"
 )
 order=(markov-1l-g7-vocab rnn-1l-g7-vocab markov-2l-g7-vocab markov-1l-g4-vocab markov-1l-g7-full)
 [ $# -gt 0 ] && order=("$@")
@@ -38,7 +44,7 @@ for name in "${order[@]}"; do
   [ -f "$dir/train-state.safetensors" ] && resume=(--resume)
   # shellcheck disable=SC2086
   "$mlxb" train-dspark --data "$out/train.jsonl" --out "$dir" --cache "$out/cache" \
-    --sequences assets/sequences/smollm2-135m-instruct.jsonl --max-tokens 256 --seed 42 \
+    --sequences "$sequences" --regen-batch "$regen_batch" --max-tokens 256 --seed 42 \
     --markov-rank 32 --iters "$steps" --batch 4 --checkpoint-every 50 $flags "${resume[@]}" \
     2>"$dir.train.log" >/dev/null
   trained=$(($(date +%s) - start))

@@ -16,7 +16,7 @@ use mlxb::train::draft_vocab::vocab_tensors;
 use mlxb::train::example::{anchor_batch, extract_example, sample_anchors, Example, SplitMix};
 use mlxb::train::forward::{DraftHead, Frozen, Params};
 use mlxb::train::init::{init, InitOptions};
-use mlxb::train::loss::{loss_sums, total_loss, Target, VocabMap};
+use mlxb::train::loss::{loss_sums, total_loss, LossWeights, Target, VocabMap};
 use mlxb::train::optim::{AdamW, TrainOptions};
 use mlxb::train::state::load_state;
 use mlxb::train::trainer::{step_loss, Trainer};
@@ -41,9 +41,10 @@ fn to_json(a: &Array) -> serde_json::Value {
     json!({"shape": shape, "data": flat})
 }
 
-/// Checks the loss sums against the numpy oracle; with `keep`, the drafter scores only those
-/// target ids (a reduced draft vocabulary) and the oracle spreads its distribution over all.
-fn check_loss_against_numpy(keep: Option<&[u32]>) {
+/// Checks the loss sums and total (with `terms`' weights) against the numpy oracle; with
+/// `keep`, the drafter scores only those target ids (a reduced draft vocabulary) and the oracle
+/// spreads its distribution over all.
+fn check_loss_against_numpy(keep: Option<&[u32]>, terms: LossWeights) {
     let (a, g, v) = (3, 4, 11);
     let vd = keep.map_or(v, |k| k.len() as i32);
     let logits = rand(&[a, g, vd], 1, 2.0);
@@ -64,7 +65,7 @@ fn check_loss_against_numpy(keep: Option<&[u32]>) {
     let map = keep.map(|k| VocabMap::new(k, v as usize));
     let target = Target::new(&target_logits, &targets, map.as_ref()).unwrap();
     let sums = loss_sums(&logits, &target, Some(&conf), &weights).unwrap();
-    let total = total_loss(&sums).unwrap();
+    let total = total_loss(&sums, terms).unwrap();
     eval(sums.iter().chain([&total])).unwrap();
 
     let nested = |x: &Array| -> serde_json::Value {
@@ -104,6 +105,7 @@ fn check_loss_against_numpy(keep: Option<&[u32]>) {
         json!({
             "logits": nested(&logits), "target_logits": nested(&target_logits),
             "conf": nested(&conf), "targets": t, "weights": nested(&weights), "keep": keep,
+            "loss_weights": [terms.ce, terms.l1, terms.conf, terms.kl],
         })
         .to_string(),
     )
@@ -131,14 +133,34 @@ fn check_loss_against_numpy(keep: Option<&[u32]>) {
 
 #[test]
 fn loss_terms_match_numpy() {
-    check_loss_against_numpy(None);
+    check_loss_against_numpy(None, LossWeights::default());
+}
+
+#[test]
+fn loss_term_weights_are_applied() {
+    for terms in ["1,0.25,0.5", "0.5,0,1,2"] {
+        let terms: LossWeights = terms.parse().unwrap();
+        check_loss_against_numpy(None, terms);
+        check_loss_against_numpy(Some(&[0, 2, 3, 5, 8, 9]), terms);
+    }
+    for bad in [
+        "1,2",
+        "1,-1,1",
+        "0,0,1",
+        "0,0,1,0",
+        "a,b,c",
+        "1,1,inf",
+        "1,1,1,1,1",
+    ] {
+        assert!(bad.parse::<LossWeights>().is_err(), "{bad} accepted");
+    }
 }
 
 #[test]
 fn reduced_vocabulary_loss_matches_numpy() {
     // Targets 4 and 7 (among others) fall outside: no cross-entropy there, and the target's
     // mass outside the kept ids counts in full in L1.
-    check_loss_against_numpy(Some(&[0, 2, 3, 5, 8, 9]));
+    check_loss_against_numpy(Some(&[0, 2, 3, 5, 8, 9]), LossWeights::default());
 }
 
 #[test]

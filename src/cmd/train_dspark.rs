@@ -17,6 +17,7 @@ use crate::train::data::{
 use crate::train::draft_vocab;
 use crate::train::forward::{DraftHead, Frozen, Params};
 use crate::train::init::init_for_session;
+use crate::train::loss::LossWeights;
 use crate::train::optim::{AdamW, TrainOptions};
 use crate::train::prompts::PromptFile;
 use crate::train::sequences::SequenceFile;
@@ -76,6 +77,10 @@ pub struct TrainDsparkArgs {
     /// Peak learning rate (warm-up 4%, cosine to 0).
     #[arg(long, default_value_t = 6e-4)]
     pub lr: f64,
+    /// Weights of the loss terms CE,L1,CONF[,KL]: cross-entropy, L1 to the target's
+    /// distribution, confidence BCE, KL from the target's distribution (default DeepSpec's).
+    #[arg(long, value_name = "CE,L1,CONF[,KL]", default_value = "0.1,0.9,1.0")]
+    pub loss_weights: LossWeights,
     /// Checkpoint every this many steps.
     #[arg(long, default_value_t = 50)]
     pub checkpoint_every: u64,
@@ -233,6 +238,7 @@ pub fn run(args: TrainDsparkArgs) -> anyhow::Result<()> {
         batch: args.batch,
         anchors: args.anchors,
         lr: args.lr,
+        loss_weights: args.loss_weights,
         seed: args.seed,
         checkpoint_every: args.checkpoint_every,
         ..TrainOptions::default()
@@ -284,13 +290,14 @@ pub fn run(args: TrainDsparkArgs) -> anyhow::Result<()> {
         let r = trainer.step(&examples)?;
         let per = start.elapsed().as_secs_f64() / (r.step - first) as f64;
         eprintln!(
-            "step {}/{}: loss {:.4} (ce {:.3} l1 {:.3} conf {:.3}) grad {:.2} lr {:.2e}, {:.1}s/step, ETA {:.0}s",
+            "step {}/{}: loss {:.4} (ce {:.3} l1 {:.3} conf {:.3} kl {:.3}) grad {:.2} lr {:.2e}, {:.1}s/step, ETA {:.0}s",
             r.step,
             trainer.opts.steps,
             r.loss,
             r.terms[0],
             r.terms[1],
             r.terms[2],
+            r.terms[3],
             r.grad_norm,
             r.lr,
             per,

@@ -400,7 +400,7 @@ impl<'a> Frozen<'a> {
         p: &[Array],
         ex: &Example,
         b: &AnchorBatch,
-    ) -> std::result::Result<[Array; 4], Exception> {
+    ) -> std::result::Result<[Array; 5], Exception> {
         let (z, conf) = self.forward(p, ex, b)?;
         let rows = ex.last_hidden.take_axis(&b.target_rows, 0)?;
         let tl = mlx_rs::stop_gradient(&self.target.lm_head(&rows).map_err(exc)?)?;

@@ -1,12 +1,75 @@
-//! DeepSpec's loss (dspark-spec.md §2): `0.1 CE + 0.9 L1(p_d, p_t) + 1.0 BCE(conf, c*)`, weights
+//! DeepSpec's loss (dspark-spec.md §2): `0.1 CE + 0.9 L1(p_d, p_t) + 1.0 BCE(conf, c*)` (the term
+//! weights are a training option), position weights
 //! `exp(-k/4)` times the contiguous-prefix supervision mask, normalised by the global weight.
 
 use mlx_rs::error::Exception;
 use mlx_rs::ops::indexing::take_along_axis;
 use mlx_rs::{ops, Array, Dtype};
 
-/// Loss weights: cross-entropy, L1 between distributions, confidence BCE (the paper's Eq. 12).
-pub const LOSS_WEIGHTS: (f32, f32, f32) = (0.1, 0.9, 1.0);
+/// Weights of the loss terms: cross-entropy, L1 between distributions, confidence BCE, and
+/// the KL divergence from the target's distribution (not in DeepSpec's loss).
+#[derive(Debug, Clone, Copy, PartialEq, serde::Serialize, serde::Deserialize)]
+pub struct LossWeights {
+    /// Cross-entropy against the sequence's token.
+    pub ce: f32,
+    /// L1 between the draft's and the target's distributions.
+    pub l1: f32,
+    /// Binary cross-entropy of the confidence head.
+    pub conf: f32,
+    /// KL(target ‖ draft) over the draft's vocabulary.
+    #[serde(default)]
+    pub kl: f32,
+}
+
+impl Default for LossWeights {
+    /// DeepSpec's weights (the paper's Eq. 12): `0.1 CE + 0.9 L1 + 1.0 BCE`.
+    fn default() -> Self {
+        Self {
+            ce: 0.1,
+            l1: 0.9,
+            conf: 1.0,
+            kl: 0.0,
+        }
+    }
+}
+
+impl std::str::FromStr for LossWeights {
+    type Err = String;
+
+    /// `CE,L1,CONF[,KL]`: finite, non-negative numbers, not all of CE, L1 and KL zero.
+    fn from_str(s: &str) -> std::result::Result<Self, String> {
+        let bad = || {
+            format!(
+                "expected three or four non-negative numbers CE,L1,CONF[,KL] with CE, L1 or KL \
+                 above 0 (DeepSpec's are 0.1,0.9,1.0), got `{s}`"
+            )
+        };
+        let parts: Vec<f32> = s
+            .split(',')
+            .map(|p| p.trim().parse::<f32>())
+            .collect::<std::result::Result<_, _>>()
+            .map_err(|_| bad())?;
+        if !parts.iter().all(|w| w.is_finite() && *w >= 0.0) {
+            return Err(bad());
+        }
+        let w = match parts[..] {
+            [ce, l1, conf] => Self {
+                ce,
+                l1,
+                conf,
+                kl: 0.0,
+            },
+            [ce, l1, conf, kl] => Self { ce, l1, conf, kl },
+            _ => return Err(bad()),
+        };
+        if w.ce + w.l1 + w.kl > 0.0 {
+            Ok(w)
+        } else {
+            Err(bad())
+        }
+    }
+}
+
 /// `loss_decay_gamma` of DeepSpec's code: position weights `exp(-k / 4)`.
 pub const LOSS_DECAY: f32 = 4.0;
 
@@ -82,8 +145,8 @@ impl Target {
     }
 }
 
-/// Weighted sums of the three loss terms and of the weights (scalars, f32):
-/// `(Σw·CE, Σw·L1, Σw·BCE, Σw)`. `logits` `[.., Vd]`, `conf` `[..]` logits, `weights` `[..]`.
+/// Weighted sums of the loss terms and of the weights (scalars, f32):
+/// `(Σw·CE, Σw·L1, Σw·BCE, Σw·KL, Σw)`. `logits` `[.., Vd]`, `conf` `[..]` logits, `weights` `[..]`.
 /// L1 is the distance between the draft and target distributions over the whole target
 /// vocabulary: mass the target puts outside a reduced vocabulary counts in full. `c*` is
 /// detached.
@@ -92,7 +155,7 @@ pub fn loss_sums(
     target: &Target,
     conf: Option<&Array>,
     weights: &Array,
-) -> std::result::Result<[Array; 4], Exception> {
+) -> std::result::Result<[Array; 5], Exception> {
     let z = logits.as_dtype(Dtype::Float32)?;
     let lse = z.logsumexp_axis(-1, true)?;
     let logp = z.subtract(&lse)?;
@@ -124,17 +187,31 @@ pub fn loss_sums(
         }
         None => ops::zeros_like(&l1)?,
     };
+    // KL over the draft's ids: Σ p_t (log p_t - log p_d), 0·log 0 taken as 0.
+    let log_pt = ops::maximum(&target.probs, Array::from_f32(f32::MIN_POSITIVE))?.log()?;
+    let kl = target
+        .probs
+        .multiply(&log_pt.subtract(&logp)?)?
+        .sum_axis(-1, false)?;
     let wsum = |t: &Array| t.multiply(&w)?.sum(false);
-    Ok([wsum(&ce)?, wsum(&l1)?, wsum(&bce)?, w.sum(false)?])
+    Ok([
+        wsum(&ce)?,
+        wsum(&l1)?,
+        wsum(&bce)?,
+        wsum(&kl)?,
+        w.sum(false)?,
+    ])
 }
 
-/// The total loss `0.1 CE + 0.9 L1 + 1.0 BCE` from summed terms over a global weight.
-pub fn total_loss(sums: &[Array; 4]) -> std::result::Result<Array, Exception> {
-    let (a, b, c) = LOSS_WEIGHTS;
-    let den = ops::maximum(&sums[3], Array::from_f32(1e-12))?;
-    sums[0]
-        .multiply(Array::from_f32(a))?
-        .add(&sums[1].multiply(Array::from_f32(b))?)?
-        .add(&sums[2].multiply(Array::from_f32(c))?)?
-        .divide(&den)
+/// The total loss `ce·CE + l1·L1 + conf·BCE + kl·KL` from summed terms over a global weight.
+pub fn total_loss(
+    sums: &[Array; 5],
+    weights: LossWeights,
+) -> std::result::Result<Array, Exception> {
+    let coefficients = [weights.ce, weights.l1, weights.conf, weights.kl];
+    let mut total = ops::zeros::<f32>(&[])?;
+    for (sum, c) in sums.iter().zip(coefficients) {
+        total = total.add(&sum.multiply(Array::from_f32(c))?)?;
+    }
+    total.divide(&ops::maximum(&sums[4], Array::from_f32(1e-12))?)
 }

@@ -6,6 +6,7 @@ use mlx_rs::{ops, Array};
 
 use super::example::SplitMix;
 use super::forward::Params;
+use super::loss::LossWeights;
 
 /// Training options (what `mlxb train-dspark` decides).
 #[derive(Debug, Clone, serde::Serialize, serde::Deserialize, PartialEq)]
@@ -28,6 +29,9 @@ pub struct TrainOptions {
     pub seed: u64,
     /// Write a checkpoint every this many steps (and at the end).
     pub checkpoint_every: u64,
+    /// Weights of the loss terms (states saved before this option existed used DeepSpec's).
+    #[serde(default)]
+    pub loss_weights: LossWeights,
 }
 
 impl Default for TrainOptions {
@@ -42,6 +46,7 @@ impl Default for TrainOptions {
             weight_decay: 0.0,
             seed: 42,
             checkpoint_every: 50,
+            loss_weights: LossWeights::default(),
         }
     }
 }

@@ -31,8 +31,8 @@ pub struct StepReport {
     pub step: u64,
     /// Total loss before the update.
     pub loss: f32,
-    /// Weighted CE, L1 and BCE (each over the global weight).
-    pub terms: [f32; 3],
+    /// Weighted CE, L1, BCE and KL (each over the global weight).
+    pub terms: [f32; 4],
     /// Gradient norm before clipping.
     pub grad_norm: f32,
     /// Learning rate used.
@@ -48,7 +48,7 @@ pub fn step_loss(
     opts: &TrainOptions,
     t: u64,
     grad: bool,
-) -> Result<(f32, [f32; 3], Option<Vec<Array>>)> {
+) -> Result<(f32, [f32; 4], Option<Vec<Array>>)> {
     let gamma = frozen.config.block_size;
     let mask_id = frozen.config.mask_token_id;
     let batches: Vec<(&Example, AnchorBatch)> = examples
@@ -67,28 +67,28 @@ pub fn step_loss(
         ));
     }
     let f = |p: &[Array]| -> std::result::Result<Vec<Array>, Exception> {
-        let mut acc: Option<[Array; 4]> = None;
+        let mut acc: Option<[Array; 5]> = None;
         for (ex, b) in &batches {
             let s = frozen.sums(p, ex, b)?;
             acc = Some(match acc {
                 None => s,
-                Some(a) => [
-                    a[0].add(&s[0])?,
-                    a[1].add(&s[1])?,
-                    a[2].add(&s[2])?,
-                    a[3].add(&s[3])?,
-                ],
+                Some(a) => {
+                    let mut out = s;
+                    for (o, x) in out.iter_mut().zip(&a) {
+                        *o = o.add(x)?;
+                    }
+                    out
+                }
             });
         }
         let sums = acc.ok_or_else(|| Exception::custom("empty batch"))?;
-        let total = total_loss(&sums)?;
-        let den = ops::maximum(&sums[3], Array::from_f32(1e-12))?;
-        Ok(vec![
-            total,
-            sums[0].divide(&den)?,
-            sums[1].divide(&den)?,
-            sums[2].divide(&den)?,
-        ])
+        let total = total_loss(&sums, opts.loss_weights)?;
+        let den = ops::maximum(&sums[4], Array::from_f32(1e-12))?;
+        let mut vals = vec![total];
+        for s in &sums[..4] {
+            vals.push(s.divide(&den)?);
+        }
+        Ok(vals)
     };
     let (vals, grads) = if grad {
         let argnums: Vec<i32> = (0..params.values.len() as i32).collect();
@@ -105,6 +105,7 @@ pub fn step_loss(
             vals[1].item_cast::<f32>(),
             vals[2].item_cast::<f32>(),
             vals[3].item_cast::<f32>(),
+            vals[4].item_cast::<f32>(),
         ],
         grads,
     ))

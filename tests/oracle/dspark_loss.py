@@ -1,7 +1,9 @@
 """Numpy oracle for the DSpark training loss (dspark-spec.md §2.4).
 
-Reads a JSON file {logits, target_logits, conf, targets, weights, keep} (nested lists) and
-prints the weighted sums [sum w*CE, sum w*L1, sum w*BCE, sum w] and the total loss as JSON.
+Reads a JSON file {logits, target_logits, conf, targets, weights, keep, loss_weights} (nested
+lists; loss_weights [CE, L1, BCE, KL], default DeepSpec's [0.1, 0.9, 1.0, 0]) and prints the
+weighted sums [sum w*CE, sum w*L1, sum w*BCE, sum w*KL, sum w] and the total loss as JSON. KL is
+KL(target || draft) over the draft's ids.
 With `keep` (target ids, ascending) the drafter's logits cover only those ids: its
 distribution is spread onto the full vocabulary with zeros elsewhere, cross-entropy counts only
 where the target token is kept, and L1 is taken over the full vocabulary."""
@@ -38,6 +40,10 @@ l1 = np.abs(pd - pt).sum(-1)
 cstar = np.clip(1 - 0.5 * l1, 0, 1)
 sig = 1 / (1 + np.exp(-conf))
 bce = -(cstar * np.log(sig) + (1 - cstar) * np.log(1 - sig))
-sums = [float((w * ce).sum()), float((w * l1).sum()), float((w * bce).sum()), float(w.sum())]
-total = (0.1 * sums[0] + 0.9 * sums[1] + 1.0 * sums[2]) / sums[3]
+ids = keep if keep is not None else list(range(pt.shape[-1]))
+ptk, pdk = pt[..., ids], pd[..., ids]
+kl = (ptk * (np.log(ptk) - np.log(pdk))).sum(-1)
+sums = [float((w * t).sum()) for t in (ce, l1, bce, kl)] + [float(w.sum())]
+coef = d.get("loss_weights") or [0.1, 0.9, 1.0, 0.0]
+total = sum(c * x for c, x in zip(coef, sums)) / sums[4]
 print(json.dumps({"sums": sums, "total": total}))
