@@ -1,6 +1,7 @@
 #!/usr/bin/env bash
 # One idempotent setup for a fresh machine (and a no-op on a ready one):
-#   1. Debian packages the build needs (cmake, clang for bindgen, OpenBLAS, g++ for mx.compile),
+#   1. Debian packages the build needs (cmake, clang for bindgen, OpenBLAS, g++ for mx.compile)
+#      and headless Chromium for the chat page's browser test,
 #   2. the runtime + oracle env at .venv/ (MLX runtime wheel, mlx, mlx-lm; pinned in versions.env),
 #   3. Debian's OpenBLAS in place of the wheel's netlib reference BLAS, for mlxb and the oracle alike,
 #   4. mlx-sys / mlx-rs materialized from the crates.io registry into .crates/ with our patches.
@@ -20,8 +21,8 @@ hash_of() { cat "$@" | sha256sum | cut -c1-16; }
 
 install_debian_packages() {
   [ "$(uname -s)" = Linux ] || return 0
-  command -v dpkg >/dev/null || { say "not a Debian system: install cmake, clang/libclang, pkg-config, g++, OpenBLAS yourself"; return 0; }
-  local wanted=(cmake clang libclang-dev pkg-config g++ libopenblas0-pthread patch)
+  command -v dpkg >/dev/null || { say "not a Debian system: install cmake, clang/libclang, pkg-config, g++, OpenBLAS (and Chromium with chromedriver for the browser test) yourself"; return 0; }
+  local wanted=(cmake clang libclang-dev pkg-config g++ libopenblas0-pthread patch chromium chromium-driver)
   local missing=()
   for p in "${wanted[@]}"; do
     dpkg -s "$p" >/dev/null 2>&1 || missing+=("$p")

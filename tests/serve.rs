@@ -168,6 +168,7 @@ fn speculative_serving_is_lossless() {
     ];
     for flags in drafters {
         let s = Server::start(flags);
+        let mut rounds = 0;
         // Two different prompts in a row: the one drafter must start afresh for each.
         for (prompt, want) in [(PROMPT, &want), (other, &want_other), (PROMPT, &want)] {
             let (status, spec) = s.post("/v1/chat/completions", &chat_body(prompt, 40));
@@ -178,8 +179,21 @@ fn speculative_serving_is_lossless() {
                 "{flags:?}"
             );
             assert_eq!(spec["choices"][0]["message"]["content"], want["text"]);
-            assert!(spec["timings"]["draft_n"].as_u64().is_some());
+            let timings = &spec["timings"];
+            let drafted = timings["draft_n"].as_u64().unwrap();
+            let with_draft = timings["draft_rounds"].as_u64().unwrap();
+            assert!(
+                with_draft <= drafted && (with_draft > 0) == (drafted > 0),
+                "{timings}"
+            );
+            rounds += with_draft;
         }
+        // Per-request rounds add up to the server's count of drafts.
+        assert_eq!(
+            rounds as f64,
+            s.metric("mlxb:spec_decode_num_drafts_total"),
+            "{flags:?}"
+        );
         // Streamed, and with speculation turned off for one request: still the same text.
         let mut body = chat_body(PROMPT, 40);
         body["stream"] = json!(true);

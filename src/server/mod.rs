@@ -12,7 +12,8 @@
 //! - `worker` — the engine thread and its events;
 //! - `batching` — continuous batching of requests on the engine thread (`--max-batch`);
 //! - `stop` — stop strings on streamed text;
-//! - `metrics` — Prometheus counters and histograms.
+//! - `metrics` — Prometheus counters and histograms;
+//! - `web` — the chat page served at `/`.
 
 pub mod batching;
 pub mod bind;
@@ -27,6 +28,7 @@ pub mod respond;
 pub mod routes;
 pub mod stop;
 pub mod types;
+pub mod web;
 pub mod worker;
 
 use crate::engine::tokenizer::Tokenizer;
@@ -217,7 +219,7 @@ fn print_card(
     let mut out = std::io::stdout().lock();
     let _ = writeln!(
         out,
-        "mlxb serve: ready in {:.1}s\n  model    {} ({}, {})\n  backend  {}\n  tier     {} (oracle: {})\n  drafter  {}\n  queue    {} waiting at most, {}; max_tokens {} by default, {} at most\n  limits   prompt {} tokens, body {} bytes, {} requests in flight\n  prefix   {}\n  auth     {}\n  url      http://{addr}\n  routes   POST /v1/chat/completions, POST /v1/completions, GET /v1/models, GET /health, GET /metrics",
+        "mlxb serve: ready in {:.1}s\n  model    {} ({}, {})\n  backend  {}\n  tier     {} (oracle: {})\n  drafter  {}\n  queue    {} waiting at most, {}; max_tokens {} by default, {} at most\n  limits   prompt {} tokens, body {} bytes, {} requests in flight\n  prefix   {}\n  auth     {}\n  url      http://{addr}\n  routes   GET / (chat page), POST /v1/chat/completions, POST /v1/completions, GET /v1/models, GET /health, GET /metrics",
         load_time.as_secs_f64(),
         state.model_id,
         cfg.dir.display(),

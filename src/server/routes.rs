@@ -1,4 +1,4 @@
-//! HTTP routes: the OpenAI endpoints, `/health`, `/metrics`, the API-key check, and the
+//! HTTP routes: the OpenAI endpoints, `/health`, `/metrics`, the chat page, the API-key check, and the
 //! admission path (parse → tokenize → queue) shared by both completion endpoints.
 
 use super::error::ApiError;
@@ -54,6 +54,7 @@ pub fn router(state: Arc<AppState>, max_body_bytes: usize, concurrency: Concurre
     Router::new()
         .merge(guarded)
         .route("/health", get(health))
+        .merge(super::web::routes())
         .fallback(not_found)
         .layer(DefaultBodyLimit::max(max_body_bytes))
         .with_state(state)

@@ -66,6 +66,10 @@ pub struct Timings {
     /// Drafted tokens the target accepted.
     #[serde(skip_serializing_if = "Option::is_none")]
     pub draft_n_accepted: Option<usize>,
+    /// Verify rounds that carried a draft (mlxb's own field: the mean acceptance length is
+    /// `1 + draft_n_accepted / draft_rounds`, vLLM's definition).
+    #[serde(skip_serializing_if = "Option::is_none")]
+    pub draft_rounds: Option<usize>,
 }
 
 impl Timings {
@@ -85,6 +89,7 @@ impl Timings {
             predicted_per_second: stats.generation_tps(),
             draft_n: spec.map(|s| s.drafted_tokens),
             draft_n_accepted: spec.map(|s| s.accepted_tokens),
+            draft_rounds: spec.map(|s| s.drafts),
         }
     }
 }
