@@ -2,8 +2,10 @@
 # One idempotent setup for a fresh machine (and a no-op on a ready one):
 #   1. Debian packages the build needs (cmake, clang for bindgen, OpenBLAS, g++ for mx.compile)
 #      and headless Chromium for the chat page's browser test,
-#   2. the runtime + oracle env at .venv/ (MLX runtime wheel, mlx, mlx-lm; pinned in versions.env),
-#   3. Debian's OpenBLAS in place of the wheel's netlib reference BLAS, for mlxb and the oracle alike,
+#   2. the runtime + oracle env at .venv/ (MLX runtime wheel, mlx, mlx-lm; pinned in versions.env)
+#      and the L2 oracle env at .venv-optiq/ (the same MLX stack plus mlx-optiq, whose
+#      transformers pin differs from mlx-lm's env),
+#   3. Debian's OpenBLAS in place of the wheel's netlib reference BLAS, for mlxb and both oracles,
 #   4. mlx-sys / mlx-rs materialized from the crates.io registry into .crates/ with our patches.
 # Nothing third-party is committed; everything here is fetched from package registries.
 set -euo pipefail
@@ -47,14 +49,29 @@ setup_venv() {
   echo "$want" >"$stamp"
 }
 
+setup_optiq_venv() {
+  local stamp=.venv-optiq/.mlxb-stamp
+  local want="$MLX_VERSION $runtime_wheel $MLX_LM_VERSION $MLX_OPTIQ_VERSION"
+  if [ -f "$stamp" ] && [ "$(cat "$stamp")" = "$want" ]; then return 0; fi
+  say "creating .venv-optiq (the L2 oracle: mlx-optiq==$MLX_OPTIQ_VERSION on the same MLX stack)"
+  [ -x .venv-optiq/bin/python ] || python3 -m venv .venv-optiq
+  .venv-optiq/bin/pip install -q --disable-pip-version-check \
+    "mlx==$MLX_VERSION" "$runtime_wheel==$MLX_VERSION" "mlx-lm==$MLX_LM_VERSION" \
+    "mlx-optiq==$MLX_OPTIQ_VERSION"
+  echo "$want" >"$stamp"
+}
+
 # The CPU wheel's libmlx.so finds its BLAS through RPATH $ORIGIN/../../mlx_cpu.libs; pointing
-# that file at OpenBLAS makes Python mlx and mlxb (which links the same libmlx.so) use it.
+# that file at OpenBLAS makes Python mlx and mlxb (which links the same libmlx.so) use it. The
+# L2 oracle env gets the same swap: a KV cache quantized from keys that differ in the last bit
+# can land in another bin, so both sides must compute with the same BLAS.
 swap_in_openblas() {
+  local venv=$1
   [ "$runtime_wheel" = mlx-cpu ] || return 0
   [ "$(uname -s)" = Linux ] || return 0
   [ -e "$OPENBLAS_LIB" ] || die "OpenBLAS not found at $OPENBLAS_LIB (Debian package libopenblas0-pthread)"
   local libs
-  libs=$(.venv/bin/python -c "import mlx, os; print(os.path.join(os.path.dirname(mlx.__path__[0]), 'mlx_cpu.libs'))")
+  libs=$("$venv/bin/python" -c "import mlx, os; print(os.path.join(os.path.dirname(mlx.__path__[0]), 'mlx_cpu.libs'))")
   local blas
   for blas in "$libs"/libblas-*.so.*; do
     case "$blas" in *.netlib) continue ;; esac
@@ -95,6 +112,8 @@ materialize_crates() {
 
 install_debian_packages
 setup_venv
-swap_in_openblas
+swap_in_openblas .venv
+setup_optiq_venv
+swap_in_openblas .venv-optiq
 materialize_crates
-say "ready: $runtime_wheel $MLX_VERSION in .venv, patched crates in .crates"
+say "ready: $runtime_wheel $MLX_VERSION in .venv (and the L2 oracle in .venv-optiq), patched crates in .crates"

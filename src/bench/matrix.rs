@@ -15,7 +15,7 @@ use crate::engine::forks::{self, Domain, Fork, Forks, KvQuant, Output, Resolutio
 use crate::engine::models::{self, LoadedModel};
 use crate::engine::plan::ForkPlan;
 use crate::engine::session::Session;
-use crate::oracle::divergence;
+use crate::oracle::{divergence, optiq};
 use std::path::Path;
 
 /// The quantized KV cache a value that only acts on one is measured with: 8 bits (mlx-lm's
@@ -294,7 +294,17 @@ fn measure_entry(
     progress(&Event::Phase(&format!("loading {}", e.label)));
     let mut other = models::load(dir, r.forks)?;
     let mut base = base.clone();
-    if e.output != Output::Identical {
+    let per_layer_kv = r.forks.kv_quant == KvQuant::Config && other.plan.kv_source.is_some();
+    if e.keeps == Tier::L2 && per_layer_kv {
+        progress(&Event::Phase(&format!("{} against mlx-optiq", e.label)));
+        base.l2_identical = Some(optiq::identical_to_l2(
+            &mut other,
+            dir,
+            prompts,
+            opts.kl_steps,
+            opts.prefill_step_size,
+        )?);
+    } else if e.output != Output::Identical {
         progress(&Event::Phase(&format!("KL divergence of {}", e.label)));
         let kl =
             divergence::kl_to_l1(dir, r.forks, prompts, opts.kl_steps, opts.prefill_step_size)?;

@@ -107,6 +107,10 @@ pub struct Row {
     /// `--matrix`: the mean KL is above `--kl-warn`.
     #[serde(default, skip_serializing_if = "Option::is_none")]
     pub kl_warn: Option<bool>,
+    /// `--matrix`: a configuration that keeps L2 with a per-layer KV allocation, compared with
+    /// the L2 oracle (mlx-optiq) instead of a KL estimate: whether every step was identical.
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    pub l2_identical: Option<bool>,
 }
 
 impl Row {
@@ -232,9 +236,11 @@ pub fn matrix_markdown(rows: &[Row]) -> String {
     out.push_str("|\n");
     let num = |v: Option<f64>, f: fn(f64) -> String| v.map(f).unwrap_or_default();
     for r in rows {
-        let note = match (&r.skipped, r.kl_warn) {
-            (Some(why), _) => format!("skipped: {why}"),
-            (None, Some(true)) => "WARN: mean KL above --kl-warn".into(),
+        let note = match (&r.skipped, r.kl_warn, r.l2_identical) {
+            (Some(why), _, _) => format!("skipped: {why}"),
+            (None, _, Some(true)) => "identical to L2 (mlx-optiq)".into(),
+            (None, _, Some(false)) => "DIFFERS from L2 (mlx-optiq)".into(),
+            (None, Some(true), _) => "WARN: mean KL above --kl-warn".into(),
             _ => String::new(),
         };
         let measured = r.skipped.is_none();
@@ -260,7 +266,7 @@ pub fn matrix_markdown(rows: &[Row]) -> String {
             note.replace('|', "\\|"),
         ));
     }
-    out.push_str("\nspeedup = paired mean of per-repetition t/s ratios config / L1 (> 1 = faster); KL(L1 || config) in nats over the fixed prompt set, teacher-forced on L1's greedy tokens; empty for configurations whose output is identical to L1 by the fork table.\n");
+    out.push_str("\nspeedup = paired mean of per-repetition t/s ratios config / L1 (> 1 = faster); KL(L1 || config) in nats over the fixed prompt set, teacher-forced on L1's greedy tokens; empty for configurations whose output is identical to L1 by the fork table, and for L2 configurations with a per-layer KV allocation, which are compared with the L2 oracle (mlx-optiq) bit for bit instead.\n");
     out
 }
 
@@ -311,6 +317,7 @@ const COLUMNS: &[(&str, Cell)] = &[
     ("kl_top1", Cell::Scalar),
     ("kl_identical", Cell::Scalar),
     ("kl_warn", Cell::Scalar),
+    ("l2_identical", Cell::Scalar),
 ];
 
 /// CSV with the JSON field names (lists joined by `;`, absent fields empty).
@@ -453,7 +460,7 @@ mod tests {
     fn every_field_has_a_csv_column() {
         let v = serde_json::to_value(row()).unwrap();
         let mut keys: Vec<&str> = v.as_object().unwrap().keys().map(String::as_str).collect();
-        keys.push("skipped");
+        keys.extend(["skipped", "l2_identical"]);
         keys.sort_unstable();
         let mut cols: Vec<&str> = COLUMNS.iter().map(|(n, _)| *n).collect();
         cols.sort_unstable();

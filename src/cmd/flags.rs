@@ -3,7 +3,7 @@
 //! to any subcommand through `#[command(flatten)]`, and `mlxb flags` prints what a
 //! combination resolves to (or the README table with `--markdown`).
 
-use crate::engine::forks::{self, Domain, Forks, Resolution, Tier, FORKS};
+use crate::engine::forks::{self, Domain, Forks, KvQuant, Resolution, Tier, FORKS};
 use clap::builder::PossibleValuesParser;
 use clap::{Arg, ArgAction, ArgGroup, ArgMatches, Args, Command, FromArgMatches};
 
@@ -14,6 +14,8 @@ pub struct ForkArgs {
     pub tier: Option<Tier>,
     /// `(fork name, value)` for every fork flag given, in table order.
     pub explicit: Vec<(String, String)>,
+    /// `--kv-config FILE`: optiq's per-layer KV allocation for `--kv-quant config`.
+    pub kv_config: Option<std::path::PathBuf>,
 }
 
 const HEADING: &str = "Forks and parity tiers (see `mlxb flags`)";
@@ -66,7 +68,14 @@ fn augment(cmd: Command) -> Command {
     for f in FORKS {
         cmd = cmd.arg(fork_arg(f));
     }
-    cmd
+    cmd.arg(
+        Arg::new("kv-config")
+            .long("kv-config")
+            .value_name("FILE")
+            .value_parser(clap::value_parser!(std::path::PathBuf))
+            .help_heading(HEADING)
+            .help("mlx-optiq's per-layer KV allocation (kv_config.json) for --kv-quant config (default: the one beside the model, else config.json's kv_quantization)"),
+    )
 }
 
 impl FromArgMatches for ForkArgs {
@@ -87,6 +96,9 @@ impl FromArgMatches for ForkArgs {
                 self.explicit.retain(|(n, _)| n != f.name);
                 self.explicit.push((f.name.to_owned(), v.clone()));
             }
+        }
+        if let Some(p) = m.get_one::<std::path::PathBuf>("kv-config") {
+            self.kv_config = Some(p.clone());
         }
         Ok(())
     }
@@ -129,6 +141,31 @@ pub struct FlagsArgs {
     /// Print the README flag table (Markdown), generated from the fork table.
     #[arg(long, conflicts_with = "json")]
     pub markdown: bool,
+    /// Also open this model (a directory or built-in name) and say where `--kv-quant config`
+    /// finds its per-layer KV settings.
+    #[arg(long, conflicts_with = "markdown")]
+    pub model: Option<String>,
+}
+
+/// Where `--kv-quant config` finds per-layer KV settings for the model in `dir`, or why it
+/// finds none.
+fn kv_source(dir: &std::path::Path, args: &ForkArgs) -> anyhow::Result<String> {
+    let forks = args.resolve()?.forks;
+    let mut loaded = crate::engine::models::load(dir, forks)?;
+    if let Some(path) = &args.kv_config {
+        loaded.use_kv_config(path)?;
+    }
+    Ok(match (forks.kv_quant, &loaded.plan.kv_source) {
+        (KvQuant::Config, Some(source)) => source.clone(),
+        (KvQuant::Config, None) => loaded
+            .plan
+            .warnings
+            .iter()
+            .find(|w| w.starts_with("--kv-quant config:"))
+            .cloned()
+            .unwrap_or_else(|| "no per-layer KV settings".into()),
+        _ => "not read: only --kv-quant config (the --l2 and --l3 default) uses them".into(),
+    })
 }
 
 /// Entry point of `mlxb flags`.
@@ -138,10 +175,24 @@ pub fn run(args: FlagsArgs) -> anyhow::Result<()> {
         return Ok(());
     }
     let r = args.forks.resolve()?;
+    let source = match &args.model {
+        Some(m) => Some(kv_source(
+            &super::common::resolve_model(Some(m))?,
+            &args.forks,
+        )?),
+        None => None,
+    };
     if args.json {
-        println!("{}", r.json());
+        let mut j = r.json();
+        if let Some(source) = source {
+            j["kv_config_source"] = serde_json::Value::String(source);
+        }
+        println!("{j}");
     } else {
         print!("{}", r.text());
+        if let Some(source) = source {
+            println!("per-layer KV settings: {source}");
+        }
     }
     Ok(())
 }
@@ -152,9 +203,13 @@ pub fn open_session(
     dir: &std::path::Path,
     forks: &ForkArgs,
 ) -> anyhow::Result<(crate::engine::session::Session, Forks)> {
+    let kv_config = forks.kv_config.clone();
     let forks = forks.forks()?;
-    let session =
+    let mut session =
         crate::engine::session::Session::open_traced(dir, forks, super::progress::startup_trace())?;
+    if let Some(path) = &kv_config {
+        session.model.use_kv_config(path)?;
+    }
     for w in &session.model.plan.warnings {
         eprintln!("mlxb: warning: {w}");
     }

@@ -42,7 +42,8 @@ pub enum Command {
     Generate(generate::GenerateArgs),
     /// Measure prefill/decode speed like llama-bench, optionally against mlx-lm in the same run.
     Bench(bench::BenchArgs),
-    /// Compare mlxb with mlx-lm bit for bit on one prompt (greedy ids and logprobs).
+    /// Compare mlxb with its tier's oracle (mlx-lm for L1, mlx-optiq for L2) bit for bit on
+    /// one prompt (greedy ids and logprobs).
     Parity(parity::ParityArgs),
     /// Show what --l1/--l2/--l3 and fork flags resolve to and which oracle that keeps.
     Flags(flags::FlagsArgs),

@@ -1,5 +1,6 @@
-//! `mlxb parity`: runs mlx-lm (the L1 oracle) and mlxb greedily on the same prompt ids and
-//! compares token ids and full-vocabulary logprobs of every step, bit for bit.
+//! `mlxb parity`: runs the oracle of the tier the forks keep — mlx-lm for L1, mlx-optiq's
+//! `optiq eval` path for L2 (a per-layer KV allocation) — and mlxb greedily on the same prompt
+//! ids and compares token ids and full-vocabulary logprobs of every step, bit for bit.
 
 use super::common::resolve_model;
 use super::common::{ModelArgs, PromptArgs};
@@ -9,7 +10,7 @@ use crate::engine::error::EngineError;
 use crate::engine::forks::{KvQuant, Tier};
 use crate::engine::generate::{Flow, GenerateConfig, Generator};
 use crate::engine::sample::{LogitsProcessors, ProcessorConfig, Sampler, SamplerConfig};
-use crate::oracle::mlx_lm;
+use crate::oracle::{mlx_lm, optiq};
 use clap::Args;
 use mlx_rs::ops::indexing::IndexOp;
 use mlx_rs::{Array, Dtype};
@@ -27,8 +28,9 @@ pub struct ParityArgs {
     /// Print one JSON object instead of the table.
     #[arg(long)]
     pub json: bool,
-    /// Forks to run mlxb with; the combination must keep L1 (mlx-lm is the L1 oracle, run
-    /// with the same --kv-bits/--kv-group-size/--quantized-kv-start).
+    /// Forks to run mlxb with; the combination must keep L1 (mlx-lm, run with the same
+    /// --kv-bits/--kv-group-size/--quantized-kv-start) or L2 (mlx-optiq with the same per-layer
+    /// KV allocation).
     #[command(flatten)]
     pub forks: ForkArgs,
 }
@@ -36,7 +38,9 @@ pub struct ParityArgs {
 /// The comparison of one run.
 #[derive(Debug, Clone, serde::Serialize)]
 pub struct ParityReport {
-    /// Steps mlx-lm produced.
+    /// The oracle compared with (filled in by `run`).
+    pub oracle: String,
+    /// Steps the oracle produced.
     pub oracle_steps: usize,
     /// Steps mlxb produced.
     pub mlxb_steps: usize,
@@ -79,6 +83,7 @@ pub fn compare(
         }
     }
     Ok(ParityReport {
+        oracle: String::new(),
         oracle_steps: oracle_ids.len(),
         mlxb_steps: ours.len(),
         first_divergence: first,
@@ -94,31 +99,44 @@ pub fn run(args: ParityArgs) -> anyhow::Result<()> {
     let leaving: Vec<String> = resolution
         .values
         .iter()
-        .filter(|r| r.keeps > Tier::L1)
+        .filter(|r| r.keeps > Tier::L2)
         .map(|r| format!("--{} {}", r.fork.name, r.value))
         .collect();
     if !leaving.is_empty() {
         return Err(EngineError::Input(format!(
-            "parity compares with mlx-lm, the L1 oracle, but {} leave L1; drop them",
+            "parity has oracles for L1 (mlx-lm) and L2 (mlx-optiq), but {} leave L2; drop them",
             leaving.join(", ")
         ))
         .into());
     }
     let (mut session, forks) = open_session(&dir, &args.forks)?;
     let ids = args.prompt.ids(&session.tokenizer)?;
-    let request = serde_json::json!({
-        "model": std::fs::canonicalize(&dir)?,
-        "prompt_ids": ids,
-        "max_tokens": args.max_tokens,
-        "prefill_step_size": args.model.prefill_step_size,
-        "kv_bits": match forks.kv_quant {
-            KvQuant::Bits(b) => Some(b),
-            _ => None,
-        },
-        "kv_group_size": forks.kv_group_size,
-        "quantized_kv_start": forks.quantized_kv_start,
-    });
-    let trace = mlx_lm::trace(&request)?;
+    let plan = session.model.plan.clone();
+    let per_layer = forks.kv_quant == KvQuant::Config && plan.kv_bits.iter().any(Option::is_some);
+    let (oracle, trace) = if per_layer {
+        let trace = optiq::trace(
+            &std::fs::canonicalize(&dir)?,
+            &plan.kv_bits,
+            &ids,
+            args.max_tokens,
+            args.model.prefill_step_size,
+        )?;
+        (optiq::ORACLE, trace)
+    } else {
+        let request = serde_json::json!({
+            "model": std::fs::canonicalize(&dir)?,
+            "prompt_ids": ids,
+            "max_tokens": args.max_tokens,
+            "prefill_step_size": args.model.prefill_step_size,
+            "kv_bits": match forks.kv_quant {
+                KvQuant::Bits(b) => Some(b),
+                _ => None,
+            },
+            "kv_group_size": forks.kv_group_size,
+            "quantized_kv_start": forks.quantized_kv_start,
+        });
+        (mlx_lm::ORACLE, mlx_lm::trace(&request)?)
+    };
 
     let mut sampler = Sampler::new(&SamplerConfig::default())?;
     let mut processors = LogitsProcessors::new(&ProcessorConfig::default())?;
@@ -127,7 +145,6 @@ pub fn run(args: ParityArgs) -> anyhow::Result<()> {
         prefill_step_size: args.model.prefill_step_size,
     };
     let mut ours = Vec::new();
-    let plan = session.model.plan.clone();
     Generator::new(session.model.model.as_mut(), &mut sampler, &mut processors)
         .with_startup(session.startup.clone())
         .with_plan(&plan)
@@ -135,14 +152,15 @@ pub fn run(args: ParityArgs) -> anyhow::Result<()> {
             ours.push((s.token, s.logprobs.clone()));
             Ok(Flow::Continue)
         })?;
-    let report = compare(&ours, &trace.ids, trace.logprobs.as_ref())?;
+    let mut report = compare(&ours, &trace.ids, trace.logprobs.as_ref())?;
+    report.oracle = oracle.to_owned();
     if args.json {
         println!("{}", serde_json::to_string(&report)?);
     } else {
-        println!("| model | prompt tokens | steps (mlxb/mlx-lm) | first divergence | max abs diff | identical |");
-        println!("|---|---|---|---|---|---|");
+        println!("| model | oracle | prompt tokens | steps (mlxb/oracle) | first divergence | max abs diff | identical |");
+        println!("|---|---|---|---|---|---|---|");
         println!(
-            "| {} | {} | {}/{} | {} | {:e} | {} |",
+            "| {} | {oracle} | {} | {}/{} | {} | {:e} | {} |",
             dir.display(),
             ids.len(),
             report.mlxb_steps,
@@ -156,7 +174,7 @@ pub fn run(args: ParityArgs) -> anyhow::Result<()> {
     }
     if !report.identical {
         return Err(EngineError::Parity(format!(
-            "mlxb diverges from mlx-lm at step {}",
+            "mlxb diverges from {oracle} at step {}",
             report
                 .first_divergence
                 .unwrap_or(report.mlxb_steps.min(report.oracle_steps))

@@ -94,6 +94,7 @@ pub fn run(args: ServeArgs) -> anyhow::Result<()> {
     serve(ServeConfig {
         dir,
         forks: resolution.forks,
+        kv_config: args.forks.kv_config.clone(),
         parity: resolution.holds(),
         model_ref: args.model.model.clone(),
         host: args.host,

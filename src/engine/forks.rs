@@ -13,8 +13,8 @@ use std::fmt::Write as _;
 pub enum Tier {
     /// Bit-identical to mlx-lm 0.32.2 run with the same settings (incl. `--kv-bits`).
     L1,
-    /// optiq-aligned: mixed per-layer KV precision (no oracle installable here; defined by
-    /// its flag values and its own invariants).
+    /// Bit-identical to mlx-optiq 0.7.7's `optiq eval` path with the same per-layer KV
+    /// allocation (mixed per-layer KV precision).
     L2,
     /// No oracle: output-changing experiments.
     L3,
@@ -42,7 +42,7 @@ impl Tier {
     pub fn oracle(self) -> &'static str {
         match self {
             Tier::L1 => "mlx-lm 0.32.2 (same settings, incl. --kv-bits/--kv-group-size/--quantized-kv-start)",
-            Tier::L2 => "optiq-aligned mixed per-layer KV precision (no installable oracle)",
+            Tier::L2 => "mlx-optiq 0.7.7, `optiq eval` path (mixed per-layer KV precision from its kv_config.json)",
             Tier::L3 => "none (output-changing experiments)",
         }
     }
@@ -158,7 +158,7 @@ pub static FORKS: &[Fork] = &[
             keep("config", Tier::L2, Output::Changes),
         ]),
         defaults: ["off", "config", "config"],
-        help: "Quantized KV cache: 4|8 = mlx-lm's --kv-bits path bit for bit; config = per-layer bits from config.json `kv_quantization.layer_bits`",
+        help: "Quantized KV cache: 4|8 = mlx-lm's --kv-bits path bit for bit; config = per-layer bits and group sizes from mlx-optiq's kv_config.json (--kv-config FILE, else beside the model), else config.json `kv_quantization.layer_bits`",
     },
     Fork {
         name: "kv-group-size",

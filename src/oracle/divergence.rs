@@ -38,8 +38,9 @@ pub struct KlReport {
     pub identical: bool,
 }
 
-/// Greedy steps of `loaded` on `prompt` (or teacher-forced on `forced`): tokens and f32 logprobs.
-fn run(
+/// Greedy steps of `loaded` on `prompt` (or teacher-forced on `forced`): tokens and the
+/// logprobs exactly as the generator returns them.
+pub fn greedy_steps(
     loaded: &mut LoadedModel,
     prompt: &[u32],
     steps: usize,
@@ -60,12 +61,28 @@ fn run(
     };
     let mut out = Vec::new();
     g.run(prompt, &cfg, |s| {
-        // Renormalized in f32: low-precision logprobs do not sum to exactly one.
-        let lp = s.logprobs.as_dtype(Dtype::Float32)?;
-        out.push((s.token, lp.subtract(lp.logsumexp(true)?)?));
+        out.push((s.token, s.logprobs.clone()));
         Ok(Flow::Continue)
     })?;
     Ok(out)
+}
+
+/// [`greedy_steps`] with the logprobs renormalized in f32 (low-precision logprobs do not sum
+/// to exactly one).
+fn run(
+    loaded: &mut LoadedModel,
+    prompt: &[u32],
+    steps: usize,
+    prefill_step_size: usize,
+    forced: Option<Vec<u32>>,
+) -> Result<Vec<(u32, Array)>> {
+    greedy_steps(loaded, prompt, steps, prefill_step_size, forced)?
+        .into_iter()
+        .map(|(t, lp)| {
+            let lp = lp.as_dtype(Dtype::Float32)?;
+            Ok((t, lp.subtract(lp.logsumexp(true)?)?))
+        })
+        .collect()
 }
 
 /// KL(L1 || `forks`) per step for the model in `dir` on `prompts`, `steps` greedy steps each.

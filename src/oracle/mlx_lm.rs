@@ -7,6 +7,9 @@ use std::collections::HashMap;
 use std::path::PathBuf;
 use std::process::Command;
 
+/// The L1 oracle's name as reports print it.
+pub const ORACLE: &str = "mlx-lm 0.32.2";
+
 /// The mlx-lm trace script (assets/oracle/mlx_lm_trace.py), embedded.
 const TRACE_SCRIPT: &str = include_str!("../../assets/oracle/mlx_lm_trace.py");
 
@@ -40,19 +43,37 @@ pub struct OracleTrace {
 
 /// Runs mlx-lm's `generate_step` as described by `request` (see the script's docstring).
 pub fn trace(request: &serde_json::Value) -> Result<OracleTrace> {
-    let dir = std::env::temp_dir().join(format!("mlxb-oracle-{}", std::process::id()));
+    run_trace(
+        &python()?,
+        "mlx-lm",
+        "mlx_lm_trace.py",
+        TRACE_SCRIPT,
+        request,
+    )
+}
+
+/// Runs an oracle trace script (`script`, saved as `name`) with `python` on `request`; the
+/// script writes `ids`, `logprobs` and optionally `prompt_logits` and prints its timings.
+pub fn run_trace(
+    python: &std::path::Path,
+    oracle: &str,
+    name: &str,
+    script: &str,
+    request: &serde_json::Value,
+) -> Result<OracleTrace> {
+    let dir = std::env::temp_dir().join(format!("mlxb-oracle-{}-{name}", std::process::id()));
     std::fs::create_dir_all(&dir)
         .map_err(|e| EngineError::file(&dir, format!("cannot create ({e})")))?;
-    let script = dir.join("mlx_lm_trace.py");
+    let script_path = dir.join(name);
     let req = dir.join("request.json");
     let out = dir.join("out.safetensors");
     let write = |p: &PathBuf, s: &str| {
         std::fs::write(p, s).map_err(|e| EngineError::file(p, format!("cannot write ({e})")))
     };
-    write(&script, TRACE_SCRIPT)?;
+    write(&script_path, script)?;
     write(&req, &request.to_string())?;
-    let output = Command::new(python()?)
-        .arg(&script)
+    let output = Command::new(python)
+        .arg(&script_path)
         .arg(&req)
         .arg(&out)
         .env("HF_HUB_OFFLINE", "1")
@@ -66,7 +87,7 @@ pub fn trace(request: &serde_json::Value) -> Result<OracleTrace> {
             .find(|l| !l.trim().is_empty())
             .unwrap_or("no output");
         let _ = std::fs::remove_dir_all(&dir);
-        return Err(EngineError::Runtime(format!("mlx-lm failed: {last}")));
+        return Err(EngineError::Runtime(format!("{oracle} failed: {last}")));
     }
     let mut arrays: HashMap<String, Array> = Array::load_safetensors(&out)
         .map_err(|e| EngineError::Runtime(format!("cannot read the oracle's output ({e})")))?;

@@ -85,6 +85,8 @@ pub struct ServeConfig {
     pub prefix_reuse: bool,
     /// The fork flags every request runs with (`--l1/--l2/--l3` and per-fork flags).
     pub forks: crate::engine::forks::Forks,
+    /// optiq's per-layer KV allocation given with `--kv-config` (else the one beside the model).
+    pub kv_config: Option<PathBuf>,
     /// The parity tier the resolved forks keep (for the ready card).
     pub parity: crate::engine::forks::Tier,
     /// Where the engine marks its start-up steps (`MLXB_TRACE_STARTUP`).
@@ -119,6 +121,7 @@ pub fn serve(cfg: ServeConfig) -> anyhow::Result<()> {
             prefill_step_size: cfg.prefill_step_size,
             prefix_reuse: cfg.prefix_reuse,
             forks: cfg.forks,
+            kv_config: cfg.kv_config.clone(),
             startup: cfg.startup.clone(),
             max_batch: cfg.max_batch,
             prompt_cache_bytes: cfg.prompt_cache_bytes,

@@ -95,6 +95,8 @@ pub struct EngineConfig {
     pub prefix_reuse: bool,
     /// The forks the model is opened with.
     pub forks: Forks,
+    /// optiq's per-layer KV allocation given with `--kv-config`.
+    pub kv_config: Option<PathBuf>,
     /// Where opening the model and each generation mark their start-up steps.
     pub startup: StartupTrace,
     /// Most requests decoded at once (`--max-batch`; 1: one at a time).
@@ -197,7 +199,10 @@ enum Ran {
 
 impl State {
     fn open(cfg: &EngineConfig) -> Result<Self> {
-        let session = Session::open_traced(&cfg.dir, cfg.forks, cfg.startup.clone())?;
+        let mut session = Session::open_traced(&cfg.dir, cfg.forks, cfg.startup.clone())?;
+        if let Some(path) = &cfg.kv_config {
+            session.model.use_kv_config(path)?;
+        }
         let drafter = match &cfg.spec {
             Some(opts) => Some((
                 open_source(opts, &session, cfg.forks, cfg.prefill_step_size)?,

@@ -61,6 +61,12 @@ def main():
     ap.add_argument("--dtype", default="bf16")
     ap.add_argument("--quant-bits", type=int)
     ap.add_argument("--quant-group", type=int, default=64)
+    ap.add_argument(
+        "--mixed-quant",
+        action="store_true",
+        help="with --quant-bits: per-layer bits as mlx_lm.convert's quant_predicate gives them "
+        "(odd decoder layers at 8 bits, the rest at --quant-bits)",
+    )
     ap.add_argument("--seed", type=int, default=0)
     ap.add_argument("--no-tokenizer", action="store_true", help="weights only (tiny vocabularies)")
     a = ap.parse_args()
@@ -103,7 +109,21 @@ def main():
         )
     )
     if a.quant_bits:
-        model, config = quantize_model(model, config, a.quant_group, a.quant_bits)
+        predicate = None
+        if a.mixed_quant:
+            import re
+
+            def predicate(path, module):
+                if not hasattr(module, "to_quantized"):
+                    return False
+                m = re.search(r"layers\.(\d+)\.", path)
+                if m and int(m.group(1)) % 2 == 1:
+                    return {"group_size": a.quant_group, "bits": 8}
+                return True
+
+        model, config = quantize_model(
+            model, config, a.quant_group, a.quant_bits, quant_predicate=predicate
+        )
     mx.eval(model.parameters())
     save_model(out, model)
     save_config(config, out / "config.json")

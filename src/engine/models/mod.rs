@@ -375,6 +375,19 @@ pub struct LoadedModel {
     pub plan: super::plan::ForkPlan,
 }
 
+impl LoadedModel {
+    /// Takes the per-layer KV quantization from optiq's `kv_config.json` at `path`
+    /// (`--kv-config`) instead of the one beside the model.
+    pub fn use_kv_config(&mut self, path: &Path) -> Result<()> {
+        let layers = self.model.make_caches().len();
+        self.plan = self
+            .plan
+            .clone()
+            .with_optiq_kv_config(path, layers, &self.config)?;
+        Ok(())
+    }
+}
+
 /// Reads config.json in `dir`, picks the architecture and loads the weights into it.
 pub fn load(dir: &Path, forks: Forks) -> Result<LoadedModel> {
     let config_path = dir.join("config.json");
