@@ -1,14 +1,22 @@
 #!/usr/bin/env bash
 # One idempotent setup for a fresh machine (and a no-op on a ready one):
-#   1. Debian packages the build needs (cmake, clang for bindgen, OpenBLAS, g++ for mx.compile)
-#      and headless Chromium for the chat page's browser test,
-#   2. the runtime + oracle env at .venv/ (MLX runtime wheel, mlx, mlx-lm; pinned in versions.env)
-#      and the L2 oracle env at .venv-optiq/ (the same MLX stack plus mlx-optiq, whose
-#      transformers pin differs from mlx-lm's env),
+#   1. Debian packages the build needs (cmake, clang for bindgen, OpenBLAS, g++ for mx.compile),
+#   2. the runtime + oracle env at .venv/ (MLX runtime wheel, mlx, mlx-lm; pinned in versions.env),
 #   3. Debian's OpenBLAS in place of the wheel's netlib reference BLAS, for mlxb and both oracles,
 #   4. mlx-sys / mlx-rs materialized from the crates.io registry into .crates/ with our patches.
+# With --dev (the test suite's setup) also: headless Chromium and chromedriver for the chat
+# page's browser test, and the L2 oracle env at .venv-optiq/ (the same MLX stack plus
+# mlx-optiq, whose transformers pin differs from mlx-lm's env).
 # Nothing third-party is committed; everything here is fetched from package registries.
 set -euo pipefail
+
+dev=0
+for arg in "$@"; do
+  case "$arg" in
+    --dev) dev=1 ;;
+    *) printf '[setup] error: unknown option %s (the only one is --dev)\n' "$arg" >&2; exit 2 ;;
+  esac
+done
 
 root=$(cd "$(dirname "${BASH_SOURCE[0]}")/.." && pwd)
 cd "$root"
@@ -24,7 +32,8 @@ hash_of() { cat "$@" | sha256sum | cut -c1-16; }
 install_debian_packages() {
   [ "$(uname -s)" = Linux ] || return 0
   command -v dpkg >/dev/null || { say "not a Debian system: install cmake, clang/libclang, pkg-config, g++, OpenBLAS (and Chromium with chromedriver for the browser test) yourself"; return 0; }
-  local wanted=(cmake clang libclang-dev pkg-config g++ libopenblas0-pthread patch chromium chromium-driver)
+  local wanted=(cmake clang libclang-dev pkg-config g++ libopenblas0-pthread patch)
+  if [ "$dev" = 1 ]; then wanted+=(chromium chromium-driver); fi
   local missing=()
   for p in "${wanted[@]}"; do
     dpkg -s "$p" >/dev/null 2>&1 || missing+=("$p")
@@ -113,7 +122,13 @@ materialize_crates() {
 install_debian_packages
 setup_venv
 swap_in_openblas .venv
-setup_optiq_venv
-swap_in_openblas .venv-optiq
+if [ "$dev" = 1 ]; then
+  setup_optiq_venv
+  swap_in_openblas .venv-optiq
+fi
 materialize_crates
-say "ready: $runtime_wheel $MLX_VERSION in .venv (and the L2 oracle in .venv-optiq), patched crates in .crates"
+if [ "$dev" = 1 ]; then
+  say "ready: $runtime_wheel $MLX_VERSION in .venv, the L2 oracle in .venv-optiq, Chromium, patched crates in .crates"
+else
+  say "ready: $runtime_wheel $MLX_VERSION in .venv, patched crates in .crates (scripts/setup.sh --dev adds what the tests need)"
+fi

@@ -1,5 +1,5 @@
 //! The chat page at `/` of `mlxb serve`, in a real browser: headless Chromium (Debian's
-//! `chromium` and `chromium-driver`, installed by `scripts/setup.sh`) driven by Selenium from
+//! `chromium` and `chromium-driver`, installed by `scripts/setup.sh --dev`) driven by Selenium from
 //! `.venv` through `tests/browser/chat_page.py`. The page asks for the API key once, streams a
 //! greedy answer equal to the API's, stops a generation mid-stream, keeps conversations across
 //! a reload, shows markup as text and renders markdown without raw HTML.

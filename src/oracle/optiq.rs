@@ -33,7 +33,7 @@ pub fn python() -> Result<PathBuf> {
     match beside {
         Some(p) if p.is_file() => Ok(p),
         _ => Err(EngineError::Runtime(
-            "cannot find the L2 oracle env (.venv-optiq with mlx-optiq); run scripts/setup.sh or set MLXB_OPTIQ_PYTHON".into(),
+            "cannot find the L2 oracle env (.venv-optiq with mlx-optiq); run scripts/setup.sh --dev or set MLXB_OPTIQ_PYTHON".into(),
         )),
     }
 }

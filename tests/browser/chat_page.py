@@ -24,7 +24,7 @@ expected = json.load(open(expected_path))
 def found(env, names):
     path = os.environ.get(env) or next(filter(None, map(shutil.which, names)), None)
     if not path:
-        sys.exit(f"no {names[0]} found: install it (scripts/setup.sh does on Debian) or set {env}")
+        sys.exit(f"no {names[0]} found: install it (scripts/setup.sh --dev does on Debian) or set {env}")
     return path
 
 
