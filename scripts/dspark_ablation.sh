@@ -32,6 +32,7 @@ declare -A variants=(
   # loss-term weights CE,L1,CONF[,KL] (the rows above use DeepSpec's 0.1,0.9,1.0)
   [rnn-1l-g7-vocab-ce1]="--seq-head rnn --layers 1 --gamma 7 --draft-vocab 8192 --loss-weights 1,0.9,1"
   [rnn-1l-g7-vocab-kl]="--seq-head rnn --layers 1 --gamma 7 --draft-vocab 8192 --loss-weights 0.1,0,1,1"
+  [rnn-1l-g7-vocab-kl-lr3e-3]="--seq-head rnn --layers 1 --gamma 7 --draft-vocab 8192 --loss-weights 0.1,0,1,1 --lr 3e-3"
 )
 order=(markov-1l-g7-vocab rnn-1l-g7-vocab markov-2l-g7-vocab markov-1l-g4-vocab markov-1l-g7-full)
 [ $# -gt 0 ] && order=("$@")

@@ -25,6 +25,16 @@ fn model(name: &str, config: Value, dtype: &str, mixed_weights: bool) -> std::pa
     dir
 }
 
+/// A tiny f32 llama with head dim 64 (room for KV groups of 32 and 64).
+fn llama_f32(name: &str) -> std::path::PathBuf {
+    model(
+        name,
+        common::tiny_llama(json!({"head_dim": 64})),
+        "f32",
+        false,
+    )
+}
+
 /// optiq's format: `[{"layer_idx", "bits", "group_size"}]`, absent layers at full precision.
 fn allocation(entries: &[(usize, i32, Option<i32>)]) -> Value {
     entries
@@ -70,12 +80,7 @@ fn check_beside(dir: &Path, kv: &Value) {
 
 #[test]
 fn l2_matches_optiq_llama_f32_mixed_bits_and_groups() {
-    let dir = model(
-        "llama-f32",
-        common::tiny_llama(json!({"head_dim": 64})),
-        "f32",
-        false,
-    );
+    let dir = llama_f32("llama-f32");
     let kv = allocation(&[(0, 4, Some(64)), (1, 8, Some(32)), (3, 2, None)]);
     check_beside(&dir, &kv);
 
@@ -185,12 +190,7 @@ fn l2_matches_optiq_with_per_layer_quantized_weights() {
 
 #[test]
 fn optiq_allocations_mlxb_cannot_run_are_refused() {
-    let dir = model(
-        "llama-refusals",
-        common::tiny_llama(json!({"head_dim": 64})),
-        "f32",
-        false,
-    );
+    let dir = llama_f32("llama-refusals");
     let cases: [(Value, &[&str]); 4] = [
         (allocation(&[(0, 7, None)]), &["kv_config.json", "7 bits"]),
         (allocation(&[(9, 4, None)]), &["kv_config.json", "layer 9"]),
@@ -236,12 +236,7 @@ fn optiq_allocations_mlxb_cannot_run_are_refused() {
 
 #[test]
 fn flags_and_bench_matrix_use_the_l2_oracle() {
-    let dir = model(
-        "llama-matrix",
-        common::tiny_llama(json!({"head_dim": 64})),
-        "f32",
-        false,
-    );
+    let dir = llama_f32("llama-matrix");
     std::fs::write(
         dir.join("kv_config.json"),
         allocation(&[(0, 4, None), (2, 8, Some(32))]).to_string(),
