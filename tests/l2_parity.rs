@@ -257,6 +257,27 @@ fn flags_and_bench_matrix_use_the_l2_oracle() {
         .unwrap()
         .contains("mlx-optiq 0.7.7"));
 
+    // optiq's file wins over config.json's `kv_quantization`, and says so.
+    common::edit_config(&dir, |c| {
+        c["kv_quantization"] = json!({"layer_bits": [8, 8, 8, 8]});
+    });
+    let (code, _, err) = common::run_mlxb(&[
+        "generate",
+        "--model",
+        dir.to_str().unwrap(),
+        "--l2",
+        "-m",
+        "1",
+    ]);
+    assert_eq!(code, 0, "{err}");
+    assert!(
+        err.contains("kv_config.json wins over `kv_quantization`"),
+        "{err}"
+    );
+    common::edit_config(&dir, |c| {
+        c.as_object_mut().unwrap().remove("kv_quantization");
+    });
+
     let (code, out, err) = common::run_mlxb(&[
         "bench",
         "--model",

@@ -20,6 +20,9 @@ pub const KV_CONFIG_KEY: &str = "kv_quantization";
 /// `group_size` 64 when left out. It wins over config.json's `kv_quantization`.
 pub const OPTIQ_KV_CONFIG: &str = "kv_config.json";
 
+/// How the warning of `--kv-quant config` without per-layer settings ends.
+const NO_KV_SETTINGS: &str = "so every KV cache stays full precision";
+
 /// One layer's KV cache quantization.
 #[derive(Debug, Clone, Copy, PartialEq, Eq)]
 pub struct KvLayerQuant {
@@ -81,20 +84,21 @@ impl ForkPlan {
             KvQuant::Bits(bits) => vec![Some(KvLayerQuant { bits, ..uniform }); layers],
             KvQuant::Config => {
                 let optiq = config_path.with_file_name(OPTIQ_KV_CONFIG);
-                match config.get(KV_CONFIG_KEY) {
-                    _ if optiq.is_file() => {
-                        if config.get(KV_CONFIG_KEY).is_some_and(|v| !v.is_null()) {
-                            plan.warnings.push(format!(
-                                "--kv-quant config: {} wins over `{KV_CONFIG_KEY}` in {}",
-                                optiq.display(),
-                                config_path.display()
-                            ));
-                        }
-                        return plan.with_optiq_kv_config(&optiq, layers, config);
-                    }
-                    None | Some(Value::Null) => {
+                let in_config = config.get(KV_CONFIG_KEY).filter(|v| !v.is_null());
+                if optiq.is_file() {
+                    if in_config.is_some() {
                         plan.warnings.push(format!(
-                            "--kv-quant config: {} has no `{KV_CONFIG_KEY}.layer_bits` and there is no {OPTIQ_KV_CONFIG} beside it, so every KV cache stays full precision",
+                            "--kv-quant config: {} wins over `{KV_CONFIG_KEY}` in {}",
+                            optiq.display(),
+                            config_path.display()
+                        ));
+                    }
+                    return plan.with_optiq_kv_config(&optiq, layers, config);
+                }
+                match in_config {
+                    None => {
+                        plan.warnings.push(format!(
+                            "--kv-quant config: {} has no `{KV_CONFIG_KEY}.layer_bits` and there is no {OPTIQ_KV_CONFIG} beside it, {NO_KV_SETTINGS}",
                             config_path.display()
                         ));
                         Vec::new()
@@ -153,8 +157,7 @@ impl ForkPlan {
             layers,
             mix.join(", ")
         ));
-        self.warnings
-            .retain(|w| !w.starts_with("--kv-quant config:"));
+        self.warnings.retain(|w| !w.ends_with(NO_KV_SETTINGS));
         self.finish(config);
         Ok(self)
     }
