@@ -214,7 +214,12 @@
     if (settings.system.trim()) messages.push({ role: "system", content: settings.system });
     for (const m of conv.messages) {
       if (m === reply) break;
-      if (m.role === "assistant" && (m.error || !m.content)) continue;
+      if (m.role === "assistant" && (m.error || !m.content)) {
+        // A turn that got no answer is left out whole: templates that want the roles to
+        // alternate would refuse two user messages in a row.
+        if (messages.length && messages[messages.length - 1].role === "user") messages.pop();
+        continue;
+      }
       messages.push({ role: m.role, content: m.content });
     }
     return messages;
