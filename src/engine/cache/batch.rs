@@ -91,19 +91,6 @@ impl BatchKvCache {
         }
     }
 
-    /// Takes [`join_rows`]'s result (`None`: only the other side's padding is appended).
-    fn take_joined(&mut self, joined: Option<JoinedRows>, other_padding: Vec<i32>) {
-        match joined {
-            Some(j) => {
-                self.keys = Some(j.keys);
-                self.values = Some(j.values);
-                self.left_padding = j.left_padding;
-                self.idx = j.idx;
-            }
-            None => self.left_padding.extend(other_padding),
-        }
-    }
-
     /// `extract(idx)`: row `row`'s real positions as its own keys and values `[1, H, n, D]`.
     pub fn extract(&self, row: usize) -> Result<Option<(Array, Array)>> {
         let (Some(k), Some(v)) = (&self.keys, &self.values) else {
@@ -178,6 +165,26 @@ pub(super) fn join_rows(a: RowsKv<'_>, b: RowsKv<'_>) -> Result<Option<JoinedRow
         left_padding: p1.into_iter().chain(p2).collect(),
         idx,
     }))
+}
+
+/// Writes [`join_rows`]'s result into a cache's buffers, padding and index; `None` (neither side
+/// holds keys yet) appends only the other side's padding, as mlx-lm's `extend` does.
+pub(super) fn take_joined(
+    [keys, values]: [&mut Option<Array>; 2],
+    left_padding: &mut Vec<i32>,
+    idx: &mut i32,
+    joined: Option<JoinedRows>,
+    other_padding: Vec<i32>,
+) {
+    match joined {
+        Some(j) => {
+            *keys = Some(j.keys);
+            *values = Some(j.values);
+            *left_padding = j.left_padding;
+            *idx = j.idx;
+        }
+        None => left_padding.extend(other_padding),
+    }
 }
 
 /// What a batched cache does to its rows between forwards (mlx-lm's `prepare`, `finalize`,
@@ -280,7 +287,13 @@ impl BatchRows for BatchKvCache {
     fn extend(&mut self, other: &mut dyn BatchRows) -> Result<()> {
         let other: BatchKvCache = same_kind(other)?;
         let joined = join_rows(self.rows_kv(), other.rows_kv())?;
-        self.take_joined(joined, other.left_padding);
+        take_joined(
+            [&mut self.keys, &mut self.values],
+            &mut self.left_padding,
+            &mut self.idx,
+            joined,
+            other.left_padding,
+        );
         self.offset.extend(other.offset);
         Ok(())
     }

@@ -5,7 +5,7 @@
 //! to the left so that it never evicts a row's real positions. Every buffer operation is
 //! mlx-lm's, in its order: the buffer's length and order are part of attention's bits.
 
-use super::batch::{dynamic_roll, join_rows, keep_rows, same_kind, BatchRows, RowsKv};
+use super::batch::{dynamic_roll, join_rows, keep_rows, same_kind, take_joined, BatchRows, RowsKv};
 use super::{grow_kv, roll, AttentionMask, KvCache, STEP};
 use crate::engine::cache_attention::AttentionPlan;
 use crate::engine::error::{EngineError, Result};
@@ -250,12 +250,13 @@ impl BatchRows for BatchRotatingKvCache {
             other.temporal_order()?;
         }
         let joined = join_rows(self.rows_kv(), other.rows_kv())?;
-        if let Some(j) = joined {
-            self.keys = Some(j.keys);
-            self.values = Some(j.values);
-            self.left_padding = j.left_padding;
-            self.idx = j.idx;
-        }
+        take_joined(
+            [&mut self.keys, &mut self.values],
+            &mut self.left_padding,
+            &mut self.idx,
+            joined,
+            other.left_padding,
+        );
         self.offset.extend(other.offset);
         self.written = self.written.max(other.written);
         Ok(())
@@ -324,4 +325,22 @@ impl KvCache for BatchRotatingKvCache {
     }
 
     batched_kv!("BatchRotatingKVCache");
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    #[test]
+    fn rows_without_keys_join_with_their_padding() -> Result<()> {
+        // mlx-lm's extend: when neither side holds keys, only the padding is concatenated.
+        let mut a = BatchRotatingKvCache::new(8, vec![1]);
+        let mut b = BatchRotatingKvCache::new(8, vec![2, 0]);
+        a.extend(&mut b)?;
+        assert_eq!(
+            (a.left_padding.as_slice(), a.offset.as_slice()),
+            (&[1, 2, 0][..], &[-1, -2, 0][..])
+        );
+        Ok(())
+    }
 }
