@@ -294,8 +294,7 @@ fn measure_entry(
     progress(&Event::Phase(&format!("loading {}", e.label)));
     let mut other = models::load(dir, r.forks)?;
     let mut base = base.clone();
-    let per_layer_kv = r.forks.kv_quant == KvQuant::Config && other.plan.kv_source.is_some();
-    if e.keeps == Tier::L2 && per_layer_kv {
+    if e.keeps == Tier::L2 && other.plan.per_layer_kv() {
         progress(&Event::Phase(&format!("{} against mlx-optiq", e.label)));
         base.l2_identical = Some(optiq::identical_to_l2(
             &mut other,

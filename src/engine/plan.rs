@@ -162,6 +162,12 @@ impl ForkPlan {
         Ok(self)
     }
 
+    /// Whether `--kv-quant config` quantizes at least one layer's KV cache (the runs the L2
+    /// oracle checks; otherwise the output is L1's).
+    pub fn per_layer_kv(&self) -> bool {
+        self.forks.kv_quant == KvQuant::Config && self.kv_bits.iter().any(Option::is_some)
+    }
+
     /// Warnings that depend on the final KV settings.
     fn finish(&mut self, config: &Value) {
         let quantized = config.get("quantization").is_some();

@@ -2,13 +2,12 @@
 //! pins other transformers versions than mlx-lm's env), on the same MLX release and BLAS: the
 //! `optiq eval` path with a per-layer KV allocation. The driver script ships inside the binary.
 
+use super::compare::compare;
 use super::divergence::greedy_steps;
 use super::mlx_lm::{self, run_trace, OracleTrace};
-use crate::engine::bits::same_bits;
 use crate::engine::error::{EngineError, Result};
 use crate::engine::models::LoadedModel;
 use crate::engine::plan::KvLayerQuant;
-use mlx_rs::ops::indexing::IndexOp;
 use std::path::{Path, PathBuf};
 
 /// The optiq trace script (assets/oracle/optiq_trace.py), embedded.
@@ -94,16 +93,8 @@ pub fn identical_to_l2(
     for prompt in prompts {
         let ours = greedy_steps(loaded, prompt, steps, prefill_step_size, None)?;
         let theirs = trace(dir, &layers, prompt, steps, prefill_step_size)?;
-        let Some(lps) = theirs.logprobs else {
-            return Ok(ours.is_empty() && theirs.ids.is_empty());
-        };
-        if ours.len() != theirs.ids.len() {
+        if !compare(&ours, &theirs.ids, theirs.logprobs.as_ref())?.identical {
             return Ok(false);
-        }
-        for (i, ((id, lp), &oid)) in ours.iter().zip(&theirs.ids).enumerate() {
-            if *id as i64 != oid as i64 || !same_bits(lp, &lps.index(i as i32))? {
-                return Ok(false);
-            }
         }
     }
     Ok(true)
