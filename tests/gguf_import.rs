@@ -89,6 +89,11 @@ fn gemma3() -> &'static Path {
     DIR.get_or_init(|| builtin("gemma3-270m"))
 }
 
+fn qwen_coder_05b() -> &'static Path {
+    static DIR: OnceLock<PathBuf> = OnceLock::new();
+    DIR.get_or_init(|| builtin("qwen2.5-coder-0.5b"))
+}
+
 fn cached_gguf(name: &str) -> PathBuf {
     let m = registry::find(name).unwrap();
     cache_home().join("mlxb/gguf").join(m.gguf_name)
@@ -103,7 +108,8 @@ fn keep_quant(name: &'static str) -> PathBuf {
     }
     match name {
         "smollm2-135m-instruct" => smollm2(),
-        _ => gemma3(),
+        "gemma3-270m" => gemma3(),
+        _ => qwen_coder_05b(),
     };
     let out = scratch().join(format!("{name}-keep-quant"));
     let gguf = cached_gguf(name);
@@ -359,10 +365,14 @@ fn check_tensors(
             (0, 0),
             "{what} f32 import"
         );
-        // 3. The --keep-quant import, dequantized by MLX: lossless where it stayed quantized.
-        let module = hf.strip_suffix(".weight").unwrap();
-        let (kept, got) = match kq.get(&format!("{module}.scales")) {
+        // 3. The --keep-quant import, dequantized by MLX: lossless where it stayed quantized
+        // (biases are never quantized; their module's weight may be).
+        let scales = hf
+            .strip_suffix(".weight")
+            .and_then(|module| kq.get(&format!("{module}.scales")));
+        let (kept, got) = match scales {
             Some(scales) => {
+                let module = hf.strip_suffix(".weight").unwrap();
                 let q = &kq_cfg["quantization"];
                 let bits = q.get(module).unwrap_or(q)["bits"].as_i64().unwrap() as i32;
                 let biases = &kq[&format!("{module}.biases")];
@@ -431,6 +441,135 @@ fn gemma3_tokenizer_and_k_quants_match_the_gguf_reference() {
     let (vocab, tensors) = reference("gemma3-270m", dir, &names);
     check_tokenizer(dir, &vocab, Some(2));
     check_tensors("gemma3-270m", dir, GEMMA3_TENSORS, &tensors);
+}
+
+// ---------------------------------------------------------------------------------------------
+// Qwen2.5-Coder (qwen2: attention biases, separate output head, the qwen2 pre-tokenizer; the
+// 0.5B holds Q5_0/Q8_0/Q4_K/Q6_K, the 1.5B Q4_K/Q6_K)
+
+const QWEN_CODER_TENSORS: &[(&str, &str)] = &[
+    ("token_embd.weight", "model.embed_tokens.weight"),
+    ("output.weight", "lm_head.weight"),
+    ("blk.0.attn_q.bias", "model.layers.0.self_attn.q_proj.bias"),
+    ("blk.0.attn_k.bias", "model.layers.0.self_attn.k_proj.bias"),
+    (
+        "blk.0.attn_v.weight",
+        "model.layers.0.self_attn.v_proj.weight",
+    ),
+    ("blk.0.attn_v.bias", "model.layers.0.self_attn.v_proj.bias"),
+    (
+        "blk.1.attn_v.weight",
+        "model.layers.1.self_attn.v_proj.weight",
+    ),
+    (
+        "blk.0.ffn_down.weight",
+        "model.layers.0.mlp.down_proj.weight",
+    ),
+    (
+        "blk.1.ffn_down.weight",
+        "model.layers.1.mlp.down_proj.weight",
+    ),
+    (
+        "blk.0.ffn_norm.weight",
+        "model.layers.0.post_attention_layernorm.weight",
+    ),
+];
+
+#[test]
+fn qwen_coder_tokenizer_and_tensors_match_the_gguf_and_transformers_references() {
+    let dir = qwen_coder_05b();
+    let cfg = json_file(&dir.join("config.json"));
+    assert_eq!(cfg["model_type"], "qwen2");
+    assert_eq!(cfg["tie_word_embeddings"], false);
+    let names: Vec<&str> = QWEN_CODER_TENSORS.iter().map(|p| p.0).collect();
+    let (vocab, tensors) = reference("qwen2.5-coder-0.5b", dir, &names);
+    check_tokenizer(dir, &vocab, None);
+    // transformers' own Qwen2Tokenizer (built from the same vocabulary and merges), on texts
+    // that need its NFC normalizer, single digits and the chat/tool markers.
+    let tok = Tokenizer::load(dir).unwrap();
+    let texts = vocab["transformers_texts"].as_array().unwrap();
+    assert!(texts.len() > vocab["texts"].as_array().unwrap().len());
+    for (i, text) in texts.iter().enumerate() {
+        let text = text.as_str().unwrap();
+        assert_eq!(
+            tok.encode(text, false).unwrap(),
+            ids(&vocab["transformers_ids"][i]),
+            "transformers ids of {text:?}"
+        );
+    }
+    let chat = tok
+        .prompt_ids("What is the capital of France?", None, true)
+        .unwrap();
+    assert_eq!(chat, ids(&vocab["mlx_lm_chat_ids"]));
+    check_tensors("qwen2.5-coder-0.5b", dir, QWEN_CODER_TENSORS, &tensors);
+}
+
+#[test]
+fn qwen_coder_imports_are_l1_identical_to_mlx_lm() {
+    let prompt = "Write a Python function that reverses a string.";
+    parity(qwen_coder_05b(), prompt, "12", true);
+    // Q5_0, Q8_0 and Q4_K kept as MLX affine 5-, 8- and 4-bit layers; Q6_K dequantized.
+    let kq = keep_quant("qwen2.5-coder-0.5b");
+    let q = &json_file(&kq.join("config.json"))["quantization"];
+    assert_eq!(q["bits"], 5, "{q}");
+    parity(&kq, prompt, "12", true);
+}
+
+/// The 1.5B target writes a function that works (run on test cases by Python), and drafting
+/// with the 0.5B model changes nothing in its greedy output.
+#[test]
+fn qwen_coder_15b_writes_working_code_and_its_draft_model_changes_nothing() {
+    let dir = builtin("qwen2.5-coder-1.5b");
+    let cfg = json_file(&dir.join("config.json"));
+    assert_eq!(cfg["num_hidden_layers"], 28);
+    assert!(dir.join("ORIGIN.md").is_file());
+    qwen_coder_05b();
+    let prompt = "Write a Python function `count_vowels(s)` that returns how many vowels \
+                  (a, e, i, o, u, either case) the string s contains. Reply with only the code.";
+    let run = |draft: bool| {
+        let mut args = vec![
+            "generate",
+            "--model",
+            "qwen2.5-coder-1.5b",
+            "--prompt",
+            prompt,
+            "--max-tokens",
+            "96",
+        ];
+        if draft {
+            args.extend(["--draft-model", "qwen2.5-coder-0.5b", "--verbose"]);
+        }
+        ok(mlxb(&args))
+    };
+    let plain = run(false);
+    let drafted = run(true);
+    // --verbose frames the text as mlx-lm does ("==========" above it, statistics below).
+    let drafted_text = drafted.trim_start_matches("==========\n");
+    assert!(
+        drafted_text.starts_with(plain.trim_end()),
+        "drafting changed the output:\n{plain}\n---\n{drafted}"
+    );
+    assert!(drafted.contains("mean acceptance length"), "{drafted}");
+    let code = plain
+        .split("```")
+        .nth(1)
+        .map(|c| c.trim_start_matches("python"))
+        .unwrap_or(&plain);
+    let check = format!(
+        "{code}\nassert count_vowels('') == 0\nassert count_vowels('Hello World') == 3\n\
+         assert count_vowels('AEIOUxyz aeiou') == 10\nprint('ok')\n"
+    );
+    let script = scratch().join("count_vowels.py");
+    std::fs::write(&script, check).unwrap();
+    let out = std::process::Command::new("python3")
+        .arg(&script)
+        .output()
+        .unwrap();
+    assert!(
+        out.status.success() && String::from_utf8_lossy(&out.stdout).contains("ok"),
+        "the generated function fails its tests:\n{plain}\n{}",
+        String::from_utf8_lossy(&out.stderr)
+    );
 }
 
 // ---------------------------------------------------------------------------------------------

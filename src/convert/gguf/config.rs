@@ -10,7 +10,19 @@ use std::collections::BTreeMap;
 #[derive(Debug, Clone, Copy, PartialEq, Eq)]
 pub(super) enum Arch {
     Llama,
+    Qwen2,
     Gemma3,
+}
+
+impl Arch {
+    /// The `model_type` written to config.json.
+    pub(super) fn model_type(self) -> &'static str {
+        match self {
+            Arch::Llama => "llama",
+            Arch::Qwen2 => "qwen2",
+            Arch::Gemma3 => "gemma3_text",
+        }
+    }
 }
 
 /// Hyperparameters read from `{arch}.*` metadata.
@@ -32,11 +44,12 @@ pub(super) fn hparams(h: &GgufHeader) -> Result<Hparams> {
     let prefix = h.str("general.architecture")?.to_owned();
     let arch = match prefix.as_str() {
         "llama" => Arch::Llama,
+        "qwen2" => Arch::Qwen2,
         "gemma3" => Arch::Gemma3,
         other => {
             return Err(EngineError::file(
                 &h.path,
-                format!("has architecture `{other}`, which mlxb cannot import (it imports llama and gemma3)"),
+                format!("has architecture `{other}`, which mlxb cannot import (it imports llama, qwen2 and gemma3)"),
             ))
         }
     };
@@ -54,6 +67,12 @@ pub(super) fn hparams(h: &GgufHeader) -> Result<Hparams> {
         return Err(EngineError::file(
             &h.path,
             format!("has inconsistent attention metadata ({n_head} heads, {n_head_kv} key/value heads, head size {head_dim})"),
+        ));
+    }
+    if arch == Arch::Qwen2 && head_dim * n_head != hidden {
+        return Err(EngineError::file(
+            &h.path,
+            format!("has a head size of {head_dim} with {n_head} heads for a hidden size of {hidden}; a qwen2 model's head size is hidden size / heads"),
         ));
     }
     if let Some(v) = h.uint_opt(&k("attention.value_length"))? {
@@ -163,6 +182,14 @@ pub(super) fn model_config(
             set("attention_bias", json!(false));
             set("mlp_bias", json!(false));
             set("rope_theta", f32_json(hp.rope_theta.unwrap_or(10_000.0)));
+            set("rope_scaling", Value::Null);
+        }
+        Arch::Qwen2 => {
+            // mlx-lm's qwen2 always gives q/k/v a bias; its head size is hidden / heads.
+            set("architectures", json!(["Qwen2ForCausalLM"]));
+            set("model_type", json!("qwen2"));
+            set("hidden_act", json!("silu"));
+            set("rope_theta", f32_json(hp.rope_theta.unwrap_or(1_000_000.0)));
             set("rope_scaling", Value::Null);
         }
         Arch::Gemma3 => {

@@ -168,10 +168,7 @@ pub fn import_gguf(
     staging.commit(out)?;
     Ok(ImportSummary {
         out: out.to_path_buf(),
-        model_type: match hp.arch {
-            Arch::Llama => "llama".into(),
-            Arch::Gemma3 => "gemma3_text".into(),
-        },
+        model_type: hp.arch.model_type().into(),
         tensors: total,
         quantized: quant_bits.len(),
         mlx_reader: use_mlx,

@@ -19,6 +19,16 @@ pub(super) fn hf_name(arch: Arch, name: &str) -> Option<String> {
     let rest = name.strip_prefix("blk.")?;
     let (layer, rest) = rest.split_once('.')?;
     let layer: u32 = layer.parse().ok()?;
+    if let Some(base) = rest.strip_suffix(".bias") {
+        // Qwen2's attention biases (llama.cpp keeps them in the Hugging Face order).
+        let mapped = match (base, arch) {
+            ("attn_q", Arch::Qwen2) => "self_attn.q_proj",
+            ("attn_k", Arch::Qwen2) => "self_attn.k_proj",
+            ("attn_v", Arch::Qwen2) => "self_attn.v_proj",
+            _ => return None,
+        };
+        return Some(format!("model.layers.{layer}.{mapped}.bias"));
+    }
     let base = rest.strip_suffix(".weight")?;
     let mapped = match (base, arch) {
         ("attn_norm", _) => "input_layernorm",
@@ -29,7 +39,7 @@ pub(super) fn hf_name(arch: Arch, name: &str) -> Option<String> {
         ("ffn_gate", _) => "mlp.gate_proj",
         ("ffn_up", _) => "mlp.up_proj",
         ("ffn_down", _) => "mlp.down_proj",
-        ("ffn_norm", Arch::Llama) => "post_attention_layernorm",
+        ("ffn_norm", Arch::Llama | Arch::Qwen2) => "post_attention_layernorm",
         ("ffn_norm", Arch::Gemma3) => "pre_feedforward_layernorm",
         ("post_attention_norm", Arch::Gemma3) => "post_attention_layernorm",
         ("post_ffw_norm", Arch::Gemma3) => "post_feedforward_layernorm",

@@ -49,9 +49,33 @@ pub fn byte_to_char() -> [char; 256] {
     table
 }
 
-/// llama.cpp's `tokenizer.ggml.pre` → the pre-tokenizer Hugging Face uses for that family.
-fn byte_level_pre_tokenizer(pre: &str) -> Option<Value> {
+/// llama.cpp's `tokenizer.ggml.pre` → the normalizer and pre-tokenizer Hugging Face uses for
+/// that family.
+fn byte_level_pre_tokenizer(pre: &str) -> Option<(Value, Value)> {
+    let pre_tok = byte_level_split(pre)?;
+    // Qwen2's tokenizer composes Unicode (NFC) before it splits.
+    let normalizer = if pre == "qwen2" {
+        json!({"type": "NFC"})
+    } else {
+        Value::Null
+    };
+    Some((normalizer, pre_tok))
+}
+
+/// The byte-level pre-tokenizer of a `tokenizer.ggml.pre` name.
+fn byte_level_split(pre: &str) -> Option<Value> {
     let byte_level = |use_regex: bool| json!({"type": "ByteLevel", "add_prefix_space": false, "trim_offsets": true, "use_regex": use_regex});
+    let isolated_split = |regex: &str| {
+        json!({
+            "type": "Sequence",
+            "pretokenizers": [
+                {"type": "Split", "pattern": {"Regex": regex}, "behavior": "Isolated", "invert": false},
+                byte_level(false)
+            ]
+        })
+    };
+    // Llama 3 groups digits in threes; Qwen2 splits every digit.
+    const QWEN2_SPLIT: &str = "(?i:'s|'t|'re|'ve|'m|'ll|'d)|[^\\r\\n\\p{L}\\p{N}]?\\p{L}+|\\p{N}| ?[^\\s\\p{L}\\p{N}]+[\\r\\n]*|\\s*[\\r\\n]+|\\s+(?!\\S)|\\s+";
     const LLAMA3_SPLIT: &str = "(?i:'s|'t|'re|'ve|'m|'ll|'d)|[^\\r\\n\\p{L}\\p{N}]?\\p{L}+|\\p{N}{1,3}| ?[^\\s\\p{L}\\p{N}]+[\\r\\n]*|\\s*[\\r\\n]+|\\s+(?!\\S)|\\s+";
     match pre {
         "default" | "gpt2" | "gpt-2" => Some(byte_level(true)),
@@ -60,13 +84,8 @@ fn byte_level_pre_tokenizer(pre: &str) -> Option<Value> {
             "type": "Sequence",
             "pretokenizers": [{"type": "Digits", "individual_digits": true}, byte_level(true)]
         })),
-        "llama3" | "llama-v3" | "llama-bpe" => Some(json!({
-            "type": "Sequence",
-            "pretokenizers": [
-                {"type": "Split", "pattern": {"Regex": LLAMA3_SPLIT}, "behavior": "Isolated", "invert": false},
-                byte_level(false)
-            ]
-        })),
+        "llama3" | "llama-v3" | "llama-bpe" => Some(isolated_split(LLAMA3_SPLIT)),
+        "qwen2" => Some(isolated_split(QWEN2_SPLIT)),
         _ => None,
     }
 }
@@ -216,11 +235,11 @@ fn gpt2_pipeline(h: &GgufHeader, raw_tokens: &[&str]) -> Result<Pipeline> {
         .get("tokenizer.ggml.pre")
         .and_then(MetaValue::as_str)
         .unwrap_or("default");
-    let pre_tok = byte_level_pre_tokenizer(pre).ok_or_else(|| {
+    let (normalizer, pre_tok) = byte_level_pre_tokenizer(pre).ok_or_else(|| {
         EngineError::file(
             &h.path,
             format!(
-                "uses the pre-tokenizer `{pre}`, which mlxb cannot rebuild (it knows default/gpt2, smollm and llama-bpe)"
+                "uses the pre-tokenizer `{pre}`, which mlxb cannot rebuild (it knows default/gpt2, smollm, llama-bpe and qwen2)"
             ),
         )
     })?;
@@ -253,7 +272,7 @@ fn gpt2_pipeline(h: &GgufHeader, raw_tokens: &[&str]) -> Result<Pipeline> {
     Ok(Pipeline {
         tokens,
         model,
-        normalizer: Value::Null,
+        normalizer,
         pre_tokenizer: pre_tok,
         decoder,
         default_bos: false,
