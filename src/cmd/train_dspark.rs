@@ -16,7 +16,7 @@ use crate::train::data::{
 };
 use crate::train::draft_vocab;
 use crate::train::forward::{DraftHead, Frozen, Params};
-use crate::train::init::init_for_session;
+use crate::train::init::{init_for_session, scale_fc_to_unit_features};
 use crate::train::loss::LossWeights;
 use crate::train::optim::{AdamW, TrainOptions};
 use crate::train::prompts::PromptFile;
@@ -62,6 +62,12 @@ pub struct TrainDsparkArgs {
     /// vocabulary is kept.
     #[arg(long, value_name = "N")]
     pub draft_vocab: Option<usize>,
+    /// How a new drafter's context projection `fc` starts: `normal` (the Hugging Face init, as
+    /// `dspark-init` writes it) or `rms` (each input column divided by that tapped feature's
+    /// root-mean-square over the cached sequences, so every tapped layer and dimension starts
+    /// with an equal share of the context features). Ignored with --resume.
+    #[arg(long, value_enum, default_value_t = FcInit::Normal)]
+    pub fc_init: FcInit,
     /// Optimizer steps (default: --epochs over the cached sequences).
     #[arg(long)]
     pub iters: Option<u64>,
@@ -101,6 +107,15 @@ pub struct TrainDsparkArgs {
     /// Continue the training state in --out.
     #[arg(long)]
     pub resume: bool,
+}
+
+/// The start of a new drafter's `fc` (see [`TrainDsparkArgs::fc_init`]).
+#[derive(Debug, Clone, Copy, PartialEq, Eq, clap::ValueEnum)]
+pub enum FcInit {
+    /// As initialised (normal(0, std)).
+    Normal,
+    /// Input columns scaled to unit root-mean-square features.
+    Rms,
 }
 
 /// A checkpoint and training state to continue, read and checked before any work starts.
@@ -252,7 +267,14 @@ pub fn run(args: TrainDsparkArgs) -> anyhow::Result<()> {
             (params, opt)
         }
         None => {
-            let params = Params::from_tensors(&config, &tensors)?;
+            let mut params = Params::from_tensors(&config, &tensors)?;
+            if args.fc_init == FcInit::Rms {
+                let spread = scale_fc_to_unit_features(&mut params, &examples)?;
+                eprintln!(
+                    "fc init: columns scaled to unit-RMS tapped features (their RMS spans {:.3} to {:.1})",
+                    spread.0, spread.1
+                );
+            }
             let opt = AdamW::new(&params)?;
             (params, opt)
         }

@@ -293,9 +293,58 @@ fn tensors(c: &DsparkConfig, opts: &InitOptions, dtype: Dtype) -> Result<HashMap
     Ok(out)
 }
 
+/// Divides each input column of `fc.weight` by the root-mean-square of that tapped feature over
+/// every row of `examples`, returning the smallest and largest RMS. A residual stream's taps
+/// differ a hundredfold in scale (a few outlier dimensions, and deeper layers larger), so a
+/// plain normal init projects mostly the deepest layer's outliers, and every context row starts
+/// out nearly the same feature vector; scaled, every dimension contributes alike. The forward
+/// is unchanged (fc stays a plain linear map), so the drafter loads and runs as any other.
+pub fn scale_fc_to_unit_features(
+    params: &mut crate::train::forward::Params,
+    examples: &[crate::train::example::Example],
+) -> Result<(f32, f32)> {
+    let Some(i) = params.names.iter().position(|n| n == "fc.weight") else {
+        return Err(EngineError::Input(
+            "the drafter has no `fc.weight` to scale".into(),
+        ));
+    };
+    let mut sum: Option<Array> = None;
+    let mut rows = 0usize;
+    for ex in examples {
+        let sq = ex
+            .taps
+            .as_dtype(Dtype::Float32)?
+            .square()?
+            .sum_axis(0, false)?;
+        rows += ex.taps.shape()[0] as usize;
+        sum = Some(match sum {
+            None => sq,
+            Some(s) => s.add(&sq)?,
+        });
+        if let Some(s) = &sum {
+            mlx_rs::transforms::eval([s])?;
+        }
+    }
+    let sum = sum.ok_or_else(|| EngineError::Input("no cached sequence to scale fc by".into()))?;
+    let rms = sum.divide(Array::from_f32(rows.max(1) as f32))?.sqrt()?;
+    let (lo, hi) = (
+        rms.min(None)?.item_cast::<f32>(),
+        rms.max(None)?.item_cast::<f32>(),
+    );
+    // A feature that is zero everywhere keeps its column as it was.
+    let rms = ops::select(&rms.gt(Array::from_f32(0.0))?, &rms, Array::from_f32(1.0))?;
+    let w = &params.values[i];
+    params.values[i] = w.divide(&rms.expand_dims(0)?)?.as_dtype(w.dtype())?;
+    mlx_rs::transforms::eval([&params.values[i]])?;
+    Ok((lo, hi))
+}
+
 #[cfg(test)]
 mod tests {
-    use super::default_tap_layers;
+    use super::{default_tap_layers, scale_fc_to_unit_features};
+    use crate::train::example::Example;
+    use crate::train::forward::Params;
+    use mlx_rs::Array;
 
     #[test]
     fn tap_layers_follow_dflash() {
@@ -308,5 +357,30 @@ mod tests {
         assert_eq!(default_tap_layers(4), vec![1]);
         assert_eq!(default_tap_layers(3), vec![0, 1]);
         assert_eq!(default_tap_layers(1), Vec::<usize>::new());
+    }
+
+    #[test]
+    fn fc_columns_scale_to_unit_rms_features() {
+        // Feature RMS over the three rows of two sequences: sqrt(35/3), sqrt(20/3), 0 (a zero
+        // feature keeps its column).
+        let ex = |rows: &[f32], n: i32| Example {
+            ids: vec![0; n as usize],
+            mask: vec![true; n as usize],
+            taps: Array::from_slice(rows, &[n, 3]),
+            last_hidden: Array::from_slice(&vec![0f32; n as usize], &[n, 1]),
+        };
+        let examples = [ex(&[1., 2., 0., 3., 4., 0.], 2), ex(&[5., 0., 0.], 1)];
+        let mut params = Params {
+            names: vec!["fc.weight".into()],
+            values: vec![Array::from_slice(&[1f32, 1., 7., 2., 2., 7.], &[2, 3])],
+        };
+        let (lo, hi) = scale_fc_to_unit_features(&mut params, &examples).unwrap();
+        let (a, b) = ((35f32 / 3.0).sqrt(), (20f32 / 3.0).sqrt());
+        assert_eq!((lo, hi), (0.0, a));
+        let got: Vec<f32> = params.values[0].as_slice::<f32>().to_vec();
+        let want = [1. / a, 1. / b, 7., 2. / a, 2. / b, 7.];
+        for (g, w) in got.iter().zip(want) {
+            assert!((g - w).abs() <= 1e-6 * w.abs(), "{got:?} vs {want:?}");
+        }
     }
 }
