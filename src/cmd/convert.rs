@@ -18,7 +18,7 @@ pub enum DtypeArg {
 /// Flags of `mlxb convert`.
 #[derive(Debug, Args)]
 pub struct ConvertArgs {
-    /// The GGUF file to import (llama or gemma3 architecture).
+    /// The GGUF file to import (llama, qwen2 or gemma3 architecture).
     #[arg(long)]
     pub gguf: PathBuf,
     /// The new model directory (must not exist; written atomically).
