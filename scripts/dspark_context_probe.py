@@ -2,7 +2,8 @@
 position 0 proposes the target's own greedy next token, on cached sequences it was not trained
 on, with the real context features, with another sequence's features, and with the context
 zeroed; beside a bigram table (anchor token -> the target's most frequent greedy next token)
-counted on training shards.
+counted on training shards; and where block row 0's attention goes (the previous context row,
+averaged over heads and for the head that looks at it most; its own block; a uniform share).
 
     .venv/bin/python scripts/dspark_context_probe.py DRAFTER CACHE MODEL_DIR FIRST LAST N_BIGRAM
 
@@ -48,7 +49,10 @@ def heads(x, n, norm=None, pos=None):
     x = x.transpose(1, 0, 2)
     return rope(x, pos) if pos is not None else x
 
-def pos0_pred(taps, ids, anchors):
+attention = []  # per anchor with the real context: (mean, max over heads on row p-1, on the block, uniform)
+
+
+def pos0_pred(taps, ids, anchors, record=False):
     """Argmax target ids the drafter proposes at block position 0 for each anchor."""
     S = taps.shape[0]
     feats = mx.fast.rms_norm(taps @ W["fc.weight"].T, W["hidden_norm.weight"], eps)
@@ -68,6 +72,9 @@ def pos0_pred(taps, ids, anchors):
         k = mx.repeat(k, rep, 0); v = mx.repeat(v, rep, 0)
         sc = (q @ k.transpose(0, 2, 1)) / math.sqrt(hd)
         a = mx.softmax(sc, -1)
+        if record:
+            row0 = np.array(a[:, 0, :])  # [heads, p + g]: block row 0's attention
+            attention.append((row0[:, p - 1].mean(), row0[:, p - 1].max(), row0[:, p:].sum(-1).mean(), 1.0 / (p + g)))
         o = (a @ v).transpose(1, 0, 2).reshape(g, nh * hd)
         h = h + o @ W[L + "self_attn.o_proj.weight"].T
         x = mx.fast.rms_norm(h, W[L + "post_attention_layernorm.weight"], eps)
@@ -110,7 +117,7 @@ for k in range(s0, s1 + 1):
         anchors = sorted(rng.choice(anchors, min(12, len(anchors)), replace=False).tolist()) if anchors else []
         if not anchors:
             continue
-        real = pos0_pred(taps, ids, anchors)
+        real = pos0_pred(taps, ids, anchors, record=True)
         zero = pos0_pred(mx.zeros_like(taps), ids, anchors)
         if prev_taps is not None and prev_taps.shape[0] >= taps.shape[0]:
             other = pos0_pred(prev_taps[:taps.shape[0]], ids, anchors)
@@ -130,4 +137,8 @@ for k in range(s0, s1 + 1):
         prev_taps = taps
 print(json.dumps({"anchors": n, "real": stats["real"] / n, "zeroed_context": stats["zero"] / n,
                   "other_context": stats["other"] / max(stats["other_n"], 1), "bigram_of_target_argmax": stats["bigram"] / n,
-                  "real_equals_zeroed": stats["agree_real_zero"] / n}))
+                  "real_equals_zeroed": stats["agree_real_zero"] / n,
+                  "attention_to_previous_row_mean_head": float(np.mean([x[0] for x in attention])),
+                  "attention_to_previous_row_best_head": float(np.mean([x[1] for x in attention])),
+                  "attention_to_own_block": float(np.mean([x[2] for x in attention])),
+                  "uniform_share": float(np.mean([x[3] for x in attention]))}))
