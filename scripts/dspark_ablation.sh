@@ -34,6 +34,8 @@ declare -A variants=(
   [rnn-1l-g7-vocab-kl]="--seq-head rnn --layers 1 --gamma 7 --draft-vocab 8192 --loss-weights 0.1,0,1,1"
   [rnn-1l-g7-vocab-kl-lr3e-3]="--seq-head rnn --layers 1 --gamma 7 --draft-vocab 8192 --loss-weights 0.1,0,1,1 --lr 3e-3"
   # fc's columns scaled to unit-RMS tapped features at the start
+  # attention q/k norm gains starting at 2 (scores x4)
+  [rnn-1l-g7-vocab-kl-qk2]="--seq-head rnn --layers 1 --gamma 7 --draft-vocab 8192 --loss-weights 0.1,0,1,1 --qk-norm-init 2"
   [rnn-1l-g7-vocab-kl-fcrms]="--seq-head rnn --layers 1 --gamma 7 --draft-vocab 8192 --loss-weights 0.1,0,1,1 --fc-init rms"
 )
 order=(markov-1l-g7-vocab rnn-1l-g7-vocab markov-2l-g7-vocab markov-1l-g4-vocab markov-1l-g7-full)

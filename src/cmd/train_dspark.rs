@@ -16,7 +16,7 @@ use crate::train::data::{
 };
 use crate::train::draft_vocab;
 use crate::train::forward::{DraftHead, Frozen, Params};
-use crate::train::init::{init_for_session, scale_fc_to_unit_features};
+use crate::train::init::{init_for_session, scale_fc_to_unit_features, set_qk_norm_gains};
 use crate::train::loss::LossWeights;
 use crate::train::optim::{AdamW, TrainOptions};
 use crate::train::prompts::PromptFile;
@@ -68,6 +68,10 @@ pub struct TrainDsparkArgs {
     /// with an equal share of the context features). Ignored with --resume.
     #[arg(long, value_enum, default_value_t = FcInit::Normal)]
     pub fc_init: FcInit,
+    /// A new drafter's attention q/k norm gains start at this value instead of 1 (scores scale
+    /// by its square: a sharper attention from the first step). Ignored with --resume.
+    #[arg(long, default_value_t = 1.0)]
+    pub qk_norm_init: f32,
     /// Optimizer steps (default: --epochs over the cached sequences).
     #[arg(long)]
     pub iters: Option<u64>,
@@ -274,6 +278,9 @@ pub fn run(args: TrainDsparkArgs) -> anyhow::Result<()> {
                     "fc init: columns scaled to unit-RMS tapped features (their RMS spans {:.3} to {:.1})",
                     spread.0, spread.1
                 );
+            }
+            if args.qk_norm_init != 1.0 {
+                set_qk_norm_gains(&mut params, args.qk_norm_init)?;
             }
             let opt = AdamW::new(&params)?;
             (params, opt)

@@ -339,9 +339,19 @@ pub fn scale_fc_to_unit_features(
     Ok((lo, hi))
 }
 
+/// Sets every attention q/k norm gain of a new drafter to `gain`.
+pub fn set_qk_norm_gains(params: &mut crate::train::forward::Params, gain: f32) -> Result<()> {
+    for (name, value) in params.names.iter().zip(params.values.iter_mut()) {
+        if name.ends_with("self_attn.q_norm.weight") || name.ends_with("self_attn.k_norm.weight") {
+            *value = ops::full::<f32>(value.shape(), Array::from_f32(gain))?;
+        }
+    }
+    Ok(())
+}
+
 #[cfg(test)]
 mod tests {
-    use super::{default_tap_layers, scale_fc_to_unit_features};
+    use super::{default_tap_layers, scale_fc_to_unit_features, set_qk_norm_gains};
     use crate::train::example::Example;
     use crate::train::forward::Params;
     use mlx_rs::Array;
@@ -382,5 +392,24 @@ mod tests {
         for (g, w) in got.iter().zip(want) {
             assert!((g - w).abs() <= 1e-6 * w.abs(), "{got:?} vs {want:?}");
         }
+    }
+
+    #[test]
+    fn qk_norm_gains_start_where_asked_and_nothing_else_moves() {
+        let mut params = Params {
+            names: vec![
+                "layers.0.self_attn.k_norm.weight".into(),
+                "layers.0.self_attn.q_norm.weight".into(),
+                "norm.weight".into(),
+            ],
+            values: vec![Array::from_slice(&[1f32; 4], &[4]); 3],
+        };
+        set_qk_norm_gains(&mut params, 2.5).unwrap();
+        let v: Vec<Vec<f32>> = params
+            .values
+            .iter()
+            .map(|a| a.as_slice::<f32>().to_vec())
+            .collect();
+        assert_eq!(v, vec![vec![2.5; 4], vec![2.5; 4], vec![1.0; 4]]);
     }
 }
