@@ -365,16 +365,10 @@ impl SpecArgs {
         let Some(name) = self.draft_model.as_deref().filter(|p| !p.is_dir()) else {
             return Ok(None);
         };
-        match name
-            .to_str()
-            .filter(|n| crate::convert::registry::find(n).is_some())
-        {
-            Some(n) => {
-                crate::convert::registry::resolve(Some(n), &super::progress::Terminal::default())
-                    .map(Some)
-            }
-            None => Ok(None),
-        }
+        name.to_str()
+            .and_then(crate::convert::registry::find)
+            .map(|m| m.ensure(&super::progress::Terminal::default()))
+            .transpose()
     }
 
     fn unchecked_options(&self, draft_model: Option<std::path::PathBuf>) -> Option<SpecOptions> {
