@@ -109,7 +109,8 @@ fn keep_quant(name: &'static str) -> PathBuf {
     match name {
         "smollm2-135m-instruct" => smollm2(),
         "gemma3-270m" => gemma3(),
-        _ => qwen_coder_05b(),
+        "qwen2.5-coder-0.5b" => qwen_coder_05b(),
+        other => panic!("no built-in model {other} is imported by these tests"),
     };
     let out = scratch().join(format!("{name}-keep-quant"));
     let gguf = cached_gguf(name);
