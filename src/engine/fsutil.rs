@@ -89,6 +89,29 @@ pub fn remove_dead_entries(dir: &Path, owner: impl Fn(&str) -> Option<libc::pid_
     }
 }
 
+/// Fails with one clear sentence when the file system holding `dir` has less than `needed`
+/// bytes free, so a large write stops before it starts instead of dying half-way with the
+/// writer's own "unable to write" (and a partial file left to clean up). `what` names the write.
+pub fn ensure_free_space(dir: &Path, needed: u64, what: &str) -> Result<()> {
+    // An unknown amount (an exotic file system) is not a reason to refuse.
+    let Ok(free) = fs4::available_space(dir) else {
+        return Ok(());
+    };
+    if free >= needed {
+        return Ok(());
+    }
+    let gb = |b: u64| b as f64 / 1e9;
+    Err(EngineError::file(
+        dir,
+        format!(
+            "has {:.2} GB free but {what} needs {:.2} GB; free some space on that disk, or put \
+             the output on another one",
+            gb(free),
+            gb(needed)
+        ),
+    ))
+}
+
 /// Whether process `pid` exists (signal 0 only checks; EPERM means it exists under another user).
 pub fn process_alive(pid: libc::pid_t) -> bool {
     // SAFETY: kill with signal 0 sends nothing; it only reports whether the pid exists.
@@ -98,7 +121,7 @@ pub fn process_alive(pid: libc::pid_t) -> bool {
 
 #[cfg(test)]
 mod tests {
-    use super::{temp_owner, write_atomic};
+    use super::{ensure_free_space, temp_owner, write_atomic};
     use std::os::unix::fs::PermissionsExt;
 
     fn mode(p: &std::path::Path) -> u32 {
@@ -163,5 +186,15 @@ mod tests {
         names.sort();
         let live_name = live.file_name().unwrap().to_string_lossy().into_owned();
         assert_eq!(names, [live_name.as_str(), "cache.json", "notes.tmp"]);
+    }
+
+    #[test]
+    fn a_write_larger_than_the_free_space_is_refused_with_both_sizes() {
+        let dir = tempfile::tempdir().unwrap();
+        ensure_free_space(dir.path(), 0, "nothing").unwrap();
+        let e = ensure_free_space(dir.path(), u64::MAX, "model.safetensors").unwrap_err();
+        let msg = e.to_string();
+        assert!(e.is_user_error(), "{msg}");
+        assert!(msg.contains("GB free but model.safetensors needs"), "{msg}");
     }
 }

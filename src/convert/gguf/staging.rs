@@ -97,6 +97,13 @@ impl Drop for Staging {
 pub(super) fn write_weights(staging: &Staging, arrays: HashMap<String, Array>) -> Result<u64> {
     let weights = staging.path.join("model.safetensors");
     let meta = HashMap::from([("format".to_owned(), "mlx".to_owned())]);
+    let bytes: u64 = arrays.values().map(|a| a.nbytes() as u64).sum();
+    // Headroom for the safetensors header and its padding.
+    crate::engine::fsutil::ensure_free_space(
+        &staging.path,
+        bytes + (16 << 20),
+        "model.safetensors",
+    )?;
     Array::save_safetensors(&arrays, &meta, &weights)
         .map_err(|e| EngineError::file(&weights, format!("cannot be written ({e})")))?;
     drop(arrays);
