@@ -111,6 +111,11 @@ pub struct TrainDsparkArgs {
     /// Continue the training state in --out.
     #[arg(long)]
     pub resume: bool,
+    /// Start from this drafter's weights (and its draft vocabulary) instead of a new one, with a
+    /// new optimizer and learning-rate schedule: a longer run after a finished one, or a shipped
+    /// drafter trained further on other data. The shape flags are ignored.
+    #[arg(long, value_name = "DRAFTER", conflicts_with = "resume")]
+    pub init_from: Option<PathBuf>,
 }
 
 /// The start of a new drafter's `fc` (see [`TrainDsparkArgs::fc_init`]).
@@ -131,16 +136,20 @@ struct ResumeState {
     opts: TrainOptions,
 }
 
+/// The configuration and weights of the drafter in `dir`; unreadable weights are an error
+/// naming the file and what to do instead (`fix`).
+fn read_drafter(dir: &Path, fix: &str) -> anyhow::Result<(DsparkConfig, HashMap<String, Array>)> {
+    let (config, _) = checkpoint::read_config(dir)?;
+    let weights = dir.join(checkpoint::WEIGHTS_FILE);
+    let tensors = Array::load_safetensors(&weights).map_err(|e| {
+        EngineError::file(&weights, format!("cannot read the weights ({e}); {fix}"))
+    })?;
+    Ok((config, tensors))
+}
+
 /// Reads the drafter in `out` and its training state; any broken file is an error naming it.
 fn read_resume_state(out: &Path) -> anyhow::Result<ResumeState> {
-    let (config, _) = checkpoint::read_config(out)?;
-    let weights = out.join(checkpoint::WEIGHTS_FILE);
-    let tensors = Array::load_safetensors(&weights).map_err(|e| {
-        EngineError::file(
-            &weights,
-            format!("cannot read the weights ({e}); start without --resume"),
-        )
-    })?;
+    let (config, tensors) = read_drafter(out, "start without --resume")?;
     let mut params = Params::from_tensors(&config, &tensors)?;
     let (opt, opts) = load_state(out, &mut params)?;
     Ok(ResumeState {
@@ -190,6 +199,13 @@ pub fn run(args: TrainDsparkArgs) -> anyhow::Result<()> {
     } else {
         None
     };
+    let start_from = match &args.init_from {
+        Some(d) => Some((
+            d,
+            read_drafter(d, "give --init-from a drafter directory mlxb wrote")?,
+        )),
+        None => None,
+    };
     let dir = resolve_model(args.model.as_deref())?;
     let mut session =
         Session::open_traced(&dir, Forks::default(), super::progress::startup_trace())?;
@@ -201,11 +217,17 @@ pub fn run(args: TrainDsparkArgs) -> anyhow::Result<()> {
                 .check_target(&TargetFacts::of(session.model.model.as_ref())?, &args.out)?;
             (r.config, r.tensors, Some((r.params, r.opt, r.opts)))
         }
-        None => {
-            let opts = args.shape.init_options(args.seed);
-            let (config, tensors) = init_for_session(&session, &dir, &opts)?;
-            (config, tensors, None)
-        }
+        None => match start_from {
+            Some((from, (config, tensors))) => {
+                config.check_target(&TargetFacts::of(session.model.model.as_ref())?, from)?;
+                (config, tensors, None)
+            }
+            None => {
+                let opts = args.shape.init_options(args.seed);
+                let (config, tensors) = init_for_session(&session, &dir, &opts)?;
+                (config, tensors, None)
+            }
+        },
     };
     let save_dtype = tensors
         .get("fc.weight")
@@ -272,14 +294,16 @@ pub fn run(args: TrainDsparkArgs) -> anyhow::Result<()> {
         }
         None => {
             let mut params = Params::from_tensors(&config, &tensors)?;
-            if args.fc_init == FcInit::Rms {
+            // A drafter given by --init-from keeps its trained weights as they are.
+            let fresh = args.init_from.is_none();
+            if fresh && args.fc_init == FcInit::Rms {
                 let spread = scale_fc_to_unit_features(&mut params, &examples)?;
                 eprintln!(
                     "fc init: columns scaled to unit-RMS tapped features (their RMS spans {:.3} to {:.1})",
                     spread.0, spread.1
                 );
             }
-            if args.qk_norm_init != 1.0 {
+            if fresh && args.qk_norm_init != 1.0 {
                 set_qk_norm_gains(&mut params, args.qk_norm_init)?;
             }
             let opt = AdamW::new(&params)?;

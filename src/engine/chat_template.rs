@@ -265,6 +265,18 @@ impl Object for MessageObject {
     }
 }
 
+/// Python's `json.dumps(value, ensure_ascii=False)` (the separators `, ` and `: `, Python's
+/// float spelling), as mlx-lm's server writes a tool call's arguments.
+pub fn py_json_dumps(value: &Json) -> String {
+    tojson_filter(
+        Value::from_serialize(value),
+        None,
+        None,
+        minijinja::value::Kwargs::from_iter(std::iter::empty::<(&str, Value)>()),
+    )
+    .unwrap_or_else(|_| value.to_string())
+}
+
 /// A template's `raise_exception` means the conversation is wrong (the user's input);
 /// anything else is a template problem.
 fn render_error(source: &Path, e: &minijinja::Error) -> EngineError {

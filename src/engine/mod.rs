@@ -25,4 +25,5 @@ pub mod session;
 pub mod startup;
 pub mod text;
 pub mod tokenizer;
+pub mod tool_calls;
 pub mod weights;
