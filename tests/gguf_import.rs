@@ -7,12 +7,14 @@
 //! once, and every test shares those directories.
 
 mod common;
+#[path = "serve_harness/mod.rs"]
+mod serve_harness;
 
 use mlx_rs::Array;
 use mlxb::convert::gguf::{quant, GgmlType, GgufHeader};
 use mlxb::convert::registry;
-use mlxb::engine::tokenizer::Tokenizer;
-use serde_json::Value;
+use mlxb::engine::tokenizer::{ChatMessage, Tokenizer};
+use serde_json::{json, Value};
 use std::collections::HashMap;
 use std::path::{Path, PathBuf};
 use std::sync::OnceLock;
@@ -571,6 +573,115 @@ fn qwen_coder_15b_writes_working_code_and_its_draft_model_changes_nothing() {
         "the generated function fails its tests:\n{plain}\n{}",
         String::from_utf8_lossy(&out.stderr)
     );
+}
+
+/// An agent's tool loop on real weights, through `mlxb serve` and the official `openai`
+/// client: prompts with tools, and with an assistant call and the tool's result, render as
+/// transformers renders them with the model's own template (byte for byte, and the served
+/// prompt has that many tokens); the reply read whole and streamed agrees (content, parsed
+/// calls, finish reason); the follow-up is answered without tool-call text in its content.
+#[test]
+fn qwen_coder_serves_a_tool_loop_to_the_openai_client() {
+    let dir = builtin("qwen2.5-coder-1.5b");
+    let cache = cache_home();
+    let server = serve_harness::Server::start_model(
+        "qwen2.5-coder-1.5b",
+        &[
+            ("XDG_CACHE_HOME", cache.to_str().unwrap()),
+            ("HF_HUB_OFFLINE", "1"),
+        ],
+        &[],
+    );
+    let out = common::run_python(
+        &common::root().join("tests/oracle/serve_tools.py"),
+        &[&server.url, "qwen2.5-coder-1.5b"],
+    );
+    drop(server);
+    let v: Value = serde_json::from_str(out.trim()).unwrap();
+    let tools = v["tools"].as_array().unwrap().clone();
+    let scratch_dir = scratch().join("tool-render");
+    std::fs::create_dir_all(&scratch_dir).unwrap();
+    let queries = json!([
+        {"messages": v["question"], "tools": tools},
+        {"messages": v["followup"], "tools": tools}
+    ]);
+    let (q, o) = (scratch_dir.join("q.json"), scratch_dir.join("o.json"));
+    std::fs::write(&q, queries.to_string()).unwrap();
+    common::run_python(
+        &common::root().join("tests/oracle/tool_calls.py"),
+        &[
+            "render",
+            dir.to_str().unwrap(),
+            q.to_str().unwrap(),
+            o.to_str().unwrap(),
+        ],
+    );
+    let want: Vec<String> = serde_json::from_slice(&std::fs::read(&o).unwrap()).unwrap();
+    let tok = Tokenizer::load(&dir).unwrap();
+    for (key, served, text) in [
+        ("question", &v["whole"]["prompt_tokens"], &want[0]),
+        ("followup", &v["answer"]["prompt_tokens"], &want[1]),
+    ] {
+        let messages: Vec<ChatMessage> = v[key]
+            .as_array()
+            .unwrap()
+            .iter()
+            .map(served_message)
+            .collect();
+        let ours = tok
+            .apply_chat_template_with_tools(&messages, Some(&tools), true)
+            .unwrap();
+        assert_eq!(&ours, text, "{key}");
+        assert!(
+            text.contains("get_weather") && text.contains("<tools>"),
+            "{text}"
+        );
+        let n = tok.encode(text, false).unwrap().len();
+        assert_eq!(served.as_u64(), Some(n as u64), "{key}: {v}");
+    }
+    let (whole, streamed) = (&v["whole"], &v["streamed"]);
+    assert_eq!(whole["content"], streamed["content"], "{v}");
+    assert_eq!(whole["finish_reason"], streamed["finish_reason"], "{v}");
+    let calls = whole["calls"].as_array().unwrap();
+    assert_eq!(
+        calls.len(),
+        streamed["calls"].as_array().unwrap().len(),
+        "{v}"
+    );
+    for (c, s) in calls.iter().zip(streamed["calls"].as_array().unwrap()) {
+        assert_eq!(
+            (&c["name"], &c["arguments"]),
+            (&s["name"], &s["arguments"]),
+            "{v}"
+        );
+        assert_eq!(whole["finish_reason"], "tool_calls", "{v}");
+    }
+    let answer = v["answer"]["content"].as_str().unwrap();
+    assert!(!answer.is_empty() && !answer.contains("<tool_call>"), "{v}");
+}
+
+/// A message as `mlxb serve` reads it: role, content, the other keys in order, an assistant
+/// call's JSON-text `arguments` parsed.
+fn served_message(m: &Value) -> ChatMessage {
+    let o = m.as_object().unwrap();
+    let mut fields: serde_json::Map<String, Value> = o
+        .iter()
+        .filter(|(k, _)| *k != "role" && *k != "content")
+        .map(|(k, v)| (k.clone(), v.clone()))
+        .collect();
+    if let Some(Value::Array(calls)) = fields.get_mut("tool_calls") {
+        for c in calls {
+            let args = &mut c["function"]["arguments"];
+            if let Some(text) = args.as_str() {
+                *args = serde_json::from_str(text).unwrap();
+            }
+        }
+    }
+    ChatMessage {
+        role: o["role"].as_str().unwrap().to_owned(),
+        content: o["content"].as_str().unwrap_or("").to_owned(),
+        fields,
+    }
 }
 
 // ---------------------------------------------------------------------------------------------

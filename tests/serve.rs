@@ -279,6 +279,28 @@ fn bad_requests_get_400_naming_the_field() {
         (json!({"messages": "hi"}), "messages"),
         (json!({"messages": [{"role": "user"}], "seed": -1}), "seed"),
         (json!({"messages": [{"content": "hi"}]}), "messages[0].role"),
+        (json!({"messages": user, "tools": {"a": 1}}), "tools"),
+        (
+            json!({"messages": user, "tools": [{"type": "function"}]}),
+            "tools[0]",
+        ),
+        (
+            json!({"messages": user, "tools": [{"type": "retrieval", "function": {"name": "f"}}]}),
+            "tools[0]",
+        ),
+        (
+            json!({"messages": user, "tool_choice": "required"}),
+            "tool_choice",
+        ),
+        (
+            json!({"messages": user, "parallel_tool_calls": "no"}),
+            "parallel_tool_calls",
+        ),
+        (
+            json!({"messages": [{"role": "assistant", "content": null, "tool_calls": [
+                {"id": "c", "type": "function", "function": {"name": "f", "arguments": "{oops"}}]}]}),
+            "messages[0].tool_calls[0].function.arguments",
+        ),
     ];
     for (body, field) in cases {
         let (status, err) = s.post("/v1/chat/completions", &body);
@@ -307,7 +329,18 @@ fn bad_requests_get_400_naming_the_field() {
     // Still serving, and the rejections were counted.
     let (status, ok) = s.post("/v1/completions", &json!({"prompt": "hi", "max_tokens": 2}));
     assert_eq!(status, 200, "{ok}");
-    assert!(s.metric("mlxb:request_rejected_total{reason=\"invalid\"}") >= 19.0);
+    // A whole agent turn is accepted: tools, an assistant call with JSON-text arguments, the
+    // tool's answer, `tool_choice` and `parallel_tool_calls`.
+    let agent = json!({"messages": [
+            {"role": "user", "content": "weather?"},
+            {"role": "assistant", "content": null, "tool_calls": [{"id": "c1", "type": "function",
+                "function": {"name": "get_weather", "arguments": "{\"city\": \"Paris\"}"}}]},
+            {"role": "tool", "tool_call_id": "c1", "content": "18 C"}],
+        "tools": [{"type": "function", "function": {"name": "get_weather", "parameters": {}}}],
+        "tool_choice": "auto", "parallel_tool_calls": false, "max_tokens": 2});
+    let (status, ok) = s.post("/v1/chat/completions", &agent);
+    assert_eq!(status, 200, "{ok}");
+    assert!(s.metric("mlxb:request_rejected_total{reason=\"invalid\"}") >= 25.0);
 }
 
 #[test]

@@ -247,6 +247,89 @@ fn prompt_ids_match_mlx_lm_generate_cli() {
     assert!(checked > 250, "only {checked} prompt cases compared");
 }
 
+/// Tools and messages with tool calls rendered through templates that use them, against
+/// transformers given the same dicts (keys in the client's order, the Python dict order).
+#[test]
+fn templates_render_tools_and_tool_calls_byte_for_byte() {
+    let tools = json!([
+        {"type": "function", "function": {"name": "get_weather",
+            "description": "Weather in a city — now (°C)",
+            "parameters": {"type": "object", "properties": {
+                "zcity": {"type": "string", "enum": ["Paris", "Zürich"]},
+                "days": {"type": "integer", "minimum": 1.5e-7, "maximum": 1e20},
+                "a_flag": {"type": "boolean", "default": false}},
+            "required": ["zcity"]}}},
+        {"type": "function", "function": {"name": "noop", "parameters": {}}}
+    ]);
+    let msg = |v: Value| -> ChatMessage {
+        let o = v.as_object().unwrap();
+        ChatMessage {
+            role: o["role"].as_str().unwrap().to_owned(),
+            content: o
+                .get("content")
+                .and_then(Value::as_str)
+                .unwrap_or("")
+                .to_owned(),
+            fields: o
+                .iter()
+                .filter(|(k, _)| *k != "role" && *k != "content")
+                .map(|(k, v)| (k.clone(), v.clone()))
+                .collect(),
+        }
+    };
+    let conversations: Vec<Vec<Value>> = vec![
+        vec![json!({"role": "user", "content": "Weather in Paris?"})],
+        vec![
+            json!({"role": "system", "content": "Be brief."}),
+            json!({"role": "user", "content": "Weather in Zürich for 2 days?"}),
+            json!({"role": "assistant", "content": "", "tool_calls": [
+                {"id": "call_1", "type": "function", "function": {"name": "get_weather",
+                    "arguments": {"zcity": "Zürich", "days": 2, "a_flag": true}}},
+                {"id": "call_2", "type": "function", "function": {"name": "noop", "arguments": {}}}]}),
+            json!({"role": "tool", "tool_call_id": "call_1", "content": "{\"temp\": 3.5}"}),
+            json!({"role": "tool", "tool_call_id": "call_2", "content": "ok"}),
+            json!({"role": "assistant", "content": "3.5 °C."}),
+            json!({"role": "user", "content": "Thanks", "name": "ann"}),
+        ],
+        vec![
+            json!({"role": "user", "content": "x"}),
+            json!({"role": "assistant", "content": "calling", "tool_calls": [
+                {"type": "function", "function": {"name": "noop", "arguments": "{\"raw\": \"string\"}"}}]}),
+        ],
+    ];
+    let mut queries = Vec::new();
+    let mut cases = Vec::new();
+    for name in ["tpl_tools", "tpl_qwen3"] {
+        for conv in &conversations {
+            for (with_tools, agp) in [(true, true), (true, false), (false, true)] {
+                let t = with_tools.then(|| tools.clone());
+                queries.push(json!({
+                    "op": "render_tools", "dir": fixture(name), "messages": conv,
+                    "tools": t, "add_generation_prompt": agp,
+                }));
+                cases.push((name, conv.clone(), t, agp));
+            }
+        }
+    }
+    let answers = oracle(&queries);
+    for ((name, conv, t, agp), want) in cases.into_iter().zip(&answers) {
+        let tok = load(name);
+        let messages: Vec<ChatMessage> = conv.iter().cloned().map(msg).collect();
+        let tools = t.as_ref().map(|t| t.as_array().unwrap().clone());
+        let got = tok.apply_chat_template_with_tools(&messages, tools.as_deref(), agp);
+        let text = want
+            .get("text")
+            .and_then(Value::as_str)
+            .unwrap_or_else(|| panic!("{name}: transformers fails: {}", want["error"]));
+        assert_eq!(
+            got.unwrap(),
+            text,
+            "{name}: {conv:?} tools={} agp={agp}",
+            t.is_some()
+        );
+    }
+}
+
 #[test]
 fn gemma_system_prompt_is_rejected_like_mlx_lm() {
     let want = oracle(&[json!({

@@ -23,13 +23,16 @@ use pycompat::{
 /// Name the chat template is registered under in the minijinja environment.
 const TEMPLATE_NAME: &str = "chat_template";
 
-/// One chat turn; templates see it as `{'role': ..., 'content': ...}`.
+/// One chat turn; templates see it as `{'role': ..., 'content': ..., **fields}`.
 #[derive(Debug, Clone, PartialEq, Eq)]
 pub struct ChatMessage {
     /// `system`, `user`, `assistant`, `tool`, ... exactly as the template expects it.
     pub role: String,
     /// The text of the turn.
     pub content: String,
+    /// The message's other keys in the client's order (`tool_calls`, `tool_call_id`, `name`,
+    /// ...), given to the template as they are.
+    pub fields: Map<String, Json>,
 }
 
 impl ChatMessage {
@@ -38,6 +41,7 @@ impl ChatMessage {
         ChatMessage {
             role: role.into(),
             content: content.into(),
+            fields: Map::new(),
         }
     }
 }
@@ -60,6 +64,8 @@ enum Template {
 pub struct ChatTemplate {
     env: Environment<'static>,
     template: Template,
+    /// The source of a single template (see [`ChatTemplate::text`]).
+    text: Option<String>,
 }
 
 impl ChatTemplate {
@@ -72,8 +78,13 @@ impl ChatTemplate {
         chat_template_type: Option<String>,
     ) -> Result<ChatTemplate> {
         let mut env = chat_environment();
-        let template = resolve_template(model_dir, cfg_path, init, chat_template_type, &mut env)?;
-        Ok(ChatTemplate { env, template })
+        let (template, text) =
+            resolve_template(model_dir, cfg_path, init, chat_template_type, &mut env)?;
+        Ok(ChatTemplate {
+            env,
+            template,
+            text,
+        })
     }
 
     /// Whether there is a template at all (mlx-lm's `tokenizer.has_chat_template`).
@@ -81,11 +92,18 @@ impl ChatTemplate {
         !matches!(self.template, Template::Absent)
     }
 
-    /// Renders a conversation like transformers' `apply_chat_template(messages,
+    /// The template's text when the model has exactly one (transformers' `chat_template` as a
+    /// string), which mlx-lm reads to choose a tool-call parser.
+    pub fn text(&self) -> Option<&str> {
+        self.text.as_deref()
+    }
+
+    /// Renders a conversation like transformers' `apply_chat_template(messages, tools=tools,
     /// tokenize=False, ...)`; `vars` are the named special tokens templates may use.
     pub fn render(
         &self,
         messages: &[ChatMessage],
+        tools: Option<&[Json]>,
         vars: &BTreeMap<String, String>,
         add_generation_prompt: bool,
         enable_thinking: bool,
@@ -137,7 +155,10 @@ impl ChatTemplate {
             .map(|(k, v)| (k.clone(), Value::from(v.as_str())))
             .collect();
         ctx.insert("messages".into(), Value::from(msgs));
-        ctx.insert("tools".into(), Value::from(()));
+        ctx.insert(
+            "tools".into(),
+            tools.map_or(Value::from(()), Value::from_serialize),
+        );
         ctx.insert("documents".into(), Value::from(()));
         ctx.insert(
             "add_generation_prompt".into(),
@@ -159,9 +180,9 @@ fn resolve_template(
     init: &Map<String, Json>,
     chat_template_type: Option<String>,
     env: &mut Environment<'static>,
-) -> Result<Template> {
+) -> Result<(Template, Option<String>)> {
     if let Some(kind) = chat_template_type {
-        return Ok(Template::Custom(kind));
+        return Ok((Template::Custom(kind), None));
     }
     let mut files: BTreeMap<String, (String, PathBuf)> = BTreeMap::new();
     let jinja = model_dir.join("chat_template.jinja");
@@ -203,9 +224,10 @@ fn resolve_template(
             _ => None,
         }
     };
+    let text = single.as_ref().map(|(s, _)| s.clone());
     let (src, source) = match single {
         Some(s) => s,
-        None if named.is_empty() => return Ok(Template::Absent),
+        None if named.is_empty() => return Ok((Template::Absent, None)),
         None => match named.remove("default") {
             Some(s) => s,
             None => {
@@ -214,20 +236,24 @@ fn resolve_template(
                     .next()
                     .map(|(_, p)| p.clone())
                     .unwrap_or_else(|| cfg_path.to_path_buf());
-                return Ok(Template::NoDefault {
-                    source,
-                    names: named.into_keys().collect(),
-                });
+                return Ok((
+                    Template::NoDefault {
+                        source,
+                        names: named.into_keys().collect(),
+                    },
+                    None,
+                ));
             }
         },
     };
-    Ok(match env.add_template_owned(TEMPLATE_NAME, src) {
+    let template = match env.add_template_owned(TEMPLATE_NAME, src) {
         Ok(()) => Template::Ready { source },
         Err(e) => Template::Broken {
             source,
             reason: e.to_string(),
         },
-    })
+    };
+    Ok((template, text))
 }
 
 /// Reads an optional UTF-8 text file.
@@ -243,7 +269,8 @@ fn read_text(path: &Path) -> Result<Option<String>> {
 }
 
 /// A message as the template sees it: a dict whose keys iterate in Python's insertion order
-/// (`role`, `content`), which matters for `tojson`, `items()` and printing.
+/// (`role`, `content`, then its other fields), which matters for `tojson`, `items()` and
+/// printing.
 #[derive(Debug)]
 struct MessageObject(ChatMessage);
 
@@ -256,12 +283,17 @@ impl Object for MessageObject {
         match key.as_str()? {
             "role" => Some(Value::from(self.0.role.as_str())),
             "content" => Some(Value::from(self.0.content.as_str())),
-            _ => None,
+            other => self.0.fields.get(other).map(Value::from_serialize),
         }
     }
 
     fn enumerate(self: &Arc<Self>) -> Enumerator {
-        Enumerator::Str(&["role", "content"])
+        if self.0.fields.is_empty() {
+            return Enumerator::Str(&["role", "content"]);
+        }
+        let mut keys = vec![Value::from("role"), Value::from("content")];
+        keys.extend(self.0.fields.keys().map(|k| Value::from(k.as_str())));
+        Enumerator::Values(keys)
     }
 }
 

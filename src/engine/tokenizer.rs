@@ -16,6 +16,7 @@ use tokenizers::AddedToken;
 use crate::engine::chat_template::ChatTemplate;
 use crate::engine::detokenizer::DetokKind;
 use crate::engine::error::{EngineError, Result};
+use crate::engine::tool_calls::{self, ToolParser};
 
 /// Re-exported so callers keep building conversations from the tokenizer module.
 pub use crate::engine::chat_template::ChatMessage;
@@ -44,6 +45,8 @@ pub struct Tokenizer {
     eos_token_ids: BTreeSet<u32>,
     eos_token_id: Option<u32>,
     has_thinking: bool,
+    /// mlx-lm's name of the tool-call format (see [`Tokenizer::tool_format`]).
+    tool_format: Option<String>,
     clean_up_spaces: bool,
     detok: DetokKind,
     /// `len(tokenizer)`, computed on first use (the tokenizers crate builds the whole
@@ -97,6 +100,13 @@ impl Tokenizer {
 
         let template = ChatTemplate::load(model_dir, &cfg_path, &init, chat_template_type)?;
         let has_thinking = has_thinking_tokens(&inner);
+        let tool_format = match init.get("tool_parser_type").and_then(Json::as_str) {
+            Some(name) => Some(name.to_owned()),
+            None => {
+                tool_calls::infer_parser_name(template.text(), |t| inner.token_to_id(t).is_some())
+                    .map(str::to_owned)
+            }
+        };
 
         let mut eos_token_ids = model_eos_ids(model_dir)?;
         eos_token_ids.extend(eos_token_id);
@@ -108,6 +118,7 @@ impl Tokenizer {
             eos_token_ids,
             eos_token_id,
             has_thinking,
+            tool_format,
             clean_up_spaces,
             detok: DetokKind::Naive {
                 clean_spaces: false,
@@ -191,6 +202,17 @@ impl Tokenizer {
             .get_or_init(|| self.inner.get_vocab_size(true))
     }
 
+    /// The tool-call format of this model as mlx-lm names it (`tool_parser_type` in
+    /// `tokenizer_config.json`, else inferred from the chat template and vocabulary).
+    pub fn tool_format(&self) -> Option<&str> {
+        self.tool_format.as_deref()
+    }
+
+    /// The parser for this model's tool calls, when mlxb has one for its format.
+    pub fn tool_parser(&self) -> Option<ToolParser> {
+        self.tool_format().and_then(ToolParser::from_name)
+    }
+
     /// The token string for an id, for diagnostics and tests.
     pub fn id_to_token(&self, id: u32) -> Option<String> {
         self.inner.id_to_token(id)
@@ -203,8 +225,20 @@ impl Tokenizer {
         messages: &[ChatMessage],
         add_generation_prompt: bool,
     ) -> Result<String> {
+        self.apply_chat_template_with_tools(messages, None, add_generation_prompt)
+    }
+
+    /// [`Tokenizer::apply_chat_template`] with the request's `tools` (OpenAI's list of
+    /// `{"type": "function", "function": {...}}`) given to the template.
+    pub fn apply_chat_template_with_tools(
+        &self,
+        messages: &[ChatMessage],
+        tools: Option<&[Json]>,
+        add_generation_prompt: bool,
+    ) -> Result<String> {
         self.template.render(
             messages,
+            tools,
             &self.template_vars,
             add_generation_prompt,
             self.has_thinking,

@@ -27,6 +27,7 @@ pub mod request;
 pub mod respond;
 pub mod routes;
 pub mod stop;
+pub mod tool_reply;
 pub mod types;
 pub mod web;
 pub mod worker;
@@ -222,7 +223,7 @@ fn print_card(
     let mut out = std::io::stdout().lock();
     let _ = writeln!(
         out,
-        "mlxb serve: ready in {:.1}s\n  model    {} ({}, {})\n  backend  {}\n  tier     {} (oracle: {})\n  drafter  {}\n  queue    {} waiting at most, {}; max_tokens {} by default, {} at most\n  limits   prompt {} tokens, body {} bytes, {} requests in flight\n  prefix   {}\n  auth     {}\n  url      http://{addr}\n  routes   GET / (chat page), POST /v1/chat/completions, POST /v1/completions, GET /v1/models, GET /health, GET /metrics",
+        "mlxb serve: ready in {:.1}s\n  model    {} ({}, {})\n  backend  {}\n  tier     {} (oracle: {})\n  drafter  {}\n  tools    {}\n  queue    {} waiting at most, {}; max_tokens {} by default, {} at most\n  limits   prompt {} tokens, body {} bytes, {} requests in flight\n  prefix   {}\n  auth     {}\n  url      http://{addr}\n  routes   GET / (chat page), POST /v1/chat/completions, POST /v1/completions, GET /v1/models, GET /health, GET /metrics",
         load_time.as_secs_f64(),
         state.model_id,
         cfg.dir.display(),
@@ -231,6 +232,7 @@ fn print_card(
         cfg.parity,
         cfg.parity.oracle(),
         info.drafter.as_deref().unwrap_or("none"),
+        tools_line(&state.tokenizer),
         cfg.max_queue.max(1),
         batch_line(info),
         state.limits.default_max_tokens,
@@ -242,6 +244,17 @@ fn print_card(
         if cfg.api_key.is_some() { "Bearer key required (all routes but /health)" } else { "none" },
     );
     let _ = out.flush();
+}
+
+/// The ready card's account of tool calls: the model's format and whether mlxb parses it.
+fn tools_line(tokenizer: &Tokenizer) -> String {
+    match (tokenizer.tool_format(), tokenizer.tool_parser()) {
+        (Some(_), Some(p)) => format!("calls parsed as `{}` (mlx-lm's parser)", p.name()),
+        (Some(name), None) => format!(
+            "the model's `{name}` call format is not parsed by mlxb: calls stay in the reply text"
+        ),
+        (None, _) => "no tool-call format in the chat template (tools are still rendered)".into(),
+    }
 }
 
 /// The ready card's account of prompt-prefix reuse.

@@ -5,8 +5,10 @@
 //! `prompt`; the sampling, budget and response fields here.
 
 mod prompt;
+mod tools;
 
 pub use prompt::{check_prompt_length, prompt_ids};
+pub use tools::ToolUse;
 
 use super::error::ApiError;
 use crate::engine::generate::GenerateConfig;
@@ -105,6 +107,8 @@ pub struct CompletionRequest {
     pub num_draft_tokens: Option<usize>,
     /// Return the generated token ids in the choice (vLLM's `return_token_ids`).
     pub return_token_ids: bool,
+    /// Tools offered to the model and how its calls are returned (chat only).
+    pub tool_use: ToolUse,
 }
 
 /// Reads typed fields of a JSON object; `null` counts as absent.
@@ -205,6 +209,13 @@ pub fn parse(
     let stream = f.boolean("stream")?.unwrap_or(false);
     let include_usage = include_usage(&f)?;
     let num_draft_tokens = num_draft_tokens(&f, limits)?;
+    let tool_use = match endpoint {
+        Endpoint::Chat => tools::tool_use(&f)?,
+        Endpoint::Completions => ToolUse {
+            parse: false,
+            ..ToolUse::default()
+        },
+    };
     Ok(CompletionRequest {
         endpoint,
         prompt,
@@ -223,6 +234,7 @@ pub fn parse(
         logprobs: logprobs(endpoint, &f)?,
         num_draft_tokens,
         return_token_ids: f.boolean("return_token_ids")?.unwrap_or(false),
+        tool_use,
     })
 }
 

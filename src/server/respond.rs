@@ -4,6 +4,7 @@
 use super::error::ApiError;
 use super::request::{CompletionRequest, Endpoint};
 use super::routes::AppState;
+use super::tool_reply::{ToolCalls, ToolReply};
 use super::types::{
     AssistantMessage, ChatChoice, ChatChunk, ChatChunkChoice, ChatCompletion, ChatLogprobs, Delta,
     TextChoice, TextCompletion, TextLogprobs, TokenLogprob, TopLogprob,
@@ -39,11 +40,18 @@ pub struct Shape {
     model: String,
     include_usage: bool,
     return_token_ids: bool,
+    /// How the reply's tool calls are found, when they are.
+    tool_calls: Option<ToolCalls>,
 }
 
 impl Shape {
-    /// The shape of the answer to `request`, for the served model `model`.
-    pub fn new(request: &CompletionRequest, model: &str) -> Self {
+    /// The shape of the answer to `request`, for the served model `model` whose tool calls
+    /// `tool_parser` reads.
+    pub fn new(
+        request: &CompletionRequest,
+        model: &str,
+        tool_parser: Option<crate::engine::tool_calls::ToolParser>,
+    ) -> Self {
         static NEXT: AtomicU64 = AtomicU64::new(0);
         let prefix = match request.endpoint {
             Endpoint::Chat => "chatcmpl",
@@ -60,7 +68,15 @@ impl Shape {
             model: model.to_owned(),
             include_usage: request.include_usage,
             return_token_ids: request.return_token_ids,
+            tool_calls: ToolCalls::new(tool_parser, &request.tool_use),
         }
+    }
+
+    /// The tool-call state of a new reply, if its calls are parsed.
+    fn tool_reply(&self, streaming: bool) -> Option<ToolReply> {
+        self.tool_calls
+            .clone()
+            .map(|c| ToolReply::new(c, streaming))
     }
 
     fn token_ids(&self, summary: &Summary) -> Option<Vec<u32>> {
@@ -151,17 +167,38 @@ impl Logprobs {
 pub async fn collect(shape: Shape, state: &AppState, mut rx: UnboundedReceiver<Event>) -> Response {
     let mut text = String::new();
     let mut logprobs: Option<Logprobs> = None;
+    let mut tools = shape.tool_reply(false);
+    let mut calls = Vec::new();
+    // Text offsets of logprobs count all generated text, tool calls included.
+    let mut generated = 0;
     loop {
         match rx.recv().await {
             Some(Event::Delta { text: t, token }) => {
                 if let Some(s) = token {
                     logprobs
                         .get_or_insert_with(|| Logprobs::new(shape.endpoint))
-                        .push(token_logprob(&state.tokenizer, &s), text.len());
+                        .push(token_logprob(&state.tokenizer, &s), generated);
                 }
-                text.push_str(&t);
+                generated += t.len();
+                match tools.as_mut() {
+                    Some(r) => {
+                        let settled = r.push(&t);
+                        text.push_str(&settled.content);
+                        calls.extend(settled.calls);
+                    }
+                    None => text.push_str(&t),
+                }
             }
-            Some(Event::Done(summary)) => return whole(&shape, text, logprobs, &summary),
+            Some(Event::Done(mut summary)) => {
+                if let Some(r) = tools.as_mut() {
+                    let settled = r.finish(summary.finish_reason);
+                    text.push_str(&settled.content);
+                    calls.extend(settled.calls);
+                    summary.finish_reason = r.finish_reason(summary.finish_reason);
+                }
+                let calls = (!calls.is_empty()).then_some(calls);
+                return whole(&shape, text, calls, logprobs, &summary);
+            }
             Some(Event::Error(e)) => return e.into_response(),
             None => {
                 return ApiError::internal("the engine stopped before finishing this request")
@@ -172,7 +209,13 @@ pub async fn collect(shape: Shape, state: &AppState, mut rx: UnboundedReceiver<E
 }
 
 /// The non-streaming response object.
-fn whole(shape: &Shape, text: String, logprobs: Option<Logprobs>, s: &Summary) -> Response {
+fn whole(
+    shape: &Shape,
+    text: String,
+    tool_calls: Option<Vec<serde_json::Value>>,
+    logprobs: Option<Logprobs>,
+    s: &Summary,
+) -> Response {
     match shape.endpoint {
         Endpoint::Chat => Json(ChatCompletion {
             id: shape.id.clone(),
@@ -184,6 +227,7 @@ fn whole(shape: &Shape, text: String, logprobs: Option<Logprobs>, s: &Summary) -
                 message: AssistantMessage {
                     role: "assistant",
                     content: text,
+                    tool_calls,
                 },
                 logprobs: match logprobs {
                     Some(Logprobs::Chat(l)) => Some(l),
@@ -222,6 +266,8 @@ struct Stream {
     /// Characters of text sent so far (completions' `text_offset`).
     offset: usize,
     finished: bool,
+    /// The reply's tool-call state, when its calls are parsed.
+    tools: Option<ToolReply>,
 }
 
 fn frame(data: &impl Serialize) -> Bytes {
@@ -230,10 +276,47 @@ fn frame(data: &impl Serialize) -> Bytes {
 }
 
 impl Stream {
+    /// A chat chunk with the content and calls `text` settles (nothing when it settles
+    /// neither and carries no logprob: held-back or tool-call text).
+    fn tool_chunk(&mut self, text: &str, entry: Option<TokenLogprob>) {
+        let Some(tools) = self.tools.as_mut() else {
+            return;
+        };
+        let settled = tools.push(text);
+        self.push_settled(settled, entry);
+    }
+
+    fn push_settled(&mut self, settled: super::tool_reply::Settled, entry: Option<TokenLogprob>) {
+        if settled.content.is_empty() && settled.calls.is_empty() && entry.is_none() {
+            return;
+        }
+        let delta = Delta {
+            role: None,
+            content: (!settled.content.is_empty() || settled.calls.is_empty())
+                .then_some(settled.content),
+            tool_calls: (!settled.calls.is_empty()).then_some(settled.calls),
+        };
+        let chunk = self.shape.chat_chunk(
+            vec![ChatChunkChoice {
+                index: 0,
+                delta,
+                logprobs: entry.map(|e| ChatLogprobs { content: vec![e] }),
+                finish_reason: None,
+                token_ids: None,
+            }],
+            None,
+        );
+        self.frames.push_back(frame(&chunk));
+    }
+
     fn push(&mut self, event: Event) {
         match event {
             Event::Delta { text, token } => {
                 let entry = token.map(|s| token_logprob(&self.state.tokenizer, &s));
+                if self.tools.is_some() {
+                    self.tool_chunk(&text, entry);
+                    return;
+                }
                 let f = match self.shape.endpoint {
                     Endpoint::Chat => frame(&self.shape.chat_chunk(
                         vec![ChatChunkChoice {
@@ -241,6 +324,7 @@ impl Stream {
                             delta: Delta {
                                 role: None,
                                 content: Some(text.clone()),
+                                tool_calls: None,
                             },
                             logprobs: entry.map(|e| ChatLogprobs { content: vec![e] }),
                             finish_reason: None,
@@ -266,7 +350,12 @@ impl Stream {
                 self.offset += text.len();
                 self.frames.push_back(f);
             }
-            Event::Done(s) => {
+            Event::Done(mut s) => {
+                if let Some(tools) = self.tools.as_mut() {
+                    let settled = tools.finish(s.finish_reason);
+                    s.finish_reason = tools.finish_reason(s.finish_reason);
+                    self.push_settled(settled, None);
+                }
                 let token_ids = self.shape.token_ids(&s);
                 let last = match self.shape.endpoint {
                     Endpoint::Chat => frame(&self.shape.chat_chunk(
@@ -350,7 +439,9 @@ pub fn stream(
         frames: VecDeque::new(),
         offset: 0,
         finished: false,
+        tools: None,
     };
+    s.tools = s.shape.tool_reply(true);
     if s.shape.endpoint == Endpoint::Chat {
         let role = s.shape.chat_chunk(
             vec![ChatChunkChoice {
@@ -358,6 +449,7 @@ pub fn stream(
                 delta: Delta {
                     role: Some("assistant"),
                     content: Some(String::new()),
+                    tool_calls: None,
                 },
                 logprobs: None,
                 finish_reason: None,

@@ -173,9 +173,14 @@ fn admit(
         invalid(e)
     })?;
     let request = request::parse(endpoint, &bytes, &s.limits).map_err(invalid)?;
-    let prompt_ids = request::prompt_ids(&s.tokenizer, &request.prompt).map_err(invalid)?;
+    let prompt_ids = request::prompt_ids(
+        &s.tokenizer,
+        &request.prompt,
+        request.tool_use.template_tools(),
+    )
+    .map_err(invalid)?;
     request::check_prompt_length(&request, prompt_ids.len(), &s.limits).map_err(invalid)?;
-    let shape = Shape::new(&request, &s.model_id);
+    let shape = Shape::new(&request, &s.model_id, s.tokenizer.tool_parser());
     let stream = request.stream;
     let (tx, rx) = unbounded_channel();
     let job = Job {

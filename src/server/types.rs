@@ -158,8 +158,11 @@ impl TextLogprobs {
 pub struct AssistantMessage {
     /// Always `assistant`.
     pub role: &'static str,
-    /// The generated text.
+    /// The generated text (tool calls cut out).
     pub content: String,
+    /// The calls the reply makes (OpenAI's `tool_calls`), when it makes any.
+    #[serde(skip_serializing_if = "Option::is_none")]
+    pub tool_calls: Option<Vec<serde_json::Value>>,
 }
 
 /// One choice of a chat completion.
@@ -171,7 +174,7 @@ pub struct ChatChoice {
     pub message: AssistantMessage,
     /// Logprobs, when asked for.
     pub logprobs: Option<ChatLogprobs>,
-    /// `stop` or `length`.
+    /// `stop`, `length` or `tool_calls`.
     pub finish_reason: &'static str,
     /// Generated ids, with `return_token_ids`.
     #[serde(skip_serializing_if = "Option::is_none")]
@@ -206,6 +209,9 @@ pub struct Delta {
     /// New text.
     #[serde(skip_serializing_if = "Option::is_none")]
     pub content: Option<String>,
+    /// Calls completed since the last chunk, each with its `index` in the reply.
+    #[serde(skip_serializing_if = "Option::is_none")]
+    pub tool_calls: Option<Vec<serde_json::Value>>,
 }
 
 /// One choice of a chat stream chunk.

@@ -292,6 +292,32 @@ PYTHONIC_TEMPLATE = """{{ enable_thinking }}|{{ tools }}|{{ documents }}|{{ add_
 {{ undefined_thing }}|{{ eos_token }}|{{ unk_token }}|{{ pad_token }}|{{ sep_token is defined }}|{{ 'x' ~ 1 }}|{{ (messages | selectattr('role', 'equalto', 'user') | list | length) }}
 """
 
+TOOLS_TEMPLATE = """{%- if tools %}<|im_start|>system
+{% if messages[0].role == 'system' %}{{ messages[0].content }}
+
+{% endif %}# Tools
+<tools>{% for tool in tools %}
+{{ tool | tojson }}{% endfor %}
+</tools>
+Answer a call as <tool_call>{"name": ..., "arguments": ...}</tool_call><|im_end|>
+{% endif %}
+{%- for message in messages %}
+{%- if message.role == 'assistant' and message.tool_calls %}<|im_start|>assistant
+{{ message.content }}{% for tc in message.tool_calls %}{% if tc.function is defined %}{% set tc = tc.function %}{% endif %}
+<tool_call>
+{"name": "{{ tc.name }}", "arguments": {% if tc.arguments is string %}{{ tc.arguments }}{% else %}{{ tc.arguments | tojson }}{% endif %}}
+</tool_call>{% endfor %}<|im_end|>
+{% elif message.role == 'tool' %}<|im_start|>user
+<tool_response id="{{ message.tool_call_id }}">
+{{ message.content }}
+</tool_response><|im_end|>
+{% elif not (loop.first and tools and message.role == 'system') %}<|im_start|>{{ message.role }}
+{{ message.content }}{% for k, v in message.items() %}{% if k not in ['role', 'content'] %} [{{ k }}={{ v | tojson }}]{% endif %}{% endfor %}<|im_end|>
+{% endif %}
+{%- endfor %}
+{%- if add_generation_prompt %}<|im_start|>assistant
+{% endif %}"""
+
 EXTRA_TEMPLATES = {
     "tpl_qwen3": QWEN3_TEMPLATE,
     "tpl_llama3": LLAMA3_TEMPLATE,
@@ -299,6 +325,7 @@ EXTRA_TEMPLATES = {
     "tpl_blocks": BLOCKS_TEMPLATE,
     "tpl_pythonic": PYTHONIC_TEMPLATE,
     "tpl_gemma": GEMMA_TEMPLATE,
+    "tpl_tools": TOOLS_TEMPLATE,
 }
 
 
@@ -598,6 +625,13 @@ def answer(q):
             messages = [{"role": m["role"], "content": m["content"]} for m in q["messages"]]
             text = tokenizer.apply_chat_template(
                 messages, tokenize=False, add_generation_prompt=q["add_generation_prompt"]
+            )
+            return {"text": text}
+        if op == "render_tools":
+            # Messages as a server receives them (every key, in the client's order) and tools.
+            text = tokenizer.apply_chat_template(
+                q["messages"], tools=q["tools"], tokenize=False,
+                add_generation_prompt=q["add_generation_prompt"],
             )
             return {"text": text}
         if op == "encode":

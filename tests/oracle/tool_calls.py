@@ -8,6 +8,10 @@ the call) or formatting fails.
 
 `python tool_calls.py infer QUERIES OUT`: per {"template", "vocab"}, the parser name that
 `mlx_lm.tokenizer_utils._infer_tool_parser` picks (or null).
+
+`python tool_calls.py render MODEL_DIR QUERIES OUT`: per {"messages", "tools"}, the prompt
+transformers renders with the model's chat template (add_generation_prompt=True), after
+mlx-lm's server has parsed each assistant call's JSON-text `arguments`.
 """
 
 import importlib
@@ -51,6 +55,25 @@ class FakeTokenizer:
 def main():
     from mlx_lm.tokenizer_utils import _infer_tool_parser
 
+    if sys.argv[1] == "render":
+        from transformers import AutoTokenizer
+
+        tokenizer = AutoTokenizer.from_pretrained(sys.argv[2])
+        queries = json.loads(Path(sys.argv[3]).read_text(encoding="utf-8"))
+        out = []
+        for q in queries:
+            for m in q["messages"]:
+                for tc in m.get("tool_calls") or []:
+                    args = tc.get("function", {}).get("arguments")
+                    if isinstance(args, str) and args:
+                        tc["function"]["arguments"] = json.loads(args)
+            out.append(
+                tokenizer.apply_chat_template(
+                    q["messages"], tools=q["tools"], tokenize=False, add_generation_prompt=True
+                )
+            )
+        Path(sys.argv[4]).write_text(json.dumps(out, ensure_ascii=False), encoding="utf-8")
+        return
     if sys.argv[1] == "infer":
         queries = json.loads(Path(sys.argv[2]).read_text(encoding="utf-8"))
         out = [_infer_tool_parser(FakeTokenizer(q["template"], q["vocab"])) for q in queries]

@@ -45,23 +45,33 @@ impl Drop for Server {
 }
 
 impl Server {
-    /// Starts the server on a free port and waits (bounded) until /health answers.
+    /// Starts the server on the tiny model on a free port and waits (bounded) until /health
+    /// answers.
     pub fn start(extra: &[&str]) -> Server {
-        let model = model().to_str().unwrap().to_owned();
-        let mut child = common::mlxb_command(&[
+        Server::start_model(model().to_str().unwrap(), &[], extra)
+    }
+
+    /// Starts the server on `model` (a directory or a built-in name) with the environment
+    /// variables `env` set.
+    pub fn start_model(model: &str, env: &[(&str, &str)], extra: &[&str]) -> Server {
+        let mut cmd = common::mlxb_command(&[
             "serve",
             "--model",
-            &model,
+            model,
             "--host",
             "127.0.0.1",
             "--port",
             "0",
-        ])
-        .args(extra)
-        .stdout(Stdio::piped())
-        .stderr(Stdio::inherit())
-        .spawn()
-        .expect("cannot start mlxb serve");
+        ]);
+        for (k, v) in env {
+            cmd.env(k, v);
+        }
+        let mut child = cmd
+            .args(extra)
+            .stdout(Stdio::piped())
+            .stderr(Stdio::inherit())
+            .spawn()
+            .expect("cannot start mlxb serve");
         let stdout = child.stdout.take().unwrap();
         let mut server = Server {
             child,

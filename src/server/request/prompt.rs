@@ -4,7 +4,7 @@
 use super::{CompletionRequest, Endpoint, Fields, Limits, PromptInput};
 use crate::engine::tokenizer::{ChatMessage, Tokenizer};
 use crate::server::error::ApiError;
-use serde_json::Value;
+use serde_json::{Map, Value};
 
 /// `messages`: a non-empty array of `{role, content}` (content a string or text parts).
 pub(super) fn messages(f: &Fields<'_>) -> Result<Vec<ChatMessage>, ApiError> {
@@ -54,9 +54,45 @@ pub(super) fn messages(f: &Fields<'_>) -> Result<Vec<ChatMessage>, ApiError> {
                     ))
                 }
             };
-            Ok(ChatMessage { role, content })
+            let mut fields: Map<String, Value> = obj
+                .iter()
+                .filter(|(k, _)| *k != "role" && *k != "content")
+                .map(|(k, v)| (k.clone(), v.clone()))
+                .collect();
+            if let Some(Value::Array(calls)) = fields.get_mut("tool_calls") {
+                parse_call_arguments(calls, &at("tool_calls"))?;
+            }
+            Ok(ChatMessage {
+                role,
+                content,
+                fields,
+            })
         })
         .collect()
+}
+
+/// An assistant message's `tool_calls` as templates expect them: each non-empty
+/// `function.arguments` string parsed into its JSON value, as mlx-lm's server does.
+fn parse_call_arguments(calls: &mut [Value], field: &str) -> Result<(), ApiError> {
+    for (j, call) in calls.iter_mut().enumerate() {
+        let Some(args) = call
+            .get_mut("function")
+            .and_then(|f| f.get_mut("arguments"))
+        else {
+            continue;
+        };
+        let Value::String(text) = args else {
+            continue;
+        };
+        if text.is_empty() {
+            continue;
+        }
+        *args = serde_json::from_str(text).map_err(|e| {
+            let at = format!("{field}[{j}].function.arguments");
+            ApiError::invalid(&at, format!("`{at}` must be JSON text ({e})"))
+        })?;
+    }
+    Ok(())
 }
 
 /// Joins `[{"type": "text", "text": ...}, ...]` content parts.
@@ -116,7 +152,11 @@ pub(super) fn completion(f: &Fields<'_>, limits: &Limits) -> Result<PromptInput,
 
 /// Token ids for a request's prompt, as mlx-lm's server computes them: a conversation goes
 /// through the chat template (which writes the special tokens), text is encoded with them.
-pub fn prompt_ids(tokenizer: &Tokenizer, prompt: &PromptInput) -> Result<Vec<u32>, ApiError> {
+pub fn prompt_ids(
+    tokenizer: &Tokenizer,
+    prompt: &PromptInput,
+    tools: Option<&[Value]>,
+) -> Result<Vec<u32>, ApiError> {
     let (field, ids) = match prompt {
         PromptInput::Ids(ids) => ("prompt", ids.clone()),
         PromptInput::Text(text) => ("prompt", encode(tokenizer.encode(text, true))?),
@@ -128,7 +168,7 @@ pub fn prompt_ids(tokenizer: &Tokenizer, prompt: &PromptInput) -> Result<Vec<u32
                 ));
             }
             let rendered = tokenizer
-                .apply_chat_template(messages, true)
+                .apply_chat_template_with_tools(messages, tools, true)
                 .map_err(|e| ApiError::invalid("messages", e.to_string()))?;
             ("messages", encode(tokenizer.encode(&rendered, false))?)
         }
