@@ -434,6 +434,7 @@ fn conclude(mut slot: Slot<'_>, done: Done, metrics: &Metrics) {
         finish_reason,
         usage: Usage::new(stats.prompt_tokens, slot.cached, slot.ids.len()),
         timings: Timings::new(&stats, None),
+        stop_sequence: slot.stopper.matched().map(str::to_owned),
         token_ids: slot.ids,
     })));
 }

@@ -61,7 +61,7 @@ impl ApiError {
     pub fn unauthorized() -> Self {
         Self {
             status: StatusCode::UNAUTHORIZED,
-            message: "missing or incorrect API key; send `Authorization: Bearer <key>`".into(),
+            message: "missing or incorrect API key; send `Authorization: Bearer <key>` (or `x-api-key: <key>`)".into(),
             kind: "invalid_request_error",
             param: None,
             code: Some("invalid_api_key"),
@@ -72,7 +72,7 @@ impl ApiError {
     pub fn not_found(path: &str) -> Self {
         Self {
             status: StatusCode::NOT_FOUND,
-            message: format!("no route {path}; see /v1/models, /v1/chat/completions, /v1/completions, /health, /metrics"),
+            message: format!("no route {path}; see /v1/models, /v1/chat/completions, /v1/completions, /v1/messages, /health, /metrics"),
             kind: "invalid_request_error",
             param: None,
             code: Some("not_found"),

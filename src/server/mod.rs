@@ -15,6 +15,7 @@
 //! - `metrics` — Prometheus counters and histograms;
 //! - `web` — the chat page served at `/`.
 
+pub mod anthropic;
 pub mod batching;
 pub mod bind;
 pub mod error;
@@ -223,7 +224,7 @@ fn print_card(
     let mut out = std::io::stdout().lock();
     let _ = writeln!(
         out,
-        "mlxb serve: ready in {:.1}s\n  model    {} ({}, {})\n  backend  {}\n  tier     {} (oracle: {})\n  drafter  {}\n  tools    {}\n  queue    {} waiting at most, {}; max_tokens {} by default, {} at most\n  limits   prompt {} tokens, body {} bytes, {} requests in flight\n  prefix   {}\n  auth     {}\n  url      http://{addr}\n  routes   GET / (chat page), POST /v1/chat/completions, POST /v1/completions, GET /v1/models, GET /health, GET /metrics",
+        "mlxb serve: ready in {:.1}s\n  model    {} ({}, {})\n  backend  {}\n  tier     {} (oracle: {})\n  drafter  {}\n  tools    {}\n  queue    {} waiting at most, {}; max_tokens {} by default, {} at most\n  limits   prompt {} tokens, body {} bytes, {} requests in flight\n  prefix   {}\n  auth     {}\n  url      http://{addr}\n  routes   GET / (chat page), POST /v1/chat/completions, POST /v1/completions, POST /v1/messages, GET /v1/models, GET /health, GET /metrics",
         load_time.as_secs_f64(),
         state.model_id,
         cfg.dir.display(),

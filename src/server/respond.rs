@@ -72,8 +72,13 @@ impl Shape {
         }
     }
 
+    /// The served model's id.
+    pub(crate) fn model(&self) -> &str {
+        &self.model
+    }
+
     /// The tool-call state of a new reply, if its calls are parsed.
-    fn tool_reply(&self, streaming: bool) -> Option<ToolReply> {
+    pub(crate) fn tool_reply(&self, streaming: bool) -> Option<ToolReply> {
         self.tool_calls
             .clone()
             .map(|c| ToolReply::new(c, streaming))

@@ -1,6 +1,7 @@
 //! HTTP routes: the OpenAI endpoints, `/health`, `/metrics`, the chat page, the API-key check, and the
 //! admission path (parse → tokenize → queue) shared by both completion endpoints.
 
+use super::anthropic;
 use super::error::ApiError;
 use super::limit::{self, Concurrency};
 use super::metrics::{Metrics, Rejection};
@@ -46,6 +47,7 @@ pub fn router(state: Arc<AppState>, max_body_bytes: usize, concurrency: Concurre
     let generating = Router::new()
         .route("/v1/chat/completions", post(chat))
         .route("/v1/completions", post(completions))
+        .route("/v1/messages", post(messages))
         .route_layer(middleware::from_fn_with_state(concurrency, limit::limit));
     let guarded = generating
         .route("/v1/models", get(models))
@@ -72,11 +74,13 @@ fn same_key(given: &str, key: &str) -> bool {
 
 async fn require_key(State(s): State<Arc<AppState>>, req: Request, next: Next) -> Response {
     if let Some(key) = &s.api_key {
-        let given = req
-            .headers()
+        // OpenAI clients send `Authorization: Bearer KEY`, Anthropic clients `x-api-key: KEY`.
+        let headers = req.headers();
+        let given = headers
             .get(header::AUTHORIZATION)
             .and_then(|v| v.to_str().ok())
-            .and_then(|v| v.strip_prefix("Bearer "));
+            .and_then(|v| v.strip_prefix("Bearer "))
+            .or_else(|| headers.get("x-api-key").and_then(|v| v.to_str().ok()));
         if !given.is_some_and(|g| same_key(g.trim(), key)) {
             s.metrics.rejected(Rejection::Invalid);
             return ApiError::unauthorized().into_response();
@@ -126,6 +130,32 @@ async fn completions(
     complete(s, Endpoint::Completions, body).await
 }
 
+/// `POST /v1/messages`: Anthropic's Messages API, translated into a chat request.
+async fn messages(State(s): State<Arc<AppState>>, body: Result<Bytes, BytesRejection>) -> Response {
+    let arrived = Instant::now();
+    let translated = body_bytes(body)
+        .and_then(|b| anthropic::request::to_chat_body(&b).map_err(|e| (Rejection::Invalid, e)));
+    let admitted = translated.and_then(|b| admit_body(&s, Endpoint::Chat, &b, arrived));
+    let (shape, stream, prompt_tokens, mut rx) = match admitted {
+        Ok(a) => a,
+        Err((why, err)) => {
+            s.metrics.rejected(why);
+            return err.into_response();
+        }
+    };
+    let m = anthropic::respond::MessageShape::new(shape, prompt_tokens);
+    if !stream {
+        return anthropic::respond::collect(m, rx).await;
+    }
+    match rx.recv().await {
+        Some(Event::Error(e)) => e.into_response(),
+        Some(first) => anthropic::respond::stream(m, rx, first),
+        None => {
+            ApiError::internal("the engine stopped before starting this request").into_response()
+        }
+    }
+}
+
 /// Admits a completion request and answers it, whole or streamed.
 async fn complete(
     s: Arc<AppState>,
@@ -133,7 +163,8 @@ async fn complete(
     body: Result<Bytes, BytesRejection>,
 ) -> Response {
     let arrived = Instant::now();
-    let (shape, stream, mut rx) = match admit(&s, endpoint, body, arrived) {
+    let admitted = body_bytes(body).and_then(|b| admit_body(&s, endpoint, &b, arrived));
+    let (shape, stream, _, mut rx) = match admitted {
         Ok(admitted) => admitted,
         Err((why, err)) => {
             s.metrics.rejected(why);
@@ -153,17 +184,13 @@ async fn complete(
     }
 }
 
-type Admitted = (Shape, bool, UnboundedReceiver<Event>);
+/// The response shape, whether to stream, the prompt's length in tokens, and the events.
+type Admitted = (Shape, bool, usize, UnboundedReceiver<Event>);
 
-/// Parses, validates and tokenizes a request and queues it for the engine.
-fn admit(
-    s: &AppState,
-    endpoint: Endpoint,
-    body: Result<Bytes, BytesRejection>,
-    arrived: Instant,
-) -> Result<Admitted, (Rejection, ApiError)> {
+/// The request body, or the 4xx that its rejection (too large, unreadable) deserves.
+fn body_bytes(body: Result<Bytes, BytesRejection>) -> Result<Bytes, (Rejection, ApiError)> {
     let invalid = |e| (Rejection::Invalid, e);
-    let bytes = body.map_err(|r| {
+    body.map_err(|r| {
         let mut e =
             ApiError::bad_request(format!("the request body was rejected: {}", r.body_text()));
         e.status = r.status();
@@ -171,8 +198,18 @@ fn admit(
             e.code = Some("request_too_large");
         }
         invalid(e)
-    })?;
-    let request = request::parse(endpoint, &bytes, &s.limits).map_err(invalid)?;
+    })
+}
+
+/// Parses, validates and tokenizes a request body and queues it for the engine.
+fn admit_body(
+    s: &AppState,
+    endpoint: Endpoint,
+    bytes: &[u8],
+    arrived: Instant,
+) -> Result<Admitted, (Rejection, ApiError)> {
+    let invalid = |e| (Rejection::Invalid, e);
+    let request = request::parse(endpoint, bytes, &s.limits).map_err(invalid)?;
     let prompt_ids = request::prompt_ids(
         &s.tokenizer,
         &request.prompt,
@@ -182,6 +219,7 @@ fn admit(
     request::check_prompt_length(&request, prompt_ids.len(), &s.limits).map_err(invalid)?;
     let shape = Shape::new(&request, &s.model_id, s.tokenizer.tool_parser());
     let stream = request.stream;
+    let prompt_tokens = prompt_ids.len();
     let (tx, rx) = unbounded_channel();
     let job = Job {
         request,
@@ -192,5 +230,5 @@ fn admit(
     s.queue
         .submit(job, &s.metrics)
         .map_err(|e| (Rejection::Unavailable, e))?;
-    Ok((shape, stream, rx))
+    Ok((shape, stream, prompt_tokens, rx))
 }

@@ -7,7 +7,8 @@
 pub struct StopMatcher {
     stops: Vec<String>,
     pending: String,
-    stopped: bool,
+    /// The stop string that ended the generation.
+    matched: Option<String>,
 }
 
 impl StopMatcher {
@@ -16,28 +17,33 @@ impl StopMatcher {
         Self {
             stops,
             pending: String::new(),
-            stopped: false,
+            matched: None,
         }
     }
 
     /// Whether a stop string has been seen.
     pub fn stopped(&self) -> bool {
-        self.stopped
+        self.matched.is_some()
+    }
+
+    /// The stop string that ended the generation, if one did.
+    pub fn matched(&self) -> Option<&str> {
+        self.matched.as_deref()
     }
 
     /// Adds `text` and returns what can be released now (nothing once stopped).
     pub fn push(&mut self, text: &str) -> String {
-        if self.stopped {
+        if self.stopped() {
             return String::new();
         }
         self.pending.push_str(text);
-        if let Some(at) = self
+        if let Some((at, stop)) = self
             .stops
             .iter()
-            .filter_map(|s| self.pending.find(s.as_str()))
-            .min()
+            .filter_map(|s| self.pending.find(s.as_str()).map(|at| (at, s)))
+            .min_by_key(|(at, _)| *at)
         {
-            self.stopped = true;
+            self.matched = Some(stop.clone());
             self.pending.truncate(at);
             return std::mem::take(&mut self.pending);
         }
@@ -53,7 +59,7 @@ impl StopMatcher {
 
     /// Releases the text held back at the end of the generation.
     pub fn finish(&mut self) -> String {
-        if self.stopped {
+        if self.stopped() {
             return String::new();
         }
         std::mem::take(&mut self.pending)

@@ -52,6 +52,8 @@ pub struct Summary {
     pub timings: Timings,
     /// Generated ids (EOS included when it ended the generation).
     pub token_ids: Vec<u32>,
+    /// The request's stop string that ended the generation, if one did.
+    pub stop_sequence: Option<String>,
 }
 
 /// What the engine sends back for a job, in order: deltas, then one `Done` or `Error`.
@@ -428,6 +430,7 @@ impl State {
             usage: Usage::new(stats.prompt_tokens, cached_tokens, outcome.token_ids.len()),
             timings: Timings::new(stats, drafted.as_ref()),
             token_ids: outcome.token_ids,
+            stop_sequence: stopper.matched().map(str::to_owned),
         })))
     }
 }
