@@ -409,24 +409,61 @@ impl Stream {
             .push_back(Bytes::from_static(b"data: [DONE]\n\n"));
         self.finished = true;
     }
+}
 
-    /// The next frame, waiting for the engine when none is ready; `None` ends the body.
-    async fn next(&mut self) -> Option<Bytes> {
-        loop {
-            if let Some(f) = self.frames.pop_front() {
-                return Some(f);
-            }
-            if self.finished {
-                return None;
-            }
-            let event = self.rx.recv().await.unwrap_or_else(|| {
-                Event::Error(ApiError::internal(
-                    "the engine stopped before finishing this request",
-                ))
-            });
-            self.push(event);
-        }
+impl EventFrames for Stream {
+    fn parts(&mut self) -> (&mut VecDeque<Bytes>, &mut UnboundedReceiver<Event>, bool) {
+        (&mut self.frames, &mut self.rx, self.finished)
     }
+
+    fn push(&mut self, event: Event) {
+        Stream::push(self, event);
+    }
+}
+
+/// A response stream that turns the engine's events into server-sent-event frames (the
+/// OpenAI chunks here, Anthropic's events in `anthropic::respond`).
+pub(crate) trait EventFrames: Send + 'static {
+    /// The frames ready to send, the events still to come, and whether the last frame is queued.
+    fn parts(&mut self) -> (&mut VecDeque<Bytes>, &mut UnboundedReceiver<Event>, bool);
+    /// Turns one event into frames.
+    fn push(&mut self, event: Event);
+}
+
+/// The next frame, waiting for the engine when none is ready; `None` ends the body.
+async fn next_frame<S: EventFrames>(s: &mut S) -> Option<Bytes> {
+    loop {
+        let (frames, rx, finished) = s.parts();
+        if let Some(f) = frames.pop_front() {
+            return Some(f);
+        }
+        if finished {
+            return None;
+        }
+        let event = rx.recv().await.unwrap_or_else(|| {
+            Event::Error(ApiError::internal(
+                "the engine stopped before finishing this request",
+            ))
+        });
+        s.push(event);
+    }
+}
+
+/// A `text/event-stream` response whose body is `s`'s frames.
+pub(crate) fn event_stream<S: EventFrames>(s: S) -> Response {
+    let body = futures_util::stream::unfold(s, |mut s| async move {
+        next_frame(&mut s)
+            .await
+            .map(|f| (Ok::<_, Infallible>(f), s))
+    });
+    let mut response = Body::from_stream(body).into_response();
+    let headers = response.headers_mut();
+    headers.insert(
+        header::CONTENT_TYPE,
+        HeaderValue::from_static("text/event-stream"),
+    );
+    headers.insert(header::CACHE_CONTROL, HeaderValue::from_static("no-cache"));
+    response
 }
 
 /// Answers with server-sent events, starting with `first` (already received, so that an
@@ -465,15 +502,5 @@ pub fn stream(
         s.frames.push_back(frame(&role));
     }
     s.push(first);
-    let body = futures_util::stream::unfold(s, |mut s| async move {
-        s.next().await.map(|f| (Ok::<_, Infallible>(f), s))
-    });
-    let mut response = Body::from_stream(body).into_response();
-    let headers = response.headers_mut();
-    headers.insert(
-        header::CONTENT_TYPE,
-        HeaderValue::from_static("text/event-stream"),
-    );
-    headers.insert(header::CACHE_CONTROL, HeaderValue::from_static("no-cache"));
-    response
+    event_stream(s)
 }

@@ -127,6 +127,29 @@ impl ToolParser {
     }
 }
 
+/// mlx-lm's `_infer_tool_parser` rules, in its order: a format is chosen when the template
+/// contains every marker of one of its groups.
+const TEMPLATE_RULES: [(&str, &[&[&str]]); 12] = [
+    ("minimax_m2", &[&["<minimax:tool_call>"]]),
+    ("gemma4", &[&["<|tool_call>", "<tool_call|>"]]),
+    ("function_gemma", &[&["<start_function_call>"]]),
+    ("longcat", &[&["<longcat_tool_call>"]]),
+    ("glm47", &[&["<arg_key>"]]),
+    (
+        "pythonic",
+        &[&["<|tool_list_start|>"], &["<|tool_call_start|>"]],
+    ),
+    (
+        "qwen3_coder",
+        &[&["<tool_call>\\n<function="], &["<tool_call>\n<function="]],
+    ),
+    ("kimi_k2", &[&["<|tool_calls_section_begin|>"]]),
+    ("minicpm5", &[&["<function name=\"", "<param name=\""]]),
+    ("mistral", &[&["[TOOL_CALLS]"]]),
+    ("muse_spark", &[&["<atem:function_calls>"]]),
+    ("json_tools", &[&["<tool_call>", "tool_call.name"]]),
+];
+
 /// What mlx-lm's `_infer_tool_parser` picks for a chat template (when the model has one
 /// template, as a string) and a vocabulary: mlx-lm's module name, which may be one mlxb
 /// does not parse ([`ToolParser::from_name`] says).
@@ -135,36 +158,13 @@ pub fn infer_parser_name(
     in_vocab: impl Fn(&str) -> bool,
 ) -> Option<&'static str> {
     if let Some(t) = template {
-        let has = |s: &str| t.contains(s);
-        let name = if has("<minimax:tool_call>") {
-            Some("minimax_m2")
-        } else if has("<|tool_call>") && has("<tool_call|>") {
-            Some("gemma4")
-        } else if has("<start_function_call>") {
-            Some("function_gemma")
-        } else if has("<longcat_tool_call>") {
-            Some("longcat")
-        } else if has("<arg_key>") {
-            Some("glm47")
-        } else if has("<|tool_list_start|>") || has("<|tool_call_start|>") {
-            Some("pythonic")
-        } else if has("<tool_call>\\n<function=") || has("<tool_call>\n<function=") {
-            Some("qwen3_coder")
-        } else if has("<|tool_calls_section_begin|>") {
-            Some("kimi_k2")
-        } else if has("<function name=\"") && has("<param name=\"") {
-            Some("minicpm5")
-        } else if has("[TOOL_CALLS]") {
-            Some("mistral")
-        } else if has("<atem:function_calls>") {
-            Some("muse_spark")
-        } else if has("<tool_call>") && has("tool_call.name") {
-            Some("json_tools")
-        } else {
-            None
-        };
-        if name.is_some() {
-            return name;
+        let rule = TEMPLATE_RULES.iter().find(|(_, groups)| {
+            groups
+                .iter()
+                .any(|markers| markers.iter().all(|m| t.contains(m)))
+        });
+        if let Some((name, _)) = rule {
+            return Some(name);
         }
     }
     if in_vocab("<|tool_call_start|>") && in_vocab("<|tool_call_end|>") {

@@ -3,16 +3,14 @@
 //! `message_delta` with the stop reason and usage, `message_stop`).
 
 use crate::server::error::ApiError;
-use crate::server::respond::Shape;
+use crate::server::respond::{event_stream, EventFrames, Shape};
 use crate::server::tool_reply::{Settled, ToolReply};
 use crate::server::worker::{Event, Summary};
-use axum::body::{Body, Bytes};
-use axum::http::{header, HeaderValue};
+use axum::body::Bytes;
 use axum::response::{IntoResponse, Response};
 use axum::Json;
 use serde_json::{json, Value};
 use std::collections::VecDeque;
-use std::convert::Infallible;
 use tokio::sync::mpsc::UnboundedReceiver;
 
 /// What a Messages reply needs besides the engine's events.
@@ -233,22 +231,15 @@ impl EventStream {
             }
         }
     }
+}
 
-    async fn next_frame(&mut self) -> Option<Bytes> {
-        loop {
-            if let Some(f) = self.frames.pop_front() {
-                return Some(f);
-            }
-            if self.finished {
-                return None;
-            }
-            let e = self.rx.recv().await.unwrap_or_else(|| {
-                Event::Error(ApiError::internal(
-                    "the engine stopped before finishing this request",
-                ))
-            });
-            self.push(e);
-        }
+impl EventFrames for EventStream {
+    fn parts(&mut self) -> (&mut VecDeque<Bytes>, &mut UnboundedReceiver<Event>, bool) {
+        (&mut self.frames, &mut self.rx, self.finished)
+    }
+
+    fn push(&mut self, event: Event) {
+        EventStream::push(self, event);
     }
 }
 
@@ -270,15 +261,5 @@ pub fn stream(m: MessageShape, rx: UnboundedReceiver<Event>, first: Event) -> Re
     s.emit("message_start", start);
     s.emit("ping", json!({"type": "ping"}));
     s.push(first);
-    let body = futures_util::stream::unfold(s, |mut s| async move {
-        s.next_frame().await.map(|f| (Ok::<_, Infallible>(f), s))
-    });
-    let mut response = Body::from_stream(body).into_response();
-    let headers = response.headers_mut();
-    headers.insert(
-        header::CONTENT_TYPE,
-        HeaderValue::from_static("text/event-stream"),
-    );
-    headers.insert(header::CACHE_CONTROL, HeaderValue::from_static("no-cache"));
-    response
+    event_stream(s)
 }
