@@ -728,6 +728,14 @@ fn contradictory_or_out_of_range_flags_are_refused() {
             &["--draft-model is not used by --draft-kind ngram"],
         ),
         (
+            "draft_model_unknown",
+            &["--draft-model", "no-such-model"],
+            &[
+                "--draft-model no-such-model: no such directory or built-in model",
+                "smollm2-135m-instruct",
+            ],
+        ),
+        (
             "draft_layers_vs_ngram",
             &["--draft-kind", "ngram", "--draft-layers", "1"],
             &["--draft-layers is only used by --draft-kind self", "ngram"],

@@ -360,15 +360,20 @@ impl SpecArgs {
     }
 
     /// `--draft-model NAME` naming a built-in model (and no directory of that name): its
-    /// directory, fetched and imported on first use as `--model NAME` would be.
+    /// directory, fetched and imported on first use as `--model NAME` would be. A name that is
+    /// neither (and no file either) is the same error as for `--model`.
     fn builtin_draft_model(&self) -> Result<Option<std::path::PathBuf>, EngineError> {
         let Some(name) = self.draft_model.as_deref().filter(|p| !p.is_dir()) else {
             return Ok(None);
         };
-        name.to_str()
-            .and_then(crate::convert::registry::find)
-            .map(|m| m.ensure(&super::progress::Terminal::default()))
-            .transpose()
+        match name.to_str().and_then(crate::convert::registry::find) {
+            Some(m) => m.ensure(&super::progress::Terminal::default()).map(Some),
+            None if !name.exists() => Err(crate::convert::registry::unknown_model(
+                "--draft-model",
+                &name.display().to_string(),
+            )),
+            None => Ok(None),
+        }
     }
 
     fn unchecked_options(&self, draft_model: Option<std::path::PathBuf>) -> Option<SpecOptions> {

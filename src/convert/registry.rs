@@ -595,14 +595,19 @@ pub fn resolve(model_ref: Option<&str>, progress: &dyn Progress) -> Result<PathB
             "--model {r} is a GGUF file; import it first with `mlxb convert --gguf {r} --out DIR` and pass --model DIR"
         )));
     }
+    Err(unknown_model("--model", r))
+}
+
+/// The error for a model flag whose value is neither a directory nor a built-in name.
+pub fn unknown_model(flag: &str, value: &str) -> EngineError {
     let names: Vec<String> = MODELS
         .iter()
         .map(|m| format!("{} ({})", m.name, m.aliases.join(", ")))
         .collect();
-    Err(EngineError::Input(format!(
-        "--model {r}: no such directory or built-in model; pass an MLX-format model directory or one of: {} (mlxb never downloads from a hub)",
+    EngineError::Input(format!(
+        "{flag} {value}: no such directory or built-in model; pass an MLX-format model directory or one of: {} (mlxb never downloads from a hub)",
         names.join(", ")
-    )))
+    ))
 }
 
 fn ensure_named(name: &str, progress: &dyn Progress) -> Result<PathBuf> {
