@@ -660,7 +660,7 @@ fn contradictory_or_out_of_range_flags_are_refused() {
     let fx = fixture();
     let model = fx.model.clone();
     let d = fx.drafter();
-    let generate_cases: [(&str, &[&str], &[&str]); 11] = [
+    let generate_cases: [(&str, &[&str], &[&str]); 12] = [
         (
             "top_p",
             &["--top-p", "2"],
