@@ -996,3 +996,94 @@ fn replies_regenerate_in_batches_reproducibly() {
     common::assert_refused("--regen-batch 3", code, &err, &["--sequences"]);
     assert_eq!(std::fs::read_to_string(&file).unwrap(), body);
 }
+
+/// `--init-from DRAFTER` starts a new run from a trained drafter: its weights (at learning
+/// rate 0 one step leaves them exactly as they were), its draft vocabulary and its shape (the
+/// shape flags are ignored); it cannot be combined with `--resume`, and a directory without a
+/// drafter is refused with exit 2.
+#[test]
+fn init_from_starts_a_new_run_from_a_trained_drafter() {
+    let fx = CliFixture::new("{\"prompt\": \"hello there\"}\n{\"prompt\": \"zzz\"}\n");
+    let shape = [
+        "--iters",
+        "2",
+        "--batch",
+        "2",
+        "--max-tokens",
+        "20",
+        "--markov-rank",
+        "16",
+        "--gamma",
+        "5",
+        "--draft-vocab",
+        "40",
+    ];
+    let (code, _, err) = fx.train_dspark(&shape);
+    assert_eq!(code, 0, "{err}");
+    let first = checkpoint::load(&fx.out).unwrap();
+    let second = fx.out.with_extension("second");
+    let run = |extra: &[&str]| {
+        let mut a = vec![
+            "train-dspark",
+            "--model",
+            fx.target.to_str().unwrap(),
+            "--data",
+            fx.data.to_str().unwrap(),
+            "--out",
+            second.to_str().unwrap(),
+            "--max-tokens",
+            "20",
+        ];
+        a.extend(extra);
+        common::run_mlxb(&a)
+    };
+    let from = fx.out.to_str().unwrap();
+    let (code, _, err) = run(&[
+        "--init-from",
+        from,
+        "--iters",
+        "1",
+        "--lr",
+        "0",
+        "--gamma",
+        "3",
+    ]);
+    assert_eq!(code, 0, "{err}");
+    let again = checkpoint::load(&second).unwrap();
+    assert_eq!(again.config.block_size, 5, "the shape flags are ignored");
+    let (a, b) = (
+        Array::load_safetensors(fx.out.join(checkpoint::WEIGHTS_FILE)).unwrap(),
+        Array::load_safetensors(second.join(checkpoint::WEIGHTS_FILE)).unwrap(),
+    );
+    let mut names: Vec<&String> = a.keys().collect();
+    names.sort();
+    assert!(names.iter().any(|n| n.as_str() == "d2t"), "{names:?}");
+    for name in names {
+        assert_eq!(
+            common::bits(&a[name]),
+            common::bits(&b[name]),
+            "{name} changed"
+        );
+    }
+    assert_eq!(first.config.block_size, again.config.block_size);
+    // A real step moves them.
+    std::fs::remove_dir_all(&second).unwrap();
+    let (code, _, err) = run(&["--init-from", from, "--iters", "1"]);
+    assert_eq!(code, 0, "{err}");
+    let moved = Array::load_safetensors(second.join(checkpoint::WEIGHTS_FILE)).unwrap();
+    assert_ne!(
+        common::bits(&a["fc.weight"]),
+        common::bits(&moved["fc.weight"])
+    );
+    // Refused: with --resume, and a directory that holds no drafter.
+    let (code, _, err) = run(&["--init-from", from, "--resume"]);
+    assert_eq!(code, 2, "{err}");
+    assert!(err.contains("--resume"), "{err}");
+    std::fs::remove_dir_all(&second).unwrap();
+    let empty = fx.out.with_extension("empty");
+    std::fs::create_dir_all(&empty).unwrap();
+    let (code, _, err) = run(&["--init-from", empty.to_str().unwrap(), "--iters", "1"]);
+    assert_eq!(code, 2, "{err}");
+    assert!(err.contains(empty.to_str().unwrap()), "{err}");
+    assert!(!second.exists(), "a refused run wrote {}", second.display());
+}
