@@ -18,7 +18,9 @@ fn tools() -> Value {
                 "options": {"type": "object"}, "hours": {"type": "array"},
                 "free": {}, "untyped": {"description": "no type"},
                 "either": {"type": ["string", "null"]}, "count": {"type": " Int32 "},
-                "ratio": {"type": "float"}, "mapping": {"type": "dict"}
+                "ratio": {"type": "float"}, "mapping": {"type": "dict"},
+                "mode": {"enum": ["a", 1, 2.5, true, null]},
+                "choice": {"anyOf": [{"type": "integer"}, {"type": "string"}]}
             }, "required": ["city"]}}},
         {"type": "function", "function": {"name": "no_params"}}
     ])
@@ -93,6 +95,21 @@ fn corpus() -> Vec<(&'static str, String)> {
             "call:f{city:Paris}",
             "nothing here",
             "call:f{k:<|\"|>multi\nline<|\"|>,n:null}",
+        ],
+    );
+    add(
+        "minicpm5",
+        &[
+            "\"get_weather\"><param name=\"city\">Paris</param><param name=\"days\">3</param>",
+            "<function name=\"get_weather\"><param name=\"city\"><![CDATA[a < b & c\nd]]></param></function>",
+            "'get_weather'>\n<param name='days'> 4.0 </param>\n<param name=scale>2.5</param>\n<param name=\"metric\">Yes</param>\n",
+            "\"get_weather\"><param name=\"options\">{'a': (1, 2)}</param><param name=\"hours\">[1, 2]</param><param name=\"either\">None</param>",
+            "\"get_weather\"><param name=\"mode\">2.5</param><param name=\"choice\">7</param><param name=\"days\">seven</param><param name=\"metric\">maybe</param>",
+            "\"get_weather\"><param name=\"untyped\">{\"k\": 1}</param><param name=\"unknown\">5</param><param name=\"city\">null</param>",
+            "\"a\"><param name=\"x\">1</param></function><function name=\"b\"><param name=\"y\">2</param>",
+            "\"no_params\">",
+            "no function here",
+            "\"get_weather\"><param name=\"days\">1_000</param><param name=\"scale\">1e400</param>",
         ],
     );
     add(
@@ -223,5 +240,5 @@ fn the_parser_is_inferred_from_the_template_as_mlx_lm_infers_it() {
         );
     }
     // Every parser mlxb has is one mlx-lm infers or names.
-    assert_eq!(PARSERS.len(), 5);
+    assert_eq!(PARSERS.len(), 6);
 }

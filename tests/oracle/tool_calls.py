@@ -4,7 +4,8 @@
 OUT gets, per query, either {"calls": [...]} -- each call as mlx-lm's server formats it
 (`ToolCallFormatter._format`, with the random id left out unless the model gave one) -- or
 {"error": ...} where mlx-lm's parser raises ValueError/JSONDecodeError (the server drops
-the call) or formatting fails.
+the call), raises anything else or formatting fails (the server fails the request; mlxb drops
+the call).
 
 `python tool_calls.py infer QUERIES OUT`: per {"template", "vocab"}, the parser name that
 `mlx_lm.tokenizer_utils._infer_tool_parser` picks (or null).
@@ -27,6 +28,8 @@ def formatted(parser, text, tools):
         parsed = module.parse_tool_call(text, tools)
     except (ValueError, json.JSONDecodeError) as e:
         return {"error": f"{type(e).__name__}: {e}"}
+    except Exception as e:  # e.g. OverflowError: mlx-lm's server fails the request; mlxb drops the call
+        return {"error": f"{type(e).__name__}: {e}", "uncaught": True}
     if not isinstance(parsed, list):
         parsed = [parsed]
     calls = []

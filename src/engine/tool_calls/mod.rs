@@ -10,6 +10,7 @@
 mod function_gemma;
 mod gemma4;
 mod json_tools;
+mod minicpm5;
 mod mistral;
 mod py_literal;
 mod qwen3_coder;
@@ -51,15 +52,19 @@ pub enum ToolParser {
     /// `<start_function_call>call:NAME{key:<escape>text<escape>,...}<end_function_call>`
     /// (FunctionGemma).
     FunctionGemma,
+    /// `<function name="NAME"><param name="P">V</param></function>` (MiniCPM), values typed by
+    /// the request's schema.
+    MiniCpm5,
 }
 
 /// Every format mlxb parses, by mlx-lm's module name.
-pub const PARSERS: [(&str, ToolParser); 5] = [
+pub const PARSERS: [(&str, ToolParser); 6] = [
     ("json_tools", ToolParser::JsonTools),
     ("qwen3_coder", ToolParser::Qwen3Coder),
     ("mistral", ToolParser::Mistral),
     ("gemma4", ToolParser::Gemma4),
     ("function_gemma", ToolParser::FunctionGemma),
+    ("minicpm5", ToolParser::MiniCpm5),
 ];
 
 impl ToolParser {
@@ -83,6 +88,7 @@ impl ToolParser {
             ToolParser::Mistral => "[TOOL_CALLS]",
             ToolParser::Gemma4 => "<|tool_call>",
             ToolParser::FunctionGemma => "<start_function_call>",
+            ToolParser::MiniCpm5 => "<function name=",
         }
     }
 
@@ -93,6 +99,7 @@ impl ToolParser {
             ToolParser::Mistral => "",
             ToolParser::Gemma4 => "<tool_call|>",
             ToolParser::FunctionGemma => "<end_function_call>",
+            ToolParser::MiniCpm5 => "</function>",
         }
     }
 
@@ -109,6 +116,7 @@ impl ToolParser {
             ToolParser::Mistral => mistral::parse(text)?,
             ToolParser::Gemma4 => gemma4::parse(text)?,
             ToolParser::FunctionGemma => Value::Object(function_gemma::parse(text)?),
+            ToolParser::MiniCpm5 => minicpm5::parse(text, tools)?,
         };
         // The server's formatter takes a list or one call.
         let calls = match parsed {
@@ -216,4 +224,16 @@ type Pattern = LazyLock<Option<Regex>>;
 fn compiled(p: &'static Pattern) -> Result<&'static Regex, ToolParseError> {
     p.as_ref()
         .ok_or_else(|| ToolParseError::new("internal: a tool-call pattern does not compile"))
+}
+
+/// Python truthiness of a JSON value.
+fn truthy(v: &Value) -> bool {
+    match v {
+        Value::Null => false,
+        Value::Bool(b) => *b,
+        Value::Number(n) => n.as_f64() != Some(0.0),
+        Value::String(s) => !s.is_empty(),
+        Value::Array(a) => !a.is_empty(),
+        Value::Object(o) => !o.is_empty(),
+    }
 }

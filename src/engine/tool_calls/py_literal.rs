@@ -3,7 +3,7 @@
 //! `ast.literal_eval` for the literals a model writes (strings, numbers, `True`/`False`/`None`,
 //! lists, tuples, dicts), as JSON values (tuples become arrays, as `json.dumps` writes them).
 
-use super::ToolParseError;
+use super::{py_strip, ToolParseError};
 use serde_json::{Map, Value};
 
 /// `json.loads(text, strict=False)`.
@@ -288,4 +288,52 @@ fn negate(n: &serde_json::Number) -> Option<Value> {
         return Some(Value::from(-i));
     }
     serde_json::Number::from_f64(-n.as_f64()?).map(Value::Number)
+}
+
+/// Python's `float(text)`: surrounding whitespace, `_` between digits, `inf`/`nan`.
+pub(super) fn py_float(text: &str) -> Result<f64, ToolParseError> {
+    let bad = || ToolParseError::new(format!("could not convert string to float: {text:?}"));
+    let s = py_strip(text);
+    let b = s.as_bytes();
+    let digit_around = |i: usize| {
+        i > 0 && i + 1 < b.len() && b[i - 1].is_ascii_digit() && b[i + 1].is_ascii_digit()
+    };
+    if (0..b.len()).any(|i| b[i] == b'_' && !digit_around(i)) {
+        return Err(bad());
+    }
+    let s = s.replace('_', "");
+    let lower = s.to_ascii_lowercase();
+    let unsigned = lower.trim_start_matches(['+', '-']);
+    if unsigned.starts_with("in") && unsigned != "inf" && unsigned != "infinity" {
+        return Err(bad());
+    }
+    s.parse::<f64>().map_err(|_| bad())
+}
+
+/// Python's `int(float)`: truncation; infinities and NaN cannot be converted.
+pub(super) fn py_int(f: f64) -> Result<i64, ToolParseError> {
+    if !f.is_finite() || f.abs() >= 9.2e18 {
+        return Err(ToolParseError::new(format!(
+            "cannot convert float {f} to integer"
+        )));
+    }
+    Ok(f.trunc() as i64)
+}
+
+/// Python's `int(text)`: surrounding whitespace, a sign, digits with single `_` between them
+/// (no decimal point); beyond 64 bits it is refused here.
+pub(super) fn py_int_text(text: &str) -> Result<i64, ToolParseError> {
+    let bad = || ToolParseError::new(format!("invalid literal for int(): {text:?}"));
+    let s = py_strip(text);
+    let digits = s.strip_prefix(['+', '-']).unwrap_or(s);
+    let b = digits.as_bytes();
+    let ok = !b.is_empty()
+        && b[0].is_ascii_digit()
+        && b[b.len() - 1].is_ascii_digit()
+        && b.iter().all(|c| c.is_ascii_digit() || *c == b'_')
+        && !digits.contains("__");
+    if !ok {
+        return Err(bad());
+    }
+    s.replace('_', "").parse::<i64>().map_err(|_| bad())
 }

@@ -2,8 +2,8 @@
 //! values typed by the request's JSON schema for that function (strings stay text, integers
 //! and numbers are converted, objects and arrays parsed as JSON or Python literals).
 
-use super::py_literal;
-use super::{compiled, py_strip, ParsedCall, Pattern, ToolParseError};
+use super::py_literal::{self, py_float, py_int};
+use super::{compiled, py_strip, truthy, ParsedCall, Pattern, ToolParseError};
 use regex::Regex;
 use serde_json::{Map, Value};
 use std::sync::LazyLock;
@@ -78,18 +78,6 @@ fn arguments_config(
     Ok(Map::new())
 }
 
-/// Python truthiness of a JSON value.
-fn truthy(v: &Value) -> bool {
-    match v {
-        Value::Null => false,
-        Value::Bool(b) => *b,
-        Value::Number(n) => n.as_f64() != Some(0.0),
-        Value::String(s) => !s.is_empty(),
-        Value::Array(a) => !a.is_empty(),
-        Value::Object(o) => !o.is_empty(),
-    }
-}
-
 /// `_convert_param_value`: the text of one parameter, typed by its schema entry.
 fn convert_value(value: &str, schema: Option<&Value>) -> Result<Value, ToolParseError> {
     let text = || Value::String(value.to_owned());
@@ -142,34 +130,4 @@ fn convert_value(value: &str, schema: Option<&Value>) -> Result<Value, ToolParse
         }
     }
     Ok(py_literal::literal_eval(value).unwrap_or_else(|_| text()))
-}
-
-/// Python's `float(text)`: surrounding whitespace, `_` between digits, `inf`/`nan`.
-fn py_float(text: &str) -> Result<f64, ToolParseError> {
-    let bad = || ToolParseError::new(format!("could not convert string to float: {text:?}"));
-    let s = py_strip(text);
-    let b = s.as_bytes();
-    let digit_around = |i: usize| {
-        i > 0 && i + 1 < b.len() && b[i - 1].is_ascii_digit() && b[i + 1].is_ascii_digit()
-    };
-    if (0..b.len()).any(|i| b[i] == b'_' && !digit_around(i)) {
-        return Err(bad());
-    }
-    let s = s.replace('_', "");
-    let lower = s.to_ascii_lowercase();
-    let unsigned = lower.trim_start_matches(['+', '-']);
-    if unsigned.starts_with("in") && unsigned != "inf" && unsigned != "infinity" {
-        return Err(bad());
-    }
-    s.parse::<f64>().map_err(|_| bad())
-}
-
-/// Python's `int(float)`: truncation; infinities and NaN cannot be converted.
-fn py_int(f: f64) -> Result<i64, ToolParseError> {
-    if !f.is_finite() || f.abs() >= 9.2e18 {
-        return Err(ToolParseError::new(format!(
-            "cannot convert float {f} to integer"
-        )));
-    }
-    Ok(f.trunc() as i64)
 }
