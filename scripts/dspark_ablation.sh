@@ -16,10 +16,13 @@ cd "$(dirname "$0")/.."
 out=$1 steps=$2 ntrain=$3 ncalib=$4
 shift 4
 mlxb=${MLXB:-target/release/mlxb}
-sequences=${SEQUENCES:-assets/sequences/smollm2-135m-instruct.jsonl}
 regen_batch=${REGEN_BATCH:-1}
 mkdir -p "$out"
 head -n "$ntrain" assets/prompts/corpora/train.jsonl >"$out/train.jsonl"
+# The header and the first N_TRAIN sequences: the committed file keeps growing in stages, and
+# a sequences file may not hold more sequences than the prompts given.
+head -n "$((ntrain + 1))" "${SEQUENCES:-assets/sequences/smollm2-135m-instruct.jsonl}" >"$out/sequences.jsonl"
+sequences=$out/sequences.jsonl
 head -n "$ncalib" assets/prompts/corpora/calibration.jsonl >"$out/calib.jsonl"
 
 # name: flags (everything else shared: markov rank 32, batch 4, 32 anchors, lr 6e-4, seed 42)
