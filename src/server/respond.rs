@@ -4,7 +4,7 @@
 use super::error::ApiError;
 use super::request::{CompletionRequest, Endpoint};
 use super::routes::AppState;
-use super::tool_reply::{ToolCalls, ToolReply};
+use super::tool_reply::{ToolCalls, ToolReply, WholeReply};
 use super::types::{
     AssistantMessage, ChatChoice, ChatChunk, ChatChunkChoice, ChatCompletion, ChatLogprobs, Delta,
     TextChoice, TextCompletion, TextLogprobs, TokenLogprob, TopLogprob,
@@ -170,10 +170,8 @@ impl Logprobs {
 
 /// Waits for the whole generation and answers with one JSON object.
 pub async fn collect(shape: Shape, state: &AppState, mut rx: UnboundedReceiver<Event>) -> Response {
-    let mut text = String::new();
     let mut logprobs: Option<Logprobs> = None;
-    let mut tools = shape.tool_reply(false);
-    let mut calls = Vec::new();
+    let mut reply = WholeReply::new(shape.tool_reply(false));
     // Text offsets of logprobs count all generated text, tool calls included.
     let mut generated = 0;
     loop {
@@ -185,24 +183,13 @@ pub async fn collect(shape: Shape, state: &AppState, mut rx: UnboundedReceiver<E
                         .push(token_logprob(&state.tokenizer, &s), generated);
                 }
                 generated += t.len();
-                match tools.as_mut() {
-                    Some(r) => {
-                        let settled = r.push(&t);
-                        text.push_str(&settled.content);
-                        calls.extend(settled.calls);
-                    }
-                    None => text.push_str(&t),
-                }
+                reply.push(&t);
             }
             Some(Event::Done(mut summary)) => {
-                if let Some(r) = tools.as_mut() {
-                    let settled = r.finish(summary.finish_reason);
-                    text.push_str(&settled.content);
-                    calls.extend(settled.calls);
-                    summary.finish_reason = r.finish_reason(summary.finish_reason);
-                }
+                summary.finish_reason = reply.finish(summary.finish_reason);
+                let WholeReply { content, calls, .. } = reply;
                 let calls = (!calls.is_empty()).then_some(calls);
-                return whole(&shape, text, calls, logprobs, &summary);
+                return whole(&shape, content, calls, logprobs, &summary);
             }
             Some(Event::Error(e)) => return e.into_response(),
             None => {

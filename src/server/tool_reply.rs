@@ -126,6 +126,55 @@ impl ToolReply {
     }
 }
 
+/// A reply read whole (not streamed): its content and calls, its tool calls parsed out when
+/// `tools` is set; both APIs' non-streamed answers are built from it.
+#[derive(Debug)]
+pub struct WholeReply {
+    tools: Option<ToolReply>,
+    /// Text for `content`.
+    pub content: String,
+    /// Calls in OpenAI's shape.
+    pub calls: Vec<Value>,
+}
+
+impl WholeReply {
+    /// An empty reply, parsing tool calls with `tools` if given.
+    pub fn new(tools: Option<ToolReply>) -> Self {
+        Self {
+            tools,
+            content: String::new(),
+            calls: Vec::new(),
+        }
+    }
+
+    /// Takes the next piece of generated text.
+    pub fn push(&mut self, text: &str) {
+        match self.tools.as_mut() {
+            Some(r) => {
+                let settled = r.push(text);
+                self.settle(settled);
+            }
+            None => self.content.push_str(text),
+        }
+    }
+
+    /// Ends the reply; returns its `finish_reason` (`tool_calls` after a call).
+    pub fn finish(&mut self, engine: &'static str) -> &'static str {
+        let Some(r) = self.tools.as_mut() else {
+            return engine;
+        };
+        let settled = r.finish(engine);
+        let reason = r.finish_reason(engine);
+        self.settle(settled);
+        reason
+    }
+
+    fn settle(&mut self, s: Settled) {
+        self.content.push_str(&s.content);
+        self.calls.extend(s.calls);
+    }
+}
+
 #[cfg(test)]
 mod tests {
     use super::*;

@@ -4,7 +4,7 @@
 
 use crate::server::error::ApiError;
 use crate::server::respond::{event_stream, EventFrames, Shape};
-use crate::server::tool_reply::{Settled, ToolReply};
+use crate::server::tool_reply::{Settled, ToolReply, WholeReply};
 use crate::server::worker::{Event, Summary};
 use axum::body::Bytes;
 use axum::response::{IntoResponse, Response};
@@ -55,30 +55,17 @@ fn tool_use_block(call: &Value) -> Value {
 
 /// Waits for the whole reply and answers with one message.
 pub async fn collect(m: MessageShape, mut rx: UnboundedReceiver<Event>) -> Response {
-    let mut tools = m.shape.tool_reply(false);
-    let mut text = String::new();
-    let mut calls = Vec::new();
-    let mut take = |settled: Settled, text: &mut String| {
-        text.push_str(&settled.content);
-        calls.extend(settled.calls);
-    };
+    let mut reply = WholeReply::new(m.shape.tool_reply(false));
     loop {
         match rx.recv().await {
-            Some(Event::Delta { text: t, .. }) => match tools.as_mut() {
-                Some(r) => take(r.push(&t), &mut text),
-                None => text.push_str(&t),
-            },
+            Some(Event::Delta { text: t, .. }) => reply.push(&t),
             Some(Event::Done(s)) => {
-                let mut reason = s.finish_reason;
-                if let Some(r) = tools.as_mut() {
-                    take(r.finish(s.finish_reason), &mut text);
-                    reason = r.finish_reason(s.finish_reason);
-                }
+                let reason = reply.finish(s.finish_reason);
                 let mut content = Vec::new();
-                if !text.is_empty() || calls.is_empty() {
-                    content.push(json!({"type": "text", "text": text}));
+                if !reply.content.is_empty() || reply.calls.is_empty() {
+                    content.push(json!({"type": "text", "text": reply.content}));
                 }
-                content.extend(calls.iter().map(tool_use_block));
+                content.extend(reply.calls.iter().map(tool_use_block));
                 return Json(json!({
                     "id": m.id,
                     "type": "message",
