@@ -875,3 +875,63 @@ fn answers_alone(s: &Server, prompts: &[String], max_tokens: usize) -> Vec<Strin
         })
         .collect()
 }
+
+/// Drafting per slot (`--draft-kind ngram --max-batch 6`): six concurrent greedy requests,
+/// each drafting for itself and verified together, answer exactly as the same prompts asked
+/// one at a time of a server without a drafter; per-request draft counters add up to the
+/// server's, and the draft-length policy's choices are counted by block width.
+#[test]
+fn batched_ngram_drafting_answers_as_alone() {
+    let prompts: Vec<String> = (0..6)
+        .map(|i| format!("Round {i}: one two three one two three one two three. {PROMPT}"))
+        .collect();
+    let plain = Server::start(&["--max-batch", "1"]);
+    let expected = answers_alone(&plain, &prompts, 40);
+    drop(plain);
+    let s = Server::start(&[
+        "--draft-kind",
+        "ngram",
+        "--num-draft-tokens",
+        "3",
+        "--max-batch",
+        "6",
+    ]);
+    let url = s.url("/v1/completions");
+    let handles: Vec<_> = prompts
+        .iter()
+        .map(|p| {
+            let (agent, url, p) = (s.agent.clone(), url.clone(), p.clone());
+            std::thread::spawn(move || -> Result<Value, String> {
+                let body = json!({"prompt": p, "max_tokens": 40});
+                let r = agent
+                    .post(&url)
+                    .send_json(body)
+                    .map_err(|e| e.to_string())?;
+                r.into_json().map_err(|e| e.to_string())
+            })
+        })
+        .collect();
+    let mut rounds = 0;
+    for (i, (h, want)) in handles.into_iter().zip(&expected).enumerate() {
+        let v = h
+            .join()
+            .unwrap()
+            .unwrap_or_else(|e| panic!("client {i}: {e}"));
+        assert_eq!(
+            v["choices"][0]["text"].as_str().unwrap(),
+            want,
+            "client {i}"
+        );
+        rounds += v["timings"]["draft_rounds"].as_u64().unwrap_or(0);
+    }
+    assert!(rounds > 0, "no request drafted: {}", s.metrics());
+    assert_eq!(rounds as f64, s.metric("mlxb:spec_decode_num_drafts_total"));
+    let widths: f64 = (1..=4)
+        .map(|w| {
+            s.metric(&format!(
+                "mlxb:spec_decode_block_width_total{{width=\"{w}\"}}"
+            ))
+        })
+        .sum();
+    assert!(widths > 0.0, "{}", s.metrics());
+}

@@ -27,7 +27,8 @@ pub struct ServeArgs {
     #[arg(long, default_value_t = 8080)]
     pub port: u16,
     /// Most requests decoded at once by continuous batching (1: one at a time, the
-    /// single-stream path); requests beyond it wait in the queue.
+    /// single-stream path); requests beyond it wait in the queue. With an n-gram drafter each
+    /// request drafts for itself and every step verifies all their blocks at once.
     #[arg(long, default_value_t = crate::server::DEFAULT_MAX_BATCH)]
     pub max_batch: usize,
     /// Most requests waiting for the engine; more get 503 until the queue drains.

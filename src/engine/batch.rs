@@ -9,7 +9,12 @@
 //! Every cache kind mlx-lm batches has its batched form here (full attention: `BatchKVCache`;
 //! sliding window: `BatchRotatingKVCache`; recurrent: `ArraysCache` with its padding mask);
 //! quantized KV caches, which mlx-lm cannot batch, are refused with the reason.
+//!
+//! A speculative batch ([`BatchGenerator::speculative`]) hands out each token as soon as it is
+//! sampled and, at each decoding step, verifies the blocks its caller drafted per row
+//! (`batch_verify`): a row then gains between 1 and k + 1 tokens per step.
 
+use super::batch_verify::{block, confirmed, rewind_rows, rows_can_rewind, Verified};
 use super::cache::{BatchKvCache, BatchRows, KvCache};
 use super::error::{EngineError, Result};
 use super::models::{Caches, LanguageModel};
@@ -19,7 +24,7 @@ use super::text::FinishReason;
 use mlx_rs::ops::indexing::IndexOp;
 use mlx_rs::transforms::{async_eval, eval};
 use mlx_rs::{memory, ops, Array};
-use std::collections::VecDeque;
+use std::collections::{HashMap, VecDeque};
 
 /// How requests are grouped (mlx-lm's `BatchGenerator` arguments, with its defaults).
 #[derive(Debug, Clone, Copy)]
@@ -150,6 +155,43 @@ struct DecodeBatch {
     next_logprobs: Option<Array>,
 }
 
+impl DecodeBatch {
+    /// Keeps rows `keep`, in that order (caches and queued step included).
+    fn keep(&mut self, keep: &[usize]) -> Result<()> {
+        let mut rows: Vec<Option<Decoding>> = std::mem::take(&mut self.rows)
+            .into_iter()
+            .map(Some)
+            .collect();
+        self.rows = keep.iter().filter_map(|&i| rows[i].take()).collect();
+        filter_caches(&mut self.caches, keep)?;
+        self.next_tokens = take_rows(&self.next_tokens, keep)?;
+        self.next_logprobs = take_rows(&self.next_logprobs, keep)?;
+        Ok(())
+    }
+
+    /// The queued step's tokens (evaluated) and logprobs `[B, V]`.
+    fn queued(&self) -> Result<(Vec<u32>, Array)> {
+        match (&self.next_tokens, &self.next_logprobs) {
+            (Some(t), Some(lp)) => {
+                eval([t, lp])?;
+                Ok((read_ids(t)?, lp.clone()))
+            }
+            _ => Err(EngineError::Runtime(
+                "a decoding batch has no queued step".into(),
+            )),
+        }
+    }
+}
+
+/// Token ids of an evaluated `[n]` array.
+fn read_ids(tokens: &Array) -> Result<Vec<u32>> {
+    let ids = tokens.as_dtype(mlx_rs::Dtype::Uint32)?;
+    Ok(ids
+        .try_as_slice::<u32>()
+        .map_err(|e| EngineError::Runtime(format!("cannot read the sampled tokens ({e})")))?
+        .to_vec())
+}
+
 /// Continuous batching over one model (see the module docs). The model is lent to each call
 /// rather than held, so its owner can run other work between steps (the server's unbatched
 /// requests).
@@ -166,6 +208,9 @@ pub struct BatchGenerator {
     /// Whether prompts prefilled alone are kept for [`BatchGenerator::take_prefixes`].
     capture: bool,
     captured: Vec<(usize, PrefixKv)>,
+    /// Whether decoding steps verify drafted blocks (tokens handed out as soon as sampled).
+    speculative: bool,
+    verified: Vec<Verified>,
 }
 
 /// Per-layer batched caches, all rows empty.
@@ -314,7 +359,69 @@ impl BatchGenerator {
             steps: 0,
             capture: false,
             captured: Vec::new(),
+            speculative: false,
+            verified: Vec::new(),
         })
+    }
+
+    /// Makes every decoding step a verify step for the blocks given to
+    /// [`BatchGenerator::next_tokens_drafted`], each token handed out as soon as it is sampled.
+    /// Needs a model whose every layer is full attention (rows then drop different numbers of
+    /// rejected positions exactly).
+    pub fn speculative(mut self, model: &dyn LanguageModel) -> Result<Self> {
+        if !rows_can_rewind(&mut fresh_caches(model, &self.plan, 1)?) {
+            return Err(EngineError::Input(
+                "drafting in a batch needs a model whose every layer is full attention; use --max-batch 1".into(),
+            ));
+        }
+        self.speculative = true;
+        Ok(self)
+    }
+
+    /// The decoding sequences and how many tokens each may still produce, in batch order.
+    pub fn decoding_rows(&self) -> Vec<(usize, usize)> {
+        self.decode
+            .rows
+            .iter()
+            .map(|r| (r.uid, r.max_tokens.saturating_sub(r.produced)))
+            .collect()
+    }
+
+    /// Seconds one forward of `rows` sequences × `width` tokens takes on this machine, for
+    /// each width `1..=max_width`, after a 16-token context: the better of two, run on caches
+    /// of its own (a draft-length policy's cost table).
+    pub fn forward_seconds(
+        &self,
+        model: &mut dyn LanguageModel,
+        rows: usize,
+        max_width: usize,
+    ) -> Result<Vec<f64>> {
+        let mut caches = fresh_caches(model, &self.plan, rows)?;
+        let context = ops::zeros::<i32>(&[rows as i32, 16])?;
+        model.forward(&context, &mut caches)?;
+        eval_caches(&caches)?;
+        let mut seconds = Vec::with_capacity(max_width);
+        for width in 1..=max_width {
+            let mut best = f64::INFINITY;
+            for _ in 0..2 {
+                let block = ops::zeros::<i32>(&[rows as i32, width as i32])?;
+                let started = std::time::Instant::now();
+                let logits = model.forward(&block, &mut caches)?;
+                let logprobs = logits.subtract(logits.logsumexp_axis(-1, true)?)?;
+                eval([&logprobs])?;
+                best = best.min(started.elapsed().as_secs_f64());
+                for c in caches.iter_mut() {
+                    c.trim(width as i32);
+                }
+            }
+            seconds.push(best);
+        }
+        Ok(seconds)
+    }
+
+    /// What the verify steps since the last call did, per row and step.
+    pub fn take_verified(&mut self) -> Vec<Verified> {
+        std::mem::take(&mut self.verified)
     }
 
     /// Keeps the keys and values of every prompt prefilled alone (all but its last token) for
@@ -405,8 +512,19 @@ impl BatchGenerator {
     /// The next tokens (one per decoding sequence), running prefills as needed (mlx-lm's
     /// `next_generated`); empty once nothing is left.
     pub fn next_tokens(&mut self, model: &mut dyn LanguageModel) -> Result<Vec<BatchToken>> {
+        self.next_tokens_drafted(model, &HashMap::new())
+    }
+
+    /// [`BatchGenerator::next_tokens`] where, in a speculative batch, the decoding step verifies
+    /// `drafts` (ids proposed after each row's last token, by sequence id; a row without any
+    /// decodes one token). A row's tokens come in order, several per call when drafts are kept.
+    pub fn next_tokens_drafted(
+        &mut self,
+        model: &mut dyn LanguageModel,
+        drafts: &HashMap<usize, Vec<u32>>,
+    ) -> Result<Vec<BatchToken>> {
         loop {
-            let (prompt_progress, tokens) = self.advance(model)?;
+            let (prompt_progress, tokens) = self.advance(model, drafts)?;
             if tokens.is_empty() && prompt_progress {
                 continue;
             }
@@ -416,10 +534,18 @@ impl BatchGenerator {
 
     /// One round of mlx-lm's `_next`: a decoding step, then admission and one prefill step.
     /// Returns whether any prompt work happened and the tokens produced.
-    fn advance(&mut self, model: &mut dyn LanguageModel) -> Result<(bool, Vec<BatchToken>)> {
+    fn advance(
+        &mut self,
+        model: &mut dyn LanguageModel,
+        drafts: &HashMap<usize, Vec<u32>>,
+    ) -> Result<(bool, Vec<BatchToken>)> {
         let mut tokens = Vec::new();
         if !self.decode.rows.is_empty() {
-            tokens = self.decode_next(model)?;
+            tokens = if self.speculative {
+                self.verify_next(model, drafts)?
+            } else {
+                self.decode_next(model)?
+            };
             self.steps += 1;
             if self.steps.is_multiple_of(512) {
                 memory::clear_cache()?;
@@ -454,7 +580,7 @@ impl BatchGenerator {
             .collect();
         let mut progress = !ready.is_empty();
         if !ready.is_empty() {
-            self.start_decoding(model, &ready)?;
+            tokens.extend(self.start_decoding(model, &ready)?);
         }
         let mut chunks = Vec::with_capacity(self.prompt.rows.len());
         for row in &mut self.prompt.rows {
@@ -519,7 +645,12 @@ impl BatchGenerator {
 
     /// Moves prompt rows `ready` (each down to its last token) into the decoding batch: their
     /// caches split off, their first step queued (`PromptProcessingBatch.split(...).generate`).
-    fn start_decoding(&mut self, model: &mut dyn LanguageModel, ready: &[usize]) -> Result<()> {
+    /// A speculative batch hands their first tokens out at once (returned).
+    fn start_decoding(
+        &mut self,
+        model: &mut dyn LanguageModel,
+        ready: &[usize],
+    ) -> Result<Vec<BatchToken>> {
         let rest: Vec<usize> = (0..self.prompt.rows.len())
             .filter(|i| !ready.contains(i))
             .collect();
@@ -574,12 +705,21 @@ impl BatchGenerator {
             next_logprobs: None,
         };
         self.step(model, &mut batch)?;
+        let mut first = Vec::new();
+        if self.speculative {
+            let (ids, logprobs) = batch.queued()?;
+            let keep;
+            (first, keep) = self.emit(&mut batch.rows, &ids, |i| logprobs.index(i as i32));
+            if keep.len() < batch.rows.len() {
+                batch.keep(&keep)?;
+            }
+        }
         self.decode.rows.extend(batch.rows);
         extend_caches(&mut self.decode.caches, batch.caches)?;
         self.decode.next_tokens = concat_rows(self.decode.next_tokens.take(), batch.next_tokens)?;
         self.decode.next_logprobs =
             concat_rows(self.decode.next_logprobs.take(), batch.next_logprobs)?;
-        Ok(())
+        Ok(first)
     }
 
     /// `GenerationBatch._step`: forwards the queued tokens, queues the next step, and returns
@@ -627,44 +767,144 @@ impl BatchGenerator {
         let logprobs = logprobs.ok_or_else(|| {
             EngineError::Runtime("a decoding step had no logprobs to hand out".into())
         })?;
-        let ids = tokens.as_dtype(mlx_rs::Dtype::Uint32)?;
-        let ids: Vec<u32> = ids
-            .try_as_slice::<u32>()
-            .map_err(|e| EngineError::Runtime(format!("cannot read the sampled tokens ({e})")))?
-            .to_vec();
+        let ids = read_ids(&tokens)?;
+        let mut rows = std::mem::take(&mut self.decode.rows);
+        let (out, keep) = self.emit(&mut rows, &ids, |i| logprobs.index(i as i32));
+        self.decode.rows = rows;
+        if keep.len() < self.decode.rows.len() {
+            self.decode.keep(&keep)?;
+        }
+        Ok(out)
+    }
+
+    /// Hands out one token per row (`logprobs(i)`: row `i`'s `[V]`), counting it against the
+    /// row's budget; returns the tokens and the rows that go on.
+    fn emit(
+        &self,
+        rows: &mut [Decoding],
+        ids: &[u32],
+        logprobs: impl Fn(usize) -> Array,
+    ) -> (Vec<BatchToken>, Vec<usize>) {
         let mut keep = Vec::with_capacity(ids.len());
         let mut out = Vec::with_capacity(ids.len());
-        for (i, (&token, row)) in ids.iter().zip(self.decode.rows.iter_mut()).enumerate() {
-            row.produced += 1;
-            let mut finish = (row.produced >= row.max_tokens).then_some(FinishReason::Length);
-            if self.stop_tokens.contains(&token) {
-                finish = Some(FinishReason::Eos);
-            }
+        for (i, (&token, row)) in ids.iter().zip(rows.iter_mut()).enumerate() {
+            let finish = self.count(row, token);
             if finish.is_none() {
                 keep.push(i);
             }
             out.push(BatchToken {
                 uid: row.uid,
                 token,
-                logprobs: logprobs.index(i as i32),
+                logprobs: logprobs(i),
                 finish,
             });
         }
-        if keep.len() < self.decode.rows.len() {
-            self.filter_decode(&keep)?;
+        (out, keep)
+    }
+
+    /// Counts `token` as produced by `row`; says why the row ends with it, if it does.
+    fn count(&self, row: &mut Decoding, token: u32) -> Option<FinishReason> {
+        row.produced += 1;
+        if self.stop_tokens.contains(&token) {
+            return Some(FinishReason::Eos);
+        }
+        (row.produced >= row.max_tokens).then_some(FinishReason::Length)
+    }
+
+    /// A speculative decoding step: every row's block `[anchor, drafts..]` (its anchor being the
+    /// token handed out last) in one forward, right-padded to the widest; each row hands out
+    /// its sampled tokens up to the first that differs from its draft (that one included), and
+    /// its caches drop the rest (see `batch_verify`).
+    fn verify_next(
+        &mut self,
+        model: &mut dyn LanguageModel,
+        drafts: &HashMap<usize, Vec<u32>>,
+    ) -> Result<Vec<BatchToken>> {
+        let anchors =
+            self.decode.next_tokens.take().ok_or_else(|| {
+                EngineError::Runtime("a decoding batch has no queued step".into())
+            })?;
+        self.decode.next_logprobs = None;
+        let anchors = read_ids(&anchors)?;
+        let blocks: Vec<Vec<u32>> = anchors
+            .iter()
+            .zip(&self.decode.rows)
+            .map(|(&a, r)| block(a, drafts.get(&r.uid), r.max_tokens - r.produced))
+            .collect();
+        let width = blocks.iter().map(Vec::len).max().unwrap_or(1);
+        let ids: Vec<i32> = blocks
+            .iter()
+            .flat_map(|b| {
+                b.iter()
+                    .map(|&t| t as i32)
+                    .chain(std::iter::repeat_n(b[0] as i32, width - b.len()))
+            })
+            .collect();
+        let rows = blocks.len();
+        let input = Array::from_slice(&ids, &[rows as i32, width as i32]);
+        let logits = model.forward(&input, &mut self.decode.caches)?;
+        let logprobs = logits.subtract(logits.logsumexp_axis(-1, true)?)?;
+        let picks = if self.decode.rows.iter().all(|r| r.sampler.is_none()) {
+            let vocab = logprobs.shape()[2];
+            let flat = logprobs.reshape(&[rows as i32 * width as i32, vocab])?;
+            self.sampler.sample(&flat)?
+        } else {
+            let mut parts = Vec::with_capacity(rows);
+            for (i, row) in self.decode.rows.iter_mut().enumerate() {
+                let sampler = row.sampler.as_mut().unwrap_or(&mut self.sampler);
+                parts.push(sampler.sample(&logprobs.index(i as i32))?);
+            }
+            ops::concatenate(&parts, 0)?
+        };
+        eval([&picks, &logprobs])?;
+        let picks = read_ids(&picks)?;
+        let mut rows_out = std::mem::take(&mut self.decode.rows);
+        let mut out = Vec::new();
+        let mut keep = Vec::with_capacity(rows);
+        let mut next = Vec::with_capacity(rows);
+        let mut drop = Vec::with_capacity(rows);
+        for (i, (row, block)) in rows_out.iter_mut().zip(&blocks).enumerate() {
+            let picked = &picks[i * width..i * width + block.len()];
+            let accepted = confirmed(&block[1..], picked);
+            self.verified.push(Verified {
+                uid: row.uid,
+                proposed: block.len() - 1,
+                accepted,
+            });
+            let mut finished = false;
+            for (j, &token) in picked[..=accepted].iter().enumerate() {
+                let finish = self.count(row, token);
+                out.push(BatchToken {
+                    uid: row.uid,
+                    token,
+                    logprobs: logprobs.index((i as i32, j as i32)),
+                    finish,
+                });
+                if finish.is_some() {
+                    finished = true;
+                    break;
+                }
+            }
+            if !finished {
+                keep.push(i);
+                next.push(picked[accepted] as i32);
+                drop.push((width - 1 - accepted) as i32);
+            }
+        }
+        self.decode.rows = rows_out;
+        if keep.len() < rows {
+            self.decode.keep(&keep)?;
+        }
+        if !keep.is_empty() {
+            self.decode.next_tokens = Some(Array::from_slice(&next, &[next.len() as i32]));
+            rewind_rows(&mut self.decode.caches, &drop)?;
+            eval_caches(&self.decode.caches)?;
         }
         Ok(out)
     }
 
     fn filter_decode(&mut self, keep: &[usize]) -> Result<()> {
-        let d = &mut self.decode;
-        let mut rows: Vec<Option<Decoding>> =
-            std::mem::take(&mut d.rows).into_iter().map(Some).collect();
-        d.rows = keep.iter().filter_map(|&i| rows[i].take()).collect();
-        filter_caches(&mut d.caches, keep)?;
-        d.next_tokens = take_rows(&d.next_tokens, keep)?;
-        d.next_logprobs = take_rows(&d.next_logprobs, keep)?;
-        Ok(())
+        self.decode.keep(keep)
     }
 
     fn filter_prompt(&mut self, keep: &[usize]) -> Result<()> {

@@ -3,6 +3,7 @@
 //! It imports nothing from the tools above it (`convert`, `oracle`, `train`, `cmd`, ...).
 
 pub mod batch;
+pub mod batch_verify;
 pub mod bits;
 pub mod cache;
 pub mod cache_attention;

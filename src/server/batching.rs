@@ -3,8 +3,10 @@
 //! between decode steps, and leave when they finish, stop, or their client goes away; every
 //! step's tokens are routed to their requests' streams. Requests the batch cannot serve exactly
 //! (logits processors, a fixed seed) wait for the batch to drain and then run alone through
-//! the single-stream path, as does everything when the server has a drafter. Prompts the batch
-//! prefilled alone are kept in a [`PrefixStore`] for later requests that share their start.
+//! the single-stream path, as does everything when the server's drafter cannot draft per slot.
+//! With an n-gram drafter every request drafts for itself ([`SlotDrafters`]) and each decoding
+//! step verifies all their blocks in one forward. Prompts the batch prefilled alone are kept in
+//! a [`PrefixStore`] for later requests that share their start.
 
 use super::error::ApiError;
 use super::metrics::{Finished, Metrics};
@@ -19,6 +21,10 @@ use crate::engine::sample::{LogitsProcessors, Sampler, SamplerConfig};
 use crate::engine::session::Session;
 use crate::engine::text::FinishReason;
 use crate::engine::tokenizer::{StreamingDetokenizer, Tokenizer};
+use crate::spec::factory::SpecOptions;
+use crate::spec::metrics::SpecMetrics;
+use crate::spec::policy::{CostTable, DraftLengthPolicy};
+use crate::spec::slots::SlotDrafters;
 use std::collections::HashMap;
 use std::panic::{catch_unwind, AssertUnwindSafe};
 use std::sync::atomic::{AtomicBool, Ordering};
@@ -60,21 +66,23 @@ fn batch_sampler(job: &Job, tokenizer: &Tokenizer) -> Result<Option<Option<Sampl
 
 /// Whether the engine serves requests in batches: more than one slot asked for and a model
 /// whose caches batch. `Err` carries why not, for the ready card.
-pub fn batch_size(session: &Session, max_batch: usize) -> std::result::Result<usize, String> {
+/// `drafting`: the drafter every slot drafts with, if any.
+pub fn batch_size(
+    session: &Session,
+    max_batch: usize,
+    drafting: Option<&SpecOptions>,
+) -> std::result::Result<usize, String> {
     if max_batch <= 1 {
         return Ok(1);
     }
-    new_generator(session, max_batch)
+    let batching = Batching::new(max_batch, BatchSettings::default().prefill_step_size, 0);
+    new_generator_for(&session.model, &session.tokenizer, &batching)
+        .and_then(|gen| match drafting {
+            Some(_) => gen.speculative(session.model.model.as_ref()),
+            None => Ok(gen),
+        })
         .map(|_| max_batch)
         .map_err(|e| e.to_string())
-}
-
-fn new_generator(session: &Session, max_batch: usize) -> Result<BatchGenerator> {
-    new_generator_for(
-        &session.model,
-        &session.tokenizer,
-        &Batching::new(max_batch, BatchSettings::default().prefill_step_size, 0),
-    )
 }
 
 /// How the server batches, and the prompt prefixes it keeps between batches.
@@ -87,6 +95,35 @@ pub struct Batching {
     pub prefill_step_size: usize,
     /// Prompt prefixes kept for reuse (`--prompt-cache-bytes`; see [`PrefixStore`]).
     pub store: PrefixStore,
+    /// The drafter every request drafts with for itself, when it can draft per slot.
+    pub drafting: Option<SlotDrafting>,
+}
+
+/// Drafting per slot: the drafter's options and the policy that sizes each step's blocks.
+#[derive(Clone)]
+pub struct SlotDrafting {
+    /// The drafter every request opens for itself.
+    pub opts: SpecOptions,
+    /// Block widths by expected tokens per second.
+    pub policy: DraftLengthPolicy,
+}
+
+impl SlotDrafting {
+    /// Measures this machine's batched forward costs for `opts` (up to `batching.max_batch`
+    /// rows × `num_draft_tokens + 1` tokens) on the session's model.
+    pub fn measure(session: &mut Session, batching: &Batching, opts: &SpecOptions) -> Result<Self> {
+        let gen = new_generator_for(&session.model, &session.tokenizer, batching)?;
+        let table = CostTable::measure(
+            &gen,
+            session.model.model.as_mut(),
+            batching.max_batch,
+            opts.num_draft_tokens + 1,
+        )?;
+        Ok(Self {
+            opts: opts.clone(),
+            policy: DraftLengthPolicy::new(table),
+        })
+    }
 }
 
 impl Batching {
@@ -98,6 +135,7 @@ impl Batching {
             prompt_concurrency: BatchSettings::default().prefill_batch_size,
             prefill_step_size,
             store: PrefixStore::new(prompt_cache_bytes, prefill_step_size),
+            drafting: None,
         }
     }
 }
@@ -132,6 +170,10 @@ pub fn run(
         model, tokenizer, ..
     } = session;
     let tokenizer: &Tokenizer = tokenizer;
+    let mut drafters = batching
+        .drafting
+        .as_ref()
+        .and_then(|d| SlotDrafters::new(&d.opts, d.policy.clone()));
     let mut slots: HashMap<usize, Slot<'_>> = HashMap::new();
     let mut next = Some(first);
     let mut deferred = None;
@@ -154,7 +196,15 @@ pub fn run(
                         sampler,
                         prefix,
                     };
-                    admit(&mut gen, &mut slots, admission, tokenizer, metrics)
+                    let joined = admit(&mut gen, &mut slots, admission, tokenizer, metrics);
+                    if let (Some(uid), Some(d)) = (joined, drafters.as_mut()) {
+                        if let Err(e) = join_drafter(d, &slots, uid, batching, model) {
+                            gen.remove(&[uid]).ok();
+                            if let Some(slot) = slots.remove(&uid) {
+                                fail(slot.job, metrics, &e);
+                            }
+                        }
+                    }
                 }
                 Ok(None) => deferred = Some(job),
                 Err(e) => {
@@ -166,7 +216,19 @@ pub fn run(
         if slots.is_empty() {
             return deferred;
         }
-        let stepped = catch_unwind(AssertUnwindSafe(|| gen.next_tokens(model.model.as_mut())));
+        let stepped = catch_unwind(AssertUnwindSafe(|| -> Result<Vec<BatchToken>> {
+            let Some(d) = drafters.as_mut() else {
+                return gen.next_tokens(model.model.as_mut());
+            };
+            let (drafts, width) = d.drafts(&gen.decoding_rows(), model.model.as_mut())?;
+            metrics.block_width(width);
+            let tokens = gen.next_tokens_drafted(model.model.as_mut(), &drafts)?;
+            for token in &tokens {
+                d.take(token);
+            }
+            d.record(&gen.take_verified(), model.model.as_mut())?;
+            Ok(tokens)
+        }));
         let tokens = match stepped {
             Ok(Ok(tokens)) => tokens,
             Ok(Err(e)) => {
@@ -209,8 +271,9 @@ pub fn run(
                 if token.finish.is_none() {
                     leaving.push(uid);
                 }
+                let spec = drafters.as_mut().and_then(|d| d.leave(uid));
                 if let Some(slot) = slots.remove(&uid) {
-                    conclude(slot, done, metrics);
+                    conclude(slot, done, metrics, spec.as_ref());
                 }
             }
         }
@@ -245,11 +308,15 @@ fn new_generator_for(
         tokenizer.eos_token_ids().iter().copied().collect(),
         settings,
     )?;
-    Ok(if batching.store.enabled() {
+    let gen = if batching.store.enabled() {
         gen.capture_prefixes()
     } else {
         gen
-    })
+    };
+    match batching.drafting {
+        Some(_) => gen.speculative(model.model.as_ref()),
+        None => Ok(gen),
+    }
 }
 
 /// A job the batch takes: its sampler (`None`: the batch's greedy one) and the kept prefix it
@@ -260,14 +327,41 @@ struct Admission {
     prefix: Option<PrefixKv>,
 }
 
-/// Puts a job in the batch.
+/// Starts slot `uid`'s drafter: its request's `num_draft_tokens` (else the server's) per step.
+fn join_drafter(
+    drafters: &mut SlotDrafters,
+    slots: &HashMap<usize, Slot<'_>>,
+    uid: usize,
+    batching: &Batching,
+    model: &mut crate::engine::models::LoadedModel,
+) -> Result<()> {
+    let (Some(slot), Some(drafting)) = (slots.get(&uid), batching.drafting.as_ref()) else {
+        return Ok(());
+    };
+    let opts = &drafting.opts;
+    let req = &slot.job.request;
+    let limit = req.num_draft_tokens.unwrap_or(opts.num_draft_tokens);
+    if limit == 0 {
+        // Speculation turned off for this request: it decodes as without a drafter.
+        return Ok(());
+    }
+    let temp = req.params.sampler.temp;
+    drafters.join(
+        uid,
+        &slot.job.prompt_ids,
+        (temp, limit),
+        model.model.as_mut(),
+    )
+}
+
+/// Puts a job in the batch; its sequence id when it joined.
 fn admit<'t>(
     gen: &mut BatchGenerator,
     slots: &mut HashMap<usize, Slot<'t>>,
     admission: Admission,
     tokenizer: &'t Tokenizer,
     metrics: &Metrics,
-) {
+) -> Option<usize> {
     let Admission {
         job,
         sampler,
@@ -277,7 +371,7 @@ fn admit<'t>(
     if job.events.is_closed() {
         metrics.aborted();
         metrics.ended();
-        return;
+        return None;
     }
     let cached = prefix.as_ref().map_or(0, |p| p.len);
     let request = SequenceRequest {
@@ -302,8 +396,12 @@ fn admit<'t>(
                     last: None,
                 },
             );
+            Some(uids[0])
         }
-        Err(e) => fail(job, metrics, &e),
+        Err(e) => {
+            fail(job, metrics, &e);
+            None
+        }
     }
 }
 
@@ -375,8 +473,9 @@ fn deliver(
     token.finish.map(|reason| Done::Finished(reason.as_str()))
 }
 
-/// Sends a finished request's tail and summary, and settles its metrics.
-fn conclude(mut slot: Slot<'_>, done: Done, metrics: &Metrics) {
+/// Sends a finished request's tail and summary, and settles its metrics (`spec`: its drafter's
+/// counters).
+fn conclude(mut slot: Slot<'_>, done: Done, metrics: &Metrics, spec: Option<&SpecMetrics>) {
     let finish_reason = match done {
         Done::Gone => {
             metrics.aborted();
@@ -427,13 +526,13 @@ fn conclude(mut slot: Slot<'_>, done: Done, metrics: &Metrics) {
         generation_tokens: slot.ids.len(),
         latency: slot.job.arrived.elapsed(),
         decode_tps: stats.generation_tps(),
-        spec: None,
+        spec,
     });
     metrics.ended();
     let _ = slot.job.events.send(Event::Done(Box::new(Summary {
         finish_reason,
         usage: Usage::new(stats.prompt_tokens, slot.cached, slot.ids.len()),
-        timings: Timings::new(&stats, None),
+        timings: Timings::new(&stats, spec),
         stop_sequence: slot.stopper.matched().map(str::to_owned),
         token_ids: slot.ids,
     })));

@@ -102,6 +102,8 @@ struct Inner {
     draft_tokens: u64,
     accepted_tokens: u64,
     accepted_per_pos: Vec<u64>,
+    /// Batched drafting steps per verify block width (index = width).
+    block_widths: Vec<u64>,
     prompt_cache_bytes: u64,
 }
 
@@ -134,6 +136,7 @@ impl Default for Metrics {
                 draft_tokens: 0,
                 accepted_tokens: 0,
                 accepted_per_pos: Vec::new(),
+                block_widths: Vec::new(),
                 prompt_cache_bytes: 0,
             }),
         }
@@ -226,6 +229,16 @@ impl Metrics {
                 *slot += a as u64;
             }
         }
+    }
+
+    /// A batched drafting step verified blocks `width` tokens wide (1: plain decoding, the
+    /// draft-length policy found drafting not worth it this step).
+    pub fn block_width(&self, width: usize) {
+        let mut m = self.lock();
+        if m.block_widths.len() <= width {
+            m.block_widths.resize(width + 1, 0);
+        }
+        m.block_widths[width] += 1;
     }
 
     /// Requests waiting in the queue now.
@@ -349,6 +362,17 @@ impl Metrics {
             m.accepted_per_pos
                 .iter()
                 .enumerate()
+                .map(|(i, v)| (i.to_string(), *v)),
+        );
+        labelled(
+            &mut out,
+            "mlxb:spec_decode_block_width_total",
+            "Batched drafting steps by the verify block width the draft-length policy chose (1 = no drafts).",
+            "width",
+            m.block_widths
+                .iter()
+                .enumerate()
+                .skip(1)
                 .map(|(i, v)| (i.to_string(), *v)),
         );
         m.ttft.render(

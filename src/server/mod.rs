@@ -279,6 +279,9 @@ fn batch_line(info: &worker::EngineInfo) -> String {
     match (&info.batch_note, info.max_batch) {
         (Some(why), _) => format!("1 generating ({why})"),
         (None, 1) => "1 generating".into(),
+        (None, n) if info.drafter.is_some() => format!(
+            "up to {n} generating together (continuous batching, each request drafting for itself, block widths by measured cost)"
+        ),
         (None, n) => format!("up to {n} generating together (continuous batching)"),
     }
 }

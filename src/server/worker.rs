@@ -18,7 +18,7 @@ use crate::engine::session::Session;
 use crate::engine::startup::StartupTrace;
 use crate::engine::text::{generate_text, TextEvent, TextParams};
 use crate::spec::executor::Speculation;
-use crate::spec::factory::{open_source, SpecOptions};
+use crate::spec::factory::{drafts_per_slot, open_source, SpecOptions};
 use crate::spec::source::DraftSource;
 use mlx_rs::Dtype;
 use std::panic::{catch_unwind, AssertUnwindSafe};
@@ -239,12 +239,15 @@ impl State {
             max_batch: 1,
             batch_note: None,
         };
+        let slot_drafting = cfg.spec.as_ref().filter(|o| drafts_per_slot(o)).cloned();
         if cfg.max_batch > 1 {
-            if info.drafter.is_some() {
-                info.batch_note =
-                    Some("requests with a drafter decode one at a time for now".into());
+            if info.drafter.is_some() && slot_drafting.is_none() {
+                info.batch_note = Some(
+                    "this drafter reads the target's per-request state, so its requests decode one at a time (n-gram drafts per slot)"
+                        .into(),
+                );
             } else {
-                match batching::batch_size(&session, cfg.max_batch) {
+                match batching::batch_size(&session, cfg.max_batch, slot_drafting.as_ref()) {
                     Ok(n) => info.max_batch = n,
                     Err(why) => info.batch_note = Some(why),
                 }
@@ -257,6 +260,13 @@ impl State {
         };
         let mut batching = batching::Batching::new(info.max_batch, cfg.prefill_step_size, kept);
         batching.prompt_concurrency = cfg.prompt_concurrency;
+        if let (Some(opts), true) = (&slot_drafting, info.max_batch > 1) {
+            batching.drafting = Some(batching::SlotDrafting::measure(
+                &mut session,
+                &batching,
+                opts,
+            )?);
+        }
         let mut state = Self {
             session,
             drafter,

@@ -200,3 +200,22 @@ pub fn open_source(
         )?),
     })
 }
+
+/// Whether drafters of these options can draft for one slot of a batched engine: those that
+/// propose from a sequence's tokens alone (n-gram). The others read the target's state of one
+/// sequence (its caches, hidden states or a draft model's caches kept in step with it), which a
+/// batch does not hand out per row; their requests decode one at a time.
+pub fn drafts_per_slot(opts: &SpecOptions) -> bool {
+    matches!(concrete_kind(opts), Ok(DraftKind::Ngram))
+}
+
+/// A drafter for one slot of a batched engine (see [`drafts_per_slot`]); `None` for kinds
+/// that cannot draft per slot.
+pub fn open_slot_source(opts: &SpecOptions) -> Option<Box<dyn DraftSource>> {
+    drafts_per_slot(opts).then(|| -> Box<dyn DraftSource> {
+        Box::new(super::ngram::NgramSource::new(
+            opts.ngram_min,
+            opts.ngram_max,
+        ))
+    })
+}

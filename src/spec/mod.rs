@@ -5,7 +5,8 @@
 //! Roles are split by file: `source` (the seam: what a drafter is, proposes and sees),
 //! `factory` (drafter options and the one function that opens any drafter), `executor` (the
 //! round driver), `verify` (acceptance policies), `metrics`
-//! (vLLM-style acceptance counters), `trace` (per-round JSONL traces), and one file per drafter
+//! (vLLM-style acceptance counters), `trace` (per-round JSONL traces), `slots` (one drafter per
+//! sequence of the batched engine), and one file per drafter
 //! (`dspark/` and `assistant/` are directories).
 
 pub mod assistant;
@@ -16,6 +17,8 @@ pub mod executor;
 pub mod factory;
 pub mod metrics;
 pub mod ngram;
+pub mod policy;
+pub mod slots;
 pub mod source;
 pub mod trace;
 pub mod two_model;

@@ -26,6 +26,10 @@ pub struct BatchKvCache {
     /// Per row: padding after its prompt in the prefill under way, moved to the left by
     /// [`BatchKvCache::finalize`].
     right_padding: Option<Vec<i32>>,
+    /// Per row and position, whether the position is one of the row's own tokens (`[B, n]`,
+    /// positions past `n` are): rejected drafts of a batched verify step stay in the buffer,
+    /// hidden by the mask ([`BatchKvCache::hide_tail`]). `None` = nothing hidden.
+    visible: Option<Array>,
     plan: AttentionPlan,
 }
 
@@ -39,8 +43,48 @@ impl BatchKvCache {
             left_padding,
             idx: 0,
             right_padding: None,
+            visible: None,
             plan: AttentionPlan::default(),
         }
+    }
+
+    /// Hides the last `counts[i]` written positions of row `i` from every later query (a
+    /// verify step's rejected drafts) and takes them out of the row's RoPE position, without
+    /// moving any key: each row's next token is then at its own next position, and its
+    /// queries see exactly its kept tokens.
+    pub fn hide_tail(&mut self, counts: &[i32]) -> Result<()> {
+        if counts.iter().all(|&c| c == 0) {
+            return Ok(());
+        }
+        let rows = self.rows() as i32;
+        let positions = ops::arange::<_, i32>(0, self.idx, 1)?.expand_dims(0)?;
+        let first_hidden = Array::from_slice(
+            &counts.iter().map(|c| self.idx - c).collect::<Vec<_>>(),
+            &[rows, 1],
+        );
+        let kept = positions.lt(&first_hidden)?;
+        self.visible = Some(match self.visible_to(self.idx)? {
+            Some(v) => v.logical_and(&kept)?,
+            None => kept,
+        });
+        for (o, c) in self.offset.iter_mut().zip(counts) {
+            *o -= c;
+        }
+        Ok(())
+    }
+
+    /// [`Self::visible`] over exactly `len` positions (`None` when nothing is hidden).
+    fn visible_to(&self, len: i32) -> Result<Option<Array>> {
+        let Some(v) = &self.visible else {
+            return Ok(None);
+        };
+        let have = v.shape()[1];
+        Ok(Some(if have >= len {
+            v.index((.., ..len))
+        } else {
+            let rows = v.shape()[0];
+            ops::concatenate(&[v.clone(), ops::ones::<bool>(&[rows, len - have])?], 1)?
+        }))
     }
 
     /// Rows held.
@@ -269,11 +313,17 @@ impl BatchRows for BatchKvCache {
     fn filter(&mut self, keep: &[usize]) -> Result<()> {
         let rows = [&mut self.offset, &mut self.left_padding];
         keep_rows(&mut self.keys, &mut self.values, rows, keep)?;
+        if let Some(v) = &self.visible {
+            self.visible = Some(take_rows(v, keep)?);
+        }
         let shift = self.left_padding.iter().copied().min().unwrap_or(0);
         if shift > 0 {
             if let (Some(k), Some(v)) = (&self.keys, &self.values) {
                 self.keys = Some(k.index((Ellipsis, shift.., ..)));
                 self.values = Some(v.index((Ellipsis, shift.., ..)));
+            }
+            if let Some(v) = &self.visible {
+                self.visible = Some(v.index((.., shift..)));
             }
             self.idx -= shift;
             for p in &mut self.left_padding {
@@ -286,6 +336,23 @@ impl BatchRows for BatchKvCache {
     /// Pads both sides' buffers so that every row ends at the larger of the two indices.
     fn extend(&mut self, other: &mut dyn BatchRows) -> Result<()> {
         let other: BatchKvCache = same_kind(other)?;
+        if self.visible.is_some() || other.visible.is_some() {
+            // Each side's visibility, left-aligned to the joined write index like its keys
+            // (the added positions are left padding, which the mask hides anyway).
+            let idx = self.idx.max(other.idx);
+            let side = |c: &BatchKvCache| -> Result<Array> {
+                let rows = c.rows() as i32;
+                let own = match c.visible_to(c.idx)? {
+                    Some(v) => v,
+                    None => ops::ones::<bool>(&[rows, c.idx])?,
+                };
+                Ok(ops::concatenate(
+                    &[ops::ones::<bool>(&[rows, idx - c.idx])?, own],
+                    1,
+                )?)
+            };
+            self.visible = Some(ops::concatenate(&[side(self)?, side(&other)?], 0)?);
+        }
         let joined = join_rows(self.rows_kv(), other.rows_kv())?;
         take_joined(
             [&mut self.keys, &mut self.values],
@@ -339,14 +406,23 @@ impl KvCache for BatchKvCache {
         let rows = self.rows() as i32;
         let padding = Array::from_slice(&self.left_padding, &[rows, 1, 1, 1]);
         let rinds = ops::arange::<_, i32>(0, self.idx + n, 1)?.expand_dims(0)?;
+        let mask = causal.logical_and(&padding.le(&rinds)?)?;
         Ok(AttentionMask::Array(
-            causal.logical_and(&padding.le(&rinds)?)?,
+            match self.visible_to(self.idx + n)? {
+                Some(v) => mask.logical_and(&v.reshape(&[rows, 1, 1, self.idx + n])?)?,
+                None => mask,
+            },
         ))
     }
 
     fn trim(&mut self, n: i32) -> i32 {
         let n = n.min(self.idx);
         self.idx -= n;
+        if let Some(v) = &self.visible {
+            if v.shape()[1] > self.idx {
+                self.visible = Some(v.index((.., ..self.idx)));
+            }
+        }
         for o in &mut self.offset {
             *o -= n;
         }

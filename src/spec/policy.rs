@@ -1,0 +1,187 @@
+//! How many drafted tokens a batched step verifies: the single-machine form of DeepSpec's
+//! hardware-aware scheduler. Every row of a batched verify forward is as wide as the widest
+//! block, so the step picks one width W for the batch: each row then offers
+//! `min(its proposal, W - 1)` drafts, and W maximises the expected tokens the step hands out
+//! per second, `Σ_rows E[tokens] / cost(B, W)`, with a row's expected tokens
+//! `1 + α + α² + … + α^k` (α: that row's acceptance so far, from a neutral prior) and
+//! `cost(B, W)` the time of one forward of that shape measured on this machine at start-up.
+//! W = 1 is plain batched decoding, so drafting turns itself off wherever batching alone hands
+//! out more tokens per second.
+
+use crate::engine::batch::BatchGenerator;
+use crate::engine::error::Result;
+use crate::engine::models::LanguageModel;
+
+/// Seconds per batched forward by rows and width, measured at a few row counts (1, 2, 4, …,
+/// the batch's most) for every width, interpolated linearly between them.
+#[derive(Debug, Clone)]
+pub struct CostTable {
+    /// Row counts measured, ascending.
+    rows: Vec<usize>,
+    /// `seconds[r][w - 1]`: a forward of `rows[r]` rows × `w` tokens.
+    seconds: Vec<Vec<f64>>,
+}
+
+impl CostTable {
+    /// Times forwards of up to `max_rows` rows × `max_width` tokens on `model`.
+    pub fn measure(
+        gen: &BatchGenerator,
+        model: &mut dyn LanguageModel,
+        max_rows: usize,
+        max_width: usize,
+    ) -> Result<Self> {
+        let mut rows = Vec::new();
+        let mut b = 1;
+        while b < max_rows {
+            rows.push(b);
+            b *= 2;
+        }
+        rows.push(max_rows.max(1));
+        let mut seconds = Vec::with_capacity(rows.len());
+        for &b in &rows {
+            seconds.push(gen.forward_seconds(model, b, max_width.max(1))?);
+        }
+        Ok(Self { rows, seconds })
+    }
+
+    /// A table from known times (`seconds[r][w - 1]` for `rows[r]` rows).
+    pub fn from_times(rows: Vec<usize>, seconds: Vec<Vec<f64>>) -> Self {
+        Self { rows, seconds }
+    }
+
+    /// The widest block measured.
+    pub fn max_width(&self) -> usize {
+        self.seconds.first().map_or(1, Vec::len)
+    }
+
+    /// Seconds of one forward of `rows` × `width` (clamped to the measured range).
+    pub fn cost(&self, rows: usize, width: usize) -> f64 {
+        let w = width.clamp(1, self.max_width()) - 1;
+        let at = |r: usize| self.seconds[r][w];
+        let Some(upper) = self.rows.iter().position(|&b| b >= rows) else {
+            return self.seconds.last().map_or(0.0, |s| s[w]);
+        };
+        if upper == 0 || self.rows[upper] == rows {
+            return at(upper);
+        }
+        let (b0, b1) = (self.rows[upper - 1] as f64, self.rows[upper] as f64);
+        let t = (rows as f64 - b0) / (b1 - b0);
+        at(upper - 1) + t * (at(upper) - at(upper - 1))
+    }
+}
+
+/// One row as the policy sees it: how many tokens its drafter proposed and how often its
+/// drafts have been kept.
+#[derive(Debug, Clone, Copy)]
+pub struct RowOutlook {
+    /// Drafted tokens on offer.
+    pub proposed: usize,
+    /// Drafts kept so far.
+    pub accepted: usize,
+    /// Drafts verified so far.
+    pub drafted: usize,
+}
+
+impl RowOutlook {
+    /// A row with nothing to offer (no drafter, or no room).
+    pub fn plain() -> Self {
+        Self {
+            proposed: 0,
+            accepted: 0,
+            drafted: 0,
+        }
+    }
+
+    /// The chance a draft is kept: kept / verified with one kept and one rejected draft
+    /// assumed beforehand, so a new row starts at 1/2.
+    pub fn acceptance(&self) -> f64 {
+        (self.accepted as f64 + 1.0) / (self.drafted as f64 + 2.0)
+    }
+
+    /// Tokens the row hands out from a block with `k` of its drafts.
+    pub fn expected_tokens(&self, k: usize) -> f64 {
+        let a = self.acceptance();
+        let k = k.min(self.proposed);
+        (1..=k)
+            .fold((1.0, 1.0), |(sum, p), _| (sum + p * a, p * a))
+            .0
+    }
+}
+
+/// Picks each step's block width from a [`CostTable`].
+#[derive(Debug, Clone)]
+pub struct DraftLengthPolicy {
+    table: CostTable,
+}
+
+impl DraftLengthPolicy {
+    /// A policy over `table`.
+    pub fn new(table: CostTable) -> Self {
+        Self { table }
+    }
+
+    /// The block width (1 = no drafts) that hands out the most expected tokens per second
+    /// for these rows.
+    pub fn width(&self, rows: &[RowOutlook]) -> usize {
+        let widest = rows.iter().map(|r| r.proposed + 1).max().unwrap_or(1);
+        let mut best = (1, 0.0);
+        for w in 1..=widest.min(self.table.max_width()) {
+            let tokens: f64 = rows.iter().map(|r| r.expected_tokens(w - 1)).sum();
+            let rate = tokens / self.table.cost(rows.len(), w).max(f64::MIN_POSITIVE);
+            if rate > best.1 {
+                best = (w, rate);
+            }
+        }
+        best.0
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    fn row(proposed: usize, accepted: usize, drafted: usize) -> RowOutlook {
+        RowOutlook {
+            proposed,
+            accepted,
+            drafted,
+        }
+    }
+
+    #[test]
+    fn costs_interpolate_between_measured_row_counts() {
+        let t = CostTable::from_times(
+            vec![1, 2, 4],
+            vec![vec![1.0, 2.0], vec![2.0, 3.0], vec![4.0, 8.0]],
+        );
+        assert_eq!(t.cost(1, 1), 1.0);
+        assert_eq!(t.cost(3, 1), 3.0);
+        assert_eq!(t.cost(3, 2), 5.5);
+        assert_eq!(t.cost(9, 2), 8.0);
+        assert_eq!(t.cost(2, 7), 3.0);
+    }
+
+    #[test]
+    fn expected_tokens_are_a_geometric_sum_of_the_acceptance() {
+        let r = row(3, 3, 4); // acceptance 4/6
+        let a = 4.0 / 6.0;
+        assert!((r.expected_tokens(2) - (1.0 + a + a * a)).abs() < 1e-12);
+        assert_eq!(r.expected_tokens(0), 1.0);
+        assert_eq!(row(1, 0, 0).expected_tokens(5), 1.5);
+    }
+
+    #[test]
+    fn drafting_turns_off_where_a_wider_block_costs_more_than_it_brings() {
+        // A block of 2 costs 1.6x a plain step: a row kept half the time gains 1.5x, not enough.
+        let costly = CostTable::from_times(vec![1], vec![vec![1.0, 1.6, 1.8]]);
+        assert_eq!(DraftLengthPolicy::new(costly).width(&[row(2, 0, 0)]), 1);
+        // Nearly free verify blocks and a row that is almost always right: draft all.
+        let cheap = CostTable::from_times(vec![1], vec![vec![1.0, 1.05, 1.1]]);
+        assert_eq!(
+            DraftLengthPolicy::new(cheap.clone()).width(&[row(2, 98, 100)]),
+            3
+        );
+        // Nothing proposed: nothing to verify.
+        assert_eq!(DraftLengthPolicy::new(cheap).width(&[row(0, 98, 100)]), 1);
+    }
+}

@@ -1,0 +1,155 @@
+//! Drafting per slot of the batched engine: one drafter per sequence, proposing from the
+//! tokens that sequence has so far; the engine verifies every slot's block in one batched
+//! forward and says per slot how many drafts it kept (`engine::batch_verify`). Each slot keeps
+//! its own acceptance counters, reported with its request.
+
+use super::factory::{open_slot_source, SpecOptions};
+use super::metrics::SpecMetrics;
+use super::policy::{DraftLengthPolicy, RowOutlook};
+use super::source::{DraftSource, TargetView};
+use crate::engine::batch::BatchToken;
+use crate::engine::batch_verify::Verified;
+use crate::engine::error::Result;
+use crate::engine::models::{Caches, LanguageModel};
+use std::collections::HashMap;
+use std::time::Instant;
+
+/// One sequence's drafter, the tokens it has and its counters.
+struct SlotDraft {
+    source: Box<dyn DraftSource>,
+    /// Prompt and every token handed out so far (the last one is the next block's anchor).
+    sequence: Vec<u32>,
+    /// Most tokens drafted per step for it (its request's `num_draft_tokens`).
+    limit: usize,
+    metrics: SpecMetrics,
+}
+
+/// The drafters of a batch's slots, and the policy that sizes each step's blocks.
+pub struct SlotDrafters {
+    opts: SpecOptions,
+    policy: DraftLengthPolicy,
+    slots: HashMap<usize, SlotDraft>,
+}
+
+/// Slot drafters read nothing of the target's per-sequence state (see
+/// `factory::drafts_per_slot`), so they are shown the model with no caches.
+fn view<'a>(model: &'a mut dyn LanguageModel, none: &'a Caches) -> TargetView<'a> {
+    TargetView {
+        model,
+        caches: none,
+    }
+}
+
+impl SlotDrafters {
+    /// Drafters of `opts` for each slot, sized by `policy`; `None` when that kind cannot draft
+    /// per slot.
+    pub fn new(opts: &SpecOptions, policy: DraftLengthPolicy) -> Option<Self> {
+        open_slot_source(opts)?;
+        Some(Self {
+            opts: opts.clone(),
+            policy,
+            slots: HashMap::new(),
+        })
+    }
+
+    /// Starts drafting for sequence `uid` with prompt `prompt`, sampled at `temp`, at most
+    /// `limit` tokens per step (0: it decodes one token per step, counted as no drafts).
+    pub fn join(
+        &mut self,
+        uid: usize,
+        prompt: &[u32],
+        (temp, limit): (f64, usize),
+        model: &mut dyn LanguageModel,
+    ) -> Result<()> {
+        let Some(mut source) = open_slot_source(&self.opts) else {
+            return Ok(());
+        };
+        source.configure_sampling(temp, self.opts.verify);
+        source.begin(view(model, &Vec::new()), prompt)?;
+        let metrics = SpecMetrics {
+            drafter: source.name().to_owned(),
+            ..SpecMetrics::default()
+        };
+        self.slots.insert(
+            uid,
+            SlotDraft {
+                source,
+                sequence: prompt.to_vec(),
+                limit,
+                metrics,
+            },
+        );
+        Ok(())
+    }
+
+    /// Takes a token the batch handed out to its sequence.
+    pub fn take(&mut self, token: &BatchToken) {
+        if let Some(slot) = self.slots.get_mut(&token.uid) {
+            slot.sequence.push(token.token);
+        }
+    }
+
+    /// Each decoding row's proposal (`rows`: sequence id and the tokens it may still produce,
+    /// as `BatchGenerator::decoding_rows` gives them), cut to the block width the policy picks
+    /// for the whole step (returned too); rows without a drafter, room or proposal get none.
+    pub fn drafts(
+        &mut self,
+        rows: &[(usize, usize)],
+        model: &mut dyn LanguageModel,
+    ) -> Result<(HashMap<usize, Vec<u32>>, usize)> {
+        let none = Vec::new();
+        let mut drafts = HashMap::with_capacity(rows.len());
+        let mut outlook = Vec::with_capacity(rows.len());
+        for &(uid, room) in rows {
+            let Some(slot) = self.slots.get_mut(&uid) else {
+                outlook.push(RowOutlook::plain());
+                continue;
+            };
+            let n = slot.limit.min(room.saturating_sub(1));
+            let mut proposed = Vec::new();
+            if n > 0 {
+                let started = Instant::now();
+                let draft = slot
+                    .source
+                    .draft(view(&mut *model, &none), &slot.sequence, n)?;
+                slot.metrics.draft_seconds += started.elapsed().as_secs_f64();
+                proposed = draft.tokens;
+                proposed.truncate(n);
+            }
+            outlook.push(RowOutlook {
+                proposed: proposed.len(),
+                accepted: slot.metrics.accepted_tokens,
+                drafted: slot.metrics.drafted_tokens,
+            });
+            if !proposed.is_empty() {
+                drafts.insert(uid, proposed);
+            }
+        }
+        let width = self.policy.width(&outlook);
+        drafts.retain(|_, d| {
+            d.truncate(width - 1);
+            !d.is_empty()
+        });
+        Ok((drafts, width))
+    }
+
+    /// Counts what the verify step did for each slot and tells each drafter what is final.
+    pub fn record(&mut self, verified: &[Verified], model: &mut dyn LanguageModel) -> Result<()> {
+        let none = Vec::new();
+        for v in verified {
+            let Some(slot) = self.slots.get_mut(&v.uid) else {
+                continue;
+            };
+            slot.metrics.record(v.proposed, v.accepted);
+            // The target's cache holds every handed-out token but the newest (the next anchor).
+            let committed = slot.sequence.len().saturating_sub(1);
+            slot.source.commit(view(&mut *model, &none), committed)?;
+        }
+        Ok(())
+    }
+
+    /// Ends sequence `uid`'s drafting; its counters, when it had a drafter.
+    pub fn leave(&mut self, uid: usize) -> Option<SpecMetrics> {
+        self.slots.remove(&uid).map(|s| s.metrics)
+    }
+}

@@ -1,0 +1,186 @@
+//! Drafting per slot in the batched engine is lossless per request: whatever each row drafts
+//! (the right continuation, wrong tokens, a right start then wrong ones, nothing; blocks of
+//! different widths in one step, so rows drop different numbers of positions), every row's
+//! greedy ids equal that prompt's ids decoded alone, and its logprobs stay within 1e-4 of them
+//! (f32; a batch's rows are computed in other shapes than a single stream's, so their bits may
+//! differ, as they do for batched decoding without drafts).
+
+mod common;
+
+use mlxb::engine::batch::{BatchGenerator, BatchSettings, SequenceRequest};
+use mlxb::engine::forks::Forks;
+use mlxb::engine::generate::{Flow, GenerateConfig, Generator};
+use mlxb::engine::models;
+use mlxb::engine::sample::{LogitsProcessors, ProcessorConfig, Sampler, SamplerConfig};
+use std::collections::HashMap;
+
+fn greedy() -> Sampler {
+    Sampler::new(&SamplerConfig::default()).unwrap()
+}
+
+/// One prompt decoded alone: its ids and logprob rows.
+fn alone(loaded: &mut models::LoadedModel, prompt: &[u32], n: usize) -> Vec<(u32, mlx_rs::Array)> {
+    let mut sampler = greedy();
+    let mut processors = LogitsProcessors::new(&ProcessorConfig::default()).unwrap();
+    let plan = loaded.plan.clone();
+    let cfg = GenerateConfig {
+        max_tokens: n,
+        prefill_step_size: 2048,
+    };
+    let mut out = vec![];
+    Generator::new(loaded.model.as_mut(), &mut sampler, &mut processors)
+        .with_plan(&plan)
+        .run(prompt, &cfg, |s| {
+            out.push((s.token, s.logprobs.clone()));
+            Ok(Flow::Continue)
+        })
+        .unwrap();
+    out
+}
+
+/// What row `row` drafts at step `step`, having produced `produced` of the ids `want`: the
+/// right continuation, wrong tokens, a right start then a wrong token, or nothing, in turns
+/// that differ by row, with a block length that differs by row.
+fn draft_for(row: usize, step: usize, produced: usize, want: &[u32], vocab: u32) -> Vec<u32> {
+    let k = 1 + (row + step) % 4;
+    let right: Vec<u32> = want.iter().skip(produced).take(k).copied().collect();
+    let wrong = |t: u32| 3 + (t + 1) % (vocab - 3);
+    match (row + step) % 4 {
+        0 => right,
+        1 => right.iter().map(|&t| wrong(t)).collect(),
+        2 => {
+            let mut d = right.clone();
+            if let Some(last) = d.last_mut() {
+                *last = wrong(*last);
+            }
+            d
+        }
+        _ => Vec::new(),
+    }
+}
+
+#[test]
+fn drafted_rows_keep_their_solo_greedy_output() {
+    let tmp = tempfile::tempdir().unwrap();
+    let vocab = 384;
+    common::make_model(
+        tmp.path(),
+        &common::tiny_llama(serde_json::json!({})),
+        "f32",
+        None,
+    );
+    let mut loaded = models::load(tmp.path(), Forks::default()).unwrap();
+    let lengths = [5usize, 9, 14, 3, 20, 7];
+    let budgets = [24usize, 30, 17, 28, 26, 1];
+    let prompts: Vec<Vec<u32>> = lengths
+        .iter()
+        .enumerate()
+        .map(|(i, &n)| common::prompt_ids(n, vocab, i as u32 + 1))
+        .collect();
+    let want: Vec<Vec<(u32, mlx_rs::Array)>> = prompts
+        .iter()
+        .zip(budgets)
+        .map(|(p, n)| alone(&mut loaded, p, n))
+        .collect();
+    let want_ids: Vec<Vec<u32>> = want
+        .iter()
+        .map(|w| w.iter().map(|(t, _)| *t).collect())
+        .collect();
+
+    // Two prompts prefilled at a time: rows join the decoding batch at different steps.
+    let settings = BatchSettings {
+        prefill_batch_size: 2,
+        completion_batch_size: 8,
+        prefill_step_size: 2048,
+    };
+    let mut gen = BatchGenerator::new(
+        loaded.model.as_ref(),
+        &loaded.plan,
+        greedy(),
+        vec![],
+        settings,
+    )
+    .unwrap()
+    .speculative(loaded.model.as_ref())
+    .unwrap();
+    let requests = prompts
+        .iter()
+        .zip(budgets)
+        .map(|(p, n)| SequenceRequest::new(p.clone(), n))
+        .collect();
+    let uids = gen.insert(requests).unwrap();
+    let row_of: HashMap<usize, usize> = uids.iter().enumerate().map(|(i, &u)| (u, i)).collect();
+    let mut got: Vec<Vec<(u32, mlx_rs::Array)>> = vec![Vec::new(); prompts.len()];
+    let (mut proposed, mut accepted, mut uneven) = (0, 0, 0);
+    for step in 0.. {
+        let drafts: HashMap<usize, Vec<u32>> = gen
+            .decoding_rows()
+            .into_iter()
+            .map(|(uid, _)| {
+                let row = row_of[&uid];
+                let d = draft_for(row, step, got[row].len(), &want_ids[row], vocab);
+                (uid, d)
+            })
+            .collect();
+        let tokens = gen
+            .next_tokens_drafted(loaded.model.as_mut(), &drafts)
+            .unwrap();
+        if tokens.is_empty() {
+            break;
+        }
+        for t in tokens {
+            got[row_of[&t.uid]].push((t.token, t.logprobs));
+        }
+        let verified = gen.take_verified();
+        let kept: Vec<usize> = verified.iter().map(|v| v.accepted).collect();
+        if kept.iter().any(|&a| a != kept[0]) {
+            uneven += 1;
+        }
+        proposed += verified.iter().map(|v| v.proposed).sum::<usize>();
+        accepted += verified.iter().map(|v| v.accepted).sum::<usize>();
+    }
+    // The drafts exercised both sides: kept and rejected, rows dropping different amounts.
+    assert!(
+        accepted > 10 && proposed > accepted + 10,
+        "{accepted}/{proposed}"
+    );
+    assert!(
+        uneven > 3,
+        "rows kept the same number of drafts in all but {uneven} steps"
+    );
+    for (i, (got, want)) in got.iter().zip(&want).enumerate() {
+        let ids: Vec<u32> = got.iter().map(|(t, _)| *t).collect();
+        assert_eq!(
+            ids, want_ids[i],
+            "row {i}: ids differ from the prompt alone"
+        );
+        for (s, ((_, a), (_, b))) in got.iter().zip(want).enumerate() {
+            let diff = a.subtract(b).unwrap().abs().unwrap().max(None).unwrap();
+            let diff = diff.item_exact::<f32>();
+            assert!(diff < 1e-4, "row {i} step {s}: logprobs differ by {diff}");
+        }
+    }
+}
+
+/// Only full-attention models draft in a batch (sliding-window and recurrent rows cannot drop
+/// different numbers of positions yet); others are refused with the reason.
+#[test]
+fn sliding_window_models_refuse_drafting_in_a_batch() {
+    let tmp = tempfile::tempdir().unwrap();
+    common::make_model(tmp.path(), &common::tiny_gemma3(), "f32", None);
+    let loaded = models::load(tmp.path(), Forks::default()).unwrap();
+    let gen = BatchGenerator::new(
+        loaded.model.as_ref(),
+        &loaded.plan,
+        greedy(),
+        vec![],
+        BatchSettings::default(),
+    )
+    .unwrap();
+    let err = gen
+        .speculative(loaded.model.as_ref())
+        .err()
+        .unwrap()
+        .to_string();
+    assert!(err.contains("full attention"), "{err}");
+}
