@@ -25,6 +25,10 @@ against the same server's answer to the prompt alone.
   scripts/serve_load.py --baseline mlx-lm --model ~/.cache/mlxb/models/smollm2-135m-instruct \
       [--clients-list 1,4,8,32] [--duration 30] [--max-tokens 64] -- [mlxb serve args]
 
+--arms measures several mlxb configurations in turn (each an extra set of `mlxb serve` flags,
+separated by ';'; an empty one adds none), each row with its ratio to mlx-lm and to the first
+arm, e.g. drafting against none: --arms ';--draft-kind ngram;--drafter default'.
+
 With --multi-turn TURNS, each client instead holds new conversations of TURNS turns over a
 system note of their own (about 650 tokens), each turn sent with the conversation so far, as
 chat clients do; every answer is afterwards asked again alone and must match, and the table
@@ -445,11 +449,11 @@ def start_mlx_lm(model):
     sys.exit("mlx_lm server did not come up within 300 s")
 
 
-def start_mlxb(args):
+def start_mlxb(args, arm=()):
     cmd = [args.mlxb, "serve", "--host", "127.0.0.1", "--port", "0"]
     if args.model:
         cmd += ["--model", args.model]
-    server = subprocess.Popen([*cmd, *args.server_args], stdout=subprocess.PIPE, text=True)
+    server = subprocess.Popen([*cmd, *args.server_args, *arm], stdout=subprocess.PIPE, text=True)
     for line in server.stdout:
         if line.strip().startswith("url"):
             return server, line.split()[1]
@@ -466,32 +470,45 @@ def stop(server):
 
 def compare(args):
     levels = [int(c) for c in args.clients_list.split(",")]
+    arms = [a.split() for a in args.arms.split(";")] if args.arms else [[]]
+    labels = [" ".join(a) or "no drafter" for a in arms]
     result = {"model": args.model, "max_tokens": args.max_tokens, "duration_s": args.duration,
-              "multi_turn": args.multi_turn, "server_args": args.server_args, "mlxb": [], "mlx-lm": []}
-    for name, start in (("mlxb", lambda: start_mlxb(args)), ("mlx-lm", lambda: start_mlx_lm(args.model))):
+              "multi_turn": args.multi_turn, "server_args": args.server_args,
+              "arms": labels, "mlxb": {}, "mlx-lm": []}
+    runs = [(label, lambda a=arm: start_mlxb(args, a)) for label, arm in zip(labels, arms)]
+    runs.append(("mlx-lm", lambda: start_mlx_lm(args.model)))
+    for name, start in runs:
         server, url = start()
+        rows = []
         try:
             for c in levels:
                 print(f"serve_load: {name}, {c} clients ...", file=sys.stderr, flush=True)
-                result[name].append(asyncio.run(
+                rows.append(asyncio.run(
                     load_level(url, c, args.duration, args.max_tokens, args.multi_turn)))
         finally:
             stop(server)
+        if name == "mlx-lm":
+            result["mlx-lm"] = rows
+        else:
+            result["mlxb"][name] = rows
     if args.json:
         print(json.dumps(result, indent=1))
         return
-    print("| clients | mlxb tok/s | mlx-lm tok/s | ratio | mlxb TTFT p50/p99 ms | mlx-lm TTFT p50/p99 ms | mlxb ITL p50/p99 ms | mlx-lm ITL p50/p99 ms | answers intact (mlxb / mlx-lm) | prompt tokens cached (mlxb / mlx-lm) |")
-    print("|---|---|---|---|---|---|---|---|---|---|")
+    first = labels[0]
+    print(f"| mlxb serve | clients | mlxb tok/s | mlx-lm tok/s | ratio | vs {first} | mlxb TTFT p50/p99 ms | mlx-lm TTFT p50/p99 ms | mlxb ITL p50/p99 ms | mlx-lm ITL p50/p99 ms | answers intact (mlxb / mlx-lm) | prompt tokens cached (mlxb / mlx-lm) |")
+    print("|---|---|---|---|---|---|---|---|---|---|---|---|")
     cached = lambda r: f"{r['cached_tokens']}/{r['prompt_tokens']}"  # noqa: E731
-    for ours, theirs in zip(result["mlxb"], result["mlx-lm"]):
-        ratio = ours["tok_s"] / theirs["tok_s"] if theirs["tok_s"] else float("nan")
-        intact = lambda r: f"{r['requests'] - r['corrupted']}/{r['requests']}"  # noqa: E731
-        print(f"| {ours['clients']} | {ours['tok_s']} | {theirs['tok_s']} | {ratio:.2f}x "
-              f"| {ours['ttft_ms_p50']}/{ours['ttft_ms_p99']} | {theirs['ttft_ms_p50']}/{theirs['ttft_ms_p99']} "
-              f"| {ours['itl_ms_p50']}/{ours['itl_ms_p99']} | {theirs['itl_ms_p50']}/{theirs['itl_ms_p99']} "
-              f"| {intact(ours)} / {intact(theirs)} | {cached(ours)} / {cached(theirs)} |")
-    for name in ("mlxb", "mlx-lm"):
-        for r in result[name]:
+    intact = lambda r: f"{r['requests'] - r['corrupted']}/{r['requests']}"  # noqa: E731
+    for label in labels:
+        for ours, theirs, plain in zip(result["mlxb"][label], result["mlx-lm"], result["mlxb"][first]):
+            ratio = ours["tok_s"] / theirs["tok_s"] if theirs["tok_s"] else float("nan")
+            own = ours["tok_s"] / plain["tok_s"] if plain["tok_s"] else float("nan")
+            print(f"| {label} | {ours['clients']} | {ours['tok_s']} | {theirs['tok_s']} | {ratio:.2f}x | {own:.2f}x "
+                  f"| {ours['ttft_ms_p50']}/{ours['ttft_ms_p99']} | {theirs['ttft_ms_p50']}/{theirs['ttft_ms_p99']} "
+                  f"| {ours['itl_ms_p50']}/{ours['itl_ms_p99']} | {theirs['itl_ms_p50']}/{theirs['itl_ms_p99']} "
+                  f"| {intact(ours)} / {intact(theirs)} | {cached(ours)} / {cached(theirs)} |")
+    for name, rows in [*result["mlxb"].items(), ("mlx-lm", result["mlx-lm"])]:
+        for r in rows:
             for e in r["examples"]:
                 print(f"{name} @ {r['clients']} clients: {e}", file=sys.stderr)
 
@@ -513,6 +530,10 @@ def main():
     ap.add_argument("--model", help="model directory (--baseline: both servers load it)")
     ap.add_argument("--clients-list", default="1,4,8,32", help="--baseline: client counts")
     ap.add_argument("--json", action="store_true", help="--baseline: JSON instead of a table")
+    ap.add_argument("--arms", help="--baseline: mlxb configurations to measure in turn, as extra "
+                                   "`mlxb serve` flags separated by ';' (an empty one = no extra "
+                                   "flags), e.g. ';--draft-kind ngram'; each row also gives its "
+                                   "ratio to the first")
     ap.add_argument("--multi-turn", type=int, default=0, metavar="TURNS",
                     help="--baseline: each client holds conversations of TURNS turns over a note of "
                          "its own (prompt reuse under load) instead of one-shot prompts")

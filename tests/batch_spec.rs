@@ -38,7 +38,7 @@ fn alone(loaded: &mut models::LoadedModel, prompt: &[u32], n: usize) -> Vec<(u32
     out
 }
 
-/// What row `row` drafts at step `step`, having produced `produced` of the ids `want`: the
+/// What row `row` drafts at step `step`, having handed out `produced` of the ids `want`: the
 /// right continuation, wrong tokens, a right start then a wrong token, or nothing, in turns
 /// that differ by row, with a block length that differs by row.
 fn draft_for(row: usize, step: usize, produced: usize, want: &[u32], vocab: u32) -> Vec<u32> {
@@ -116,10 +116,12 @@ fn drafted_rows_keep_their_solo_greedy_output() {
         let drafts: HashMap<usize, Vec<u32>> = gen
             .decoding_rows()
             .into_iter()
-            .map(|(uid, _)| {
-                let row = row_of[&uid];
+            .map(|r| {
+                // A draft continues the tokens handed out so far (its first token guesses the
+                // row's pending one, if it has one).
+                let row = row_of[&r.uid];
                 let d = draft_for(row, step, got[row].len(), &want_ids[row], vocab);
-                (uid, d)
+                (r.uid, d)
             })
             .collect();
         let tokens = gen

@@ -62,6 +62,12 @@ pub struct ServeArgs {
     /// conversations; 0 keeps none).
     #[arg(long, default_value_t = crate::server::DEFAULT_PROMPT_CACHE_BYTES)]
     pub prompt_cache_bytes: usize,
+    /// How a batched step sizes the blocks it verifies when requests draft for themselves:
+    /// `cost` picks the width that hands out the most tokens per second by forward costs
+    /// measured on this machine (drafting off where plain batching is faster); `all` verifies
+    /// every proposal in full, as a single stream does.
+    #[arg(long, value_enum, default_value_t = crate::spec::policy::DraftPolicy::Cost)]
+    pub draft_policy: crate::spec::policy::DraftPolicy,
     /// Require `Authorization: Bearer KEY` on every route but /health.
     #[arg(long)]
     pub api_key: Option<String>,
@@ -115,5 +121,6 @@ pub fn run(args: ServeArgs) -> anyhow::Result<()> {
         max_batch: args.max_batch,
         prompt_cache_bytes: args.prompt_cache_bytes,
         prompt_concurrency: args.prompt_concurrency,
+        draft_policy: args.draft_policy,
     })
 }

@@ -14,7 +14,7 @@
 //! sampled and, at each decoding step, verifies the blocks its caller drafted per row
 //! (`batch_verify`): a row then gains between 1 and k + 1 tokens per step.
 
-use super::batch_verify::{block, confirmed, rewind_rows, rows_can_rewind, Verified};
+use super::batch_verify::{block, confirmed, rewind_rows, rows_can_rewind, StepCost, Verified};
 use super::cache::{BatchKvCache, BatchRows, KvCache};
 use super::error::{EngineError, Result};
 use super::models::{Caches, LanguageModel};
@@ -136,6 +136,21 @@ struct Decoding {
     max_tokens: usize,
     produced: usize,
     sampler: Option<Sampler>,
+    /// Whether its queued token was already handed out (by a verify step, which hands out
+    /// every token it samples); a plain step then feeds it without handing it out again.
+    anchor_out: bool,
+}
+
+/// A decoding sequence as a drafter sees it (see [`BatchGenerator::decoding_rows`]).
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub struct DecodingRow {
+    /// The sequence.
+    pub uid: usize,
+    /// Tokens it may still hand out.
+    pub room: usize,
+    /// Whether its next token is sampled but not handed out yet: a draft for it then starts
+    /// with a guess of that token, kept only when the guess is right.
+    pub next_pending: bool,
 }
 
 /// Rows being prefilled together, with their batched caches (empty when there are no rows).
@@ -211,6 +226,7 @@ pub struct BatchGenerator {
     /// Whether decoding steps verify drafted blocks (tokens handed out as soon as sampled).
     speculative: bool,
     verified: Vec<Verified>,
+    step_costs: Vec<StepCost>,
 }
 
 /// Per-layer batched caches, all rows empty.
@@ -361,6 +377,7 @@ impl BatchGenerator {
             captured: Vec::new(),
             speculative: false,
             verified: Vec::new(),
+            step_costs: Vec::new(),
         })
     }
 
@@ -378,12 +395,16 @@ impl BatchGenerator {
         Ok(self)
     }
 
-    /// The decoding sequences and how many tokens each may still produce, in batch order.
-    pub fn decoding_rows(&self) -> Vec<(usize, usize)> {
+    /// The decoding sequences, in batch order.
+    pub fn decoding_rows(&self) -> Vec<DecodingRow> {
         self.decode
             .rows
             .iter()
-            .map(|r| (r.uid, r.max_tokens.saturating_sub(r.produced)))
+            .map(|r| DecodingRow {
+                uid: r.uid,
+                room: r.max_tokens.saturating_sub(r.produced),
+                next_pending: !r.anchor_out,
+            })
             .collect()
     }
 
@@ -422,6 +443,11 @@ impl BatchGenerator {
     /// What the verify steps since the last call did, per row and step.
     pub fn take_verified(&mut self) -> Vec<Verified> {
         std::mem::take(&mut self.verified)
+    }
+
+    /// What the verify steps since the last call cost, per step.
+    pub fn take_step_costs(&mut self) -> Vec<StepCost> {
+        std::mem::take(&mut self.step_costs)
     }
 
     /// Keeps the keys and values of every prompt prefilled alone (all but its last token) for
@@ -516,8 +542,10 @@ impl BatchGenerator {
     }
 
     /// [`BatchGenerator::next_tokens`] where, in a speculative batch, the decoding step verifies
-    /// `drafts` (ids proposed after each row's last token, by sequence id; a row without any
-    /// decodes one token). A row's tokens come in order, several per call when drafts are kept.
+    /// `drafts` (by sequence id: the ids proposed to follow the last token handed out to it,
+    /// whose first is a guess of the pending token when the row has one). A step without any
+    /// usable draft is a plain, pipelined decoding step. A row's tokens come in order, several
+    /// per call when drafts are kept.
     pub fn next_tokens_drafted(
         &mut self,
         model: &mut dyn LanguageModel,
@@ -580,7 +608,7 @@ impl BatchGenerator {
             .collect();
         let mut progress = !ready.is_empty();
         if !ready.is_empty() {
-            tokens.extend(self.start_decoding(model, &ready)?);
+            self.start_decoding(model, &ready)?;
         }
         let mut chunks = Vec::with_capacity(self.prompt.rows.len());
         for row in &mut self.prompt.rows {
@@ -645,12 +673,7 @@ impl BatchGenerator {
 
     /// Moves prompt rows `ready` (each down to its last token) into the decoding batch: their
     /// caches split off, their first step queued (`PromptProcessingBatch.split(...).generate`).
-    /// A speculative batch hands their first tokens out at once (returned).
-    fn start_decoding(
-        &mut self,
-        model: &mut dyn LanguageModel,
-        ready: &[usize],
-    ) -> Result<Vec<BatchToken>> {
+    fn start_decoding(&mut self, model: &mut dyn LanguageModel, ready: &[usize]) -> Result<()> {
         let rest: Vec<usize> = (0..self.prompt.rows.len())
             .filter(|i| !ready.contains(i))
             .collect();
@@ -698,6 +721,7 @@ impl BatchGenerator {
                     max_tokens: r.max_tokens,
                     produced: 0,
                     sampler: r.sampler,
+                    anchor_out: false,
                 })
                 .collect(),
             caches,
@@ -705,21 +729,12 @@ impl BatchGenerator {
             next_logprobs: None,
         };
         self.step(model, &mut batch)?;
-        let mut first = Vec::new();
-        if self.speculative {
-            let (ids, logprobs) = batch.queued()?;
-            let keep;
-            (first, keep) = self.emit(&mut batch.rows, &ids, |i| logprobs.index(i as i32));
-            if keep.len() < batch.rows.len() {
-                batch.keep(&keep)?;
-            }
-        }
         self.decode.rows.extend(batch.rows);
         extend_caches(&mut self.decode.caches, batch.caches)?;
         self.decode.next_tokens = concat_rows(self.decode.next_tokens.take(), batch.next_tokens)?;
         self.decode.next_logprobs =
             concat_rows(self.decode.next_logprobs.take(), batch.next_logprobs)?;
-        Ok(first)
+        Ok(())
     }
 
     /// `GenerationBatch._step`: forwards the queued tokens, queues the next step, and returns
@@ -758,27 +773,34 @@ impl BatchGenerator {
         Ok((inputs, current_logprobs))
     }
 
-    /// `GenerationBatch.next`: one step for every decoding row; finished rows leave.
+    /// `GenerationBatch.next`: one step for every decoding row; finished rows leave. Rows
+    /// whose fed token was handed out already hand out nothing this step; when that is every
+    /// row, the next step follows at once.
     fn decode_next(&mut self, model: &mut dyn LanguageModel) -> Result<Vec<BatchToken>> {
-        let mut batch = std::mem::take(&mut self.decode);
-        let stepped = self.step(model, &mut batch);
-        self.decode = batch;
-        let (tokens, logprobs) = stepped?;
-        let logprobs = logprobs.ok_or_else(|| {
-            EngineError::Runtime("a decoding step had no logprobs to hand out".into())
-        })?;
-        let ids = read_ids(&tokens)?;
-        let mut rows = std::mem::take(&mut self.decode.rows);
-        let (out, keep) = self.emit(&mut rows, &ids, |i| logprobs.index(i as i32));
-        self.decode.rows = rows;
-        if keep.len() < self.decode.rows.len() {
-            self.decode.keep(&keep)?;
+        loop {
+            let mut batch = std::mem::take(&mut self.decode);
+            let stepped = self.step(model, &mut batch);
+            self.decode = batch;
+            let (tokens, logprobs) = stepped?;
+            let logprobs = logprobs.ok_or_else(|| {
+                EngineError::Runtime("a decoding step had no logprobs to hand out".into())
+            })?;
+            let ids = read_ids(&tokens)?;
+            let mut rows = std::mem::take(&mut self.decode.rows);
+            let (out, keep) = self.emit(&mut rows, &ids, |i| logprobs.index(i as i32));
+            rows.iter_mut().for_each(|r| r.anchor_out = false);
+            self.decode.rows = rows;
+            if keep.len() < self.decode.rows.len() {
+                self.decode.keep(&keep)?;
+            }
+            if !out.is_empty() || self.decode.rows.is_empty() {
+                return Ok(out);
+            }
         }
-        Ok(out)
     }
 
-    /// Hands out one token per row (`logprobs(i)`: row `i`'s `[V]`), counting it against the
-    /// row's budget; returns the tokens and the rows that go on.
+    /// Hands out the fed token of every row that has not had it yet (`logprobs(i)`: row `i`'s
+    /// `[V]`), counting it against the row's budget; returns the tokens and the rows that go on.
     fn emit(
         &self,
         rows: &mut [Decoding],
@@ -788,6 +810,10 @@ impl BatchGenerator {
         let mut keep = Vec::with_capacity(ids.len());
         let mut out = Vec::with_capacity(ids.len());
         for (i, (&token, row)) in ids.iter().zip(rows.iter_mut()).enumerate() {
+            if row.anchor_out {
+                keep.push(i);
+                continue;
+            }
             let finish = self.count(row, token);
             if finish.is_none() {
                 keep.push(i);
@@ -811,25 +837,65 @@ impl BatchGenerator {
         (row.produced >= row.max_tokens).then_some(FinishReason::Length)
     }
 
-    /// A speculative decoding step: every row's block `[anchor, drafts..]` (its anchor being the
-    /// token handed out last) in one forward, right-padded to the widest; each row hands out
-    /// its sampled tokens up to the first that differs from its draft (that one included), and
-    /// its caches drop the rest (see `batch_verify`).
+    /// A speculative decoding step: every row's block `[anchor, drafts..]` (its anchor being its
+    /// queued token, handed out first if it was not yet) in one forward, right-padded to the
+    /// widest; each row hands out its sampled tokens up to the first that differs from its
+    /// draft (that one included), and its caches drop the rest (see `batch_verify`). Without a
+    /// usable draft it is a plain step.
     fn verify_next(
         &mut self,
         model: &mut dyn LanguageModel,
         drafts: &HashMap<usize, Vec<u32>>,
     ) -> Result<Vec<BatchToken>> {
-        let anchors =
-            self.decode.next_tokens.take().ok_or_else(|| {
-                EngineError::Runtime("a decoding batch has no queued step".into())
-            })?;
-        self.decode.next_logprobs = None;
-        let anchors = read_ids(&anchors)?;
+        let offers = |r: &Decoding| {
+            drafts
+                .get(&r.uid)
+                .is_some_and(|d| d.len() > usize::from(!r.anchor_out))
+        };
+        if !self.decode.rows.iter().any(offers) {
+            return self.decode_next(model);
+        }
+        let (anchors, anchor_logprobs) = self.decode.queued()?;
+        let mut out = Vec::new();
+        let mut rows = std::mem::take(&mut self.decode.rows);
+        let mut keep = Vec::with_capacity(rows.len());
+        let mut own: Vec<&[u32]> = Vec::with_capacity(rows.len());
+        for (i, row) in rows.iter_mut().enumerate() {
+            let mut d = drafts.get(&row.uid).map_or(&[][..], Vec::as_slice);
+            if !row.anchor_out {
+                row.anchor_out = true;
+                let finish = self.count(row, anchors[i]);
+                out.push(BatchToken {
+                    uid: row.uid,
+                    token: anchors[i],
+                    logprobs: anchor_logprobs.index(i as i32),
+                    finish,
+                });
+                if finish.is_some() {
+                    continue;
+                }
+                // The draft's first token guessed this anchor: the rest follows it if right.
+                d = match d.split_first() {
+                    Some((&guess, rest)) if guess == anchors[i] => rest,
+                    _ => &[],
+                };
+            }
+            keep.push(i);
+            own.push(d);
+        }
+        self.decode.rows = rows;
+        if keep.len() < self.decode.rows.len() {
+            self.decode.keep(&keep)?;
+        }
+        if self.decode.rows.is_empty() {
+            return Ok(out);
+        }
+        let anchors: Vec<u32> = keep.iter().map(|&i| anchors[i]).collect();
         let blocks: Vec<Vec<u32>> = anchors
             .iter()
             .zip(&self.decode.rows)
-            .map(|(&a, r)| block(a, drafts.get(&r.uid), r.max_tokens - r.produced))
+            .zip(&own)
+            .map(|((&a, r), d)| block(a, d, r.max_tokens - r.produced))
             .collect();
         let width = blocks.iter().map(Vec::len).max().unwrap_or(1);
         let ids: Vec<i32> = blocks
@@ -841,6 +907,7 @@ impl BatchGenerator {
             })
             .collect();
         let rows = blocks.len();
+        let started = std::time::Instant::now();
         let input = Array::from_slice(&ids, &[rows as i32, width as i32]);
         let logits = model.forward(&input, &mut self.decode.caches)?;
         let logprobs = logits.subtract(logits.logsumexp_axis(-1, true)?)?;
@@ -858,9 +925,16 @@ impl BatchGenerator {
         };
         eval([&picks, &logprobs])?;
         let picks = read_ids(&picks)?;
+        self.decode.next_tokens = None;
+        self.decode.next_logprobs = None;
+        self.step_costs.push(StepCost {
+            rows,
+            width,
+            seconds: started.elapsed().as_secs_f64(),
+        });
         let mut rows_out = std::mem::take(&mut self.decode.rows);
-        let mut out = Vec::new();
         let mut keep = Vec::with_capacity(rows);
+        let mut next_logprobs = Vec::with_capacity(rows);
         let mut next = Vec::with_capacity(rows);
         let mut drop = Vec::with_capacity(rows);
         for (i, (row, block)) in rows_out.iter_mut().zip(&blocks).enumerate() {
@@ -888,6 +962,7 @@ impl BatchGenerator {
             if !finished {
                 keep.push(i);
                 next.push(picked[accepted] as i32);
+                next_logprobs.push(logprobs.index((i as i32, accepted as i32, ..)));
                 drop.push((width - 1 - accepted) as i32);
             }
         }
@@ -897,6 +972,8 @@ impl BatchGenerator {
         }
         if !keep.is_empty() {
             self.decode.next_tokens = Some(Array::from_slice(&next, &[next.len() as i32]));
+            // Kept beside the handed-out anchors so rows joining later line up with them.
+            self.decode.next_logprobs = Some(ops::stack(&next_logprobs, 0)?);
             rewind_rows(&mut self.decode.caches, &drop)?;
             eval_caches(&self.decode.caches)?;
         }

@@ -25,6 +25,17 @@ pub struct Verified {
     pub accepted: usize,
 }
 
+/// What one verify step cost: its shape and the seconds of its forward and sampling.
+#[derive(Debug, Clone, Copy, PartialEq)]
+pub struct StepCost {
+    /// Rows in the forward.
+    pub rows: usize,
+    /// Tokens per row (the widest block).
+    pub width: usize,
+    /// Seconds from the forward's start to the sampled tokens being read.
+    pub seconds: f64,
+}
+
 /// Whether every layer's batched cache is a full-attention one, the kind whose rows can drop
 /// different numbers of positions (sliding-window and recurrent caches cannot yet).
 pub fn rows_can_rewind(caches: &mut Caches) -> bool {
@@ -36,11 +47,9 @@ pub fn rows_can_rewind(caches: &mut Caches) -> bool {
 
 /// A row's verify input: its anchor, then at most `room - 1` of its drafts (a round emits at
 /// most one token more than it keeps drafts, and never past the row's budget `room`).
-pub fn block(anchor: u32, drafts: Option<&Vec<u32>>, room: usize) -> Vec<u32> {
+pub fn block(anchor: u32, drafts: &[u32], room: usize) -> Vec<u32> {
     let mut block = vec![anchor];
-    if let Some(d) = drafts {
-        block.extend(d.iter().take(room.saturating_sub(1)));
-    }
+    block.extend(drafts.iter().take(room.saturating_sub(1)));
     block
 }
 
@@ -88,10 +97,10 @@ mod tests {
 
     #[test]
     fn a_block_never_outgrows_the_rows_budget() {
-        let d = vec![1, 2, 3, 4];
-        assert_eq!(block(9, Some(&d), 3), vec![9, 1, 2]);
-        assert_eq!(block(9, Some(&d), 1), vec![9]);
-        assert_eq!(block(9, None, 8), vec![9]);
-        assert_eq!(block(9, Some(&d), 10), vec![9, 1, 2, 3, 4]);
+        let d = [1, 2, 3, 4];
+        assert_eq!(block(9, &d, 3), vec![9, 1, 2]);
+        assert_eq!(block(9, &d, 1), vec![9]);
+        assert_eq!(block(9, &[], 8), vec![9]);
+        assert_eq!(block(9, &d, 10), vec![9, 1, 2, 3, 4]);
     }
 }

@@ -23,7 +23,7 @@ use crate::engine::text::FinishReason;
 use crate::engine::tokenizer::{StreamingDetokenizer, Tokenizer};
 use crate::spec::factory::SpecOptions;
 use crate::spec::metrics::SpecMetrics;
-use crate::spec::policy::{CostTable, DraftLengthPolicy};
+use crate::spec::policy::{CostTable, DraftLengthPolicy, DraftPolicy};
 use crate::spec::slots::SlotDrafters;
 use std::collections::HashMap;
 use std::panic::{catch_unwind, AssertUnwindSafe};
@@ -109,9 +109,21 @@ pub struct SlotDrafting {
 }
 
 impl SlotDrafting {
-    /// Measures this machine's batched forward costs for `opts` (up to `batching.max_batch`
-    /// rows × `num_draft_tokens + 1` tokens) on the session's model.
-    pub fn measure(session: &mut Session, batching: &Batching, opts: &SpecOptions) -> Result<Self> {
+    /// Drafting with `opts` sized by `policy`: for [`DraftPolicy::Cost`], this machine's
+    /// batched forward costs (up to `batching.max_batch` rows × `num_draft_tokens + 1` tokens)
+    /// measured on the session's model.
+    pub fn new(
+        session: &mut Session,
+        batching: &Batching,
+        opts: &SpecOptions,
+        policy: DraftPolicy,
+    ) -> Result<Self> {
+        if policy == DraftPolicy::All {
+            return Ok(Self {
+                opts: opts.clone(),
+                policy: DraftLengthPolicy::all(),
+            });
+        }
         let gen = new_generator_for(&session.model, &session.tokenizer, batching)?;
         let table = CostTable::measure(
             &gen,
@@ -157,6 +169,36 @@ pub fn run(
     metrics: &Metrics,
     shutdown: &AtomicBool,
 ) -> Option<Job> {
+    let mut drafters = batching
+        .drafting
+        .as_ref()
+        .and_then(|d| SlotDrafters::new(&d.opts, d.policy.clone()));
+    let deferred = serve_batch(
+        session,
+        batching,
+        &mut drafters,
+        first,
+        jobs,
+        metrics,
+        shutdown,
+    );
+    // The step costs learnt while this batch ran stay for the next one.
+    if let (Some(d), Some(drafting)) = (drafters, batching.drafting.as_mut()) {
+        drafting.policy = d.into_policy();
+    }
+    deferred
+}
+
+/// [`run`] with the slots' drafters (when requests draft for themselves).
+fn serve_batch(
+    session: &mut Session,
+    batching: &mut Batching,
+    drafters: &mut Option<SlotDrafters>,
+    first: Job,
+    jobs: &Receiver<Job>,
+    metrics: &Metrics,
+    shutdown: &AtomicBool,
+) -> Option<Job> {
     let max_batch = batching.max_batch;
     let mut gen = match new_generator_for(&session.model, &session.tokenizer, batching) {
         Ok(gen) => gen,
@@ -170,10 +212,6 @@ pub fn run(
         model, tokenizer, ..
     } = session;
     let tokenizer: &Tokenizer = tokenizer;
-    let mut drafters = batching
-        .drafting
-        .as_ref()
-        .and_then(|d| SlotDrafters::new(&d.opts, d.policy.clone()));
     let mut slots: HashMap<usize, Slot<'_>> = HashMap::new();
     let mut next = Some(first);
     let mut deferred = None;
@@ -226,7 +264,11 @@ pub fn run(
             for token in &tokens {
                 d.take(token);
             }
-            d.record(&gen.take_verified(), model.model.as_mut())?;
+            d.record(
+                &gen.take_verified(),
+                &gen.take_step_costs(),
+                model.model.as_mut(),
+            )?;
             Ok(tokens)
         }));
         let tokens = match stepped {

@@ -99,6 +99,8 @@ pub struct ServeConfig {
     pub prompt_cache_bytes: usize,
     /// Most prompts prefilled together (mlx-lm's `--prompt-concurrency`).
     pub prompt_concurrency: usize,
+    /// How batched drafting steps size their verify blocks.
+    pub draft_policy: crate::spec::policy::DraftPolicy,
 }
 
 /// Loads the model, binds, prints the ready card and serves until Ctrl-C or SIGTERM; then
@@ -128,6 +130,7 @@ pub fn serve(cfg: ServeConfig) -> anyhow::Result<()> {
             max_batch: cfg.max_batch,
             prompt_cache_bytes: cfg.prompt_cache_bytes,
             prompt_concurrency: cfg.prompt_concurrency,
+            draft_policy: cfg.draft_policy,
         },
         jobs,
         metrics.clone(),

@@ -19,6 +19,7 @@ use crate::engine::startup::StartupTrace;
 use crate::engine::text::{generate_text, TextEvent, TextParams};
 use crate::spec::executor::Speculation;
 use crate::spec::factory::{drafts_per_slot, open_source, SpecOptions};
+use crate::spec::policy::DraftPolicy;
 use crate::spec::source::DraftSource;
 use mlx_rs::Dtype;
 use std::panic::{catch_unwind, AssertUnwindSafe};
@@ -107,6 +108,8 @@ pub struct EngineConfig {
     pub prompt_cache_bytes: usize,
     /// Most prompts prefilled together (`--prompt-concurrency`).
     pub prompt_concurrency: usize,
+    /// How batched drafting steps size their verify blocks (`--draft-policy`).
+    pub draft_policy: DraftPolicy,
 }
 
 /// Facts about the loaded model, for the ready card and request validation.
@@ -261,10 +264,11 @@ impl State {
         let mut batching = batching::Batching::new(info.max_batch, cfg.prefill_step_size, kept);
         batching.prompt_concurrency = cfg.prompt_concurrency;
         if let (Some(opts), true) = (&slot_drafting, info.max_batch > 1) {
-            batching.drafting = Some(batching::SlotDrafting::measure(
+            batching.drafting = Some(batching::SlotDrafting::new(
                 &mut session,
                 &batching,
                 opts,
+                cfg.draft_policy,
             )?);
         }
         let mut state = Self {

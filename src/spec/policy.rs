@@ -4,13 +4,17 @@
 //! `min(its proposal, W - 1)` drafts, and W maximises the expected tokens the step hands out
 //! per second, `Σ_rows E[tokens] / cost(B, W)`, with a row's expected tokens
 //! `1 + α + α² + … + α^k` (α: that row's acceptance so far, from a neutral prior) and
-//! `cost(B, W)` the time of one forward of that shape measured on this machine at start-up.
+//! `cost(B, W)` the time of one forward of that shape measured on this machine at start-up,
+//! replaced by a running average of the steps of that shape actually taken (real contexts are
+//! longer than the start-up probe's, and sampling a wider block costs more too).
 //! W = 1 is plain batched decoding, so drafting turns itself off wherever batching alone hands
 //! out more tokens per second.
 
 use crate::engine::batch::BatchGenerator;
+use crate::engine::batch_verify::StepCost;
 use crate::engine::error::Result;
 use crate::engine::models::LanguageModel;
+use std::collections::HashMap;
 
 /// Seconds per batched forward by rows and width, measured at a few row counts (1, 2, 4, …,
 /// the batch's most) for every width, interpolated linearly between them.
@@ -108,26 +112,73 @@ impl RowOutlook {
     }
 }
 
-/// Picks each step's block width from a [`CostTable`].
+/// How a batched drafting step sizes its verify blocks (`mlxb serve --draft-policy`).
+#[derive(Debug, Clone, Copy, PartialEq, Eq, Default, clap::ValueEnum)]
+pub enum DraftPolicy {
+    /// By expected tokens per second, from forward costs measured on this machine.
+    #[default]
+    Cost,
+    /// Every proposal in full, as a single stream verifies it.
+    All,
+}
+
+/// Weight of the newest step in a shape's running average of costs.
+const NEWEST_STEP_WEIGHT: f64 = 0.2;
+
+/// Picks each step's block width from a [`CostTable`] and the steps taken since.
 #[derive(Debug, Clone)]
 pub struct DraftLengthPolicy {
-    table: CostTable,
+    /// `None`: verify every proposal in full ([`DraftPolicy::All`]).
+    table: Option<CostTable>,
+    /// Running average of the seconds of steps taken, by rows and width.
+    seen: HashMap<(usize, usize), f64>,
 }
 
 impl DraftLengthPolicy {
     /// A policy over `table`.
     pub fn new(table: CostTable) -> Self {
-        Self { table }
+        Self {
+            table: Some(table),
+            seen: HashMap::new(),
+        }
+    }
+
+    /// The policy that verifies every proposal in full.
+    pub fn all() -> Self {
+        Self {
+            table: None,
+            seen: HashMap::new(),
+        }
+    }
+
+    /// Takes in what a step of some shape cost.
+    pub fn observe(&mut self, step: &StepCost) {
+        self.seen
+            .entry((step.rows, step.width))
+            .and_modify(|s| *s += NEWEST_STEP_WEIGHT * (step.seconds - *s))
+            .or_insert(step.seconds);
+    }
+
+    /// Seconds a step of `rows` × `width` is expected to take.
+    pub fn cost(&self, rows: usize, width: usize) -> f64 {
+        match (self.seen.get(&(rows, width)), &self.table) {
+            (Some(&s), _) => s,
+            (None, Some(table)) => table.cost(rows, width),
+            (None, None) => 0.0,
+        }
     }
 
     /// The block width (1 = no drafts) that hands out the most expected tokens per second
     /// for these rows.
     pub fn width(&self, rows: &[RowOutlook]) -> usize {
         let widest = rows.iter().map(|r| r.proposed + 1).max().unwrap_or(1);
+        let Some(table) = &self.table else {
+            return widest;
+        };
         let mut best = (1, 0.0);
-        for w in 1..=widest.min(self.table.max_width()) {
+        for w in 1..=widest.min(table.max_width()) {
             let tokens: f64 = rows.iter().map(|r| r.expected_tokens(w - 1)).sum();
-            let rate = tokens / self.table.cost(rows.len(), w).max(f64::MIN_POSITIVE);
+            let rate = tokens / self.cost(rows.len(), w).max(f64::MIN_POSITIVE);
             if rate > best.1 {
                 best = (w, rate);
             }
@@ -181,7 +232,32 @@ mod tests {
             DraftLengthPolicy::new(cheap.clone()).width(&[row(2, 98, 100)]),
             3
         );
+        // `--draft-policy all`: every proposal in full, whatever it costs.
+        assert_eq!(
+            DraftLengthPolicy::all().width(&[row(2, 0, 0), row(5, 0, 9)]),
+            6
+        );
         // Nothing proposed: nothing to verify.
-        assert_eq!(DraftLengthPolicy::new(cheap).width(&[row(0, 98, 100)]), 1);
+        assert_eq!(
+            DraftLengthPolicy::new(cheap.clone()).width(&[row(0, 98, 100)]),
+            1
+        );
+        // Steps taken replace the start-up estimate: wide blocks turned out dear.
+        let mut policy = DraftLengthPolicy::new(cheap);
+        for width in 2..=3 {
+            let seconds = 2.5;
+            policy.observe(&StepCost {
+                rows: 1,
+                width,
+                seconds,
+            });
+        }
+        assert_eq!(policy.width(&[row(2, 98, 100)]), 1);
+        policy.observe(&StepCost {
+            rows: 1,
+            width: 2,
+            seconds: 0.5,
+        });
+        assert!((policy.cost(1, 2) - (2.5 + 0.2 * (0.5 - 2.5))).abs() < 1e-12);
     }
 }

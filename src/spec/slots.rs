@@ -7,8 +7,8 @@ use super::factory::{open_slot_source, SpecOptions};
 use super::metrics::SpecMetrics;
 use super::policy::{DraftLengthPolicy, RowOutlook};
 use super::source::{DraftSource, TargetView};
-use crate::engine::batch::BatchToken;
-use crate::engine::batch_verify::Verified;
+use crate::engine::batch::{BatchToken, DecodingRow};
+use crate::engine::batch_verify::{StepCost, Verified};
 use crate::engine::error::Result;
 use crate::engine::models::{Caches, LanguageModel};
 use std::collections::HashMap;
@@ -89,52 +89,67 @@ impl SlotDrafters {
         }
     }
 
-    /// Each decoding row's proposal (`rows`: sequence id and the tokens it may still produce,
-    /// as `BatchGenerator::decoding_rows` gives them), cut to the block width the policy picks
-    /// for the whole step (returned too); rows without a drafter, room or proposal get none.
+    /// Each decoding row's proposal to follow its last handed-out token (`rows` as
+    /// `BatchGenerator::decoding_rows` gives them; a row whose next token is pending gets one
+    /// token more, the guess of that token), cut to the block width the policy picks for the
+    /// whole step (returned too); rows without a drafter, room or proposal get none.
     pub fn drafts(
         &mut self,
-        rows: &[(usize, usize)],
+        rows: &[DecodingRow],
         model: &mut dyn LanguageModel,
     ) -> Result<(HashMap<usize, Vec<u32>>, usize)> {
         let none = Vec::new();
         let mut drafts = HashMap::with_capacity(rows.len());
         let mut outlook = Vec::with_capacity(rows.len());
-        for &(uid, room) in rows {
-            let Some(slot) = self.slots.get_mut(&uid) else {
+        for row in rows {
+            let pending = usize::from(row.next_pending);
+            let Some(slot) = self.slots.get_mut(&row.uid) else {
                 outlook.push(RowOutlook::plain());
                 continue;
             };
-            let n = slot.limit.min(room.saturating_sub(1));
+            let n = slot.limit.min(row.room.saturating_sub(1 + pending));
             let mut proposed = Vec::new();
             if n > 0 {
                 let started = Instant::now();
-                let draft = slot
-                    .source
-                    .draft(view(&mut *model, &none), &slot.sequence, n)?;
+                let draft =
+                    slot.source
+                        .draft(view(&mut *model, &none), &slot.sequence, n + pending)?;
                 slot.metrics.draft_seconds += started.elapsed().as_secs_f64();
                 proposed = draft.tokens;
-                proposed.truncate(n);
+                proposed.truncate(n + pending);
             }
             outlook.push(RowOutlook {
-                proposed: proposed.len(),
+                proposed: proposed.len().saturating_sub(pending),
                 accepted: slot.metrics.accepted_tokens,
                 drafted: slot.metrics.drafted_tokens,
             });
-            if !proposed.is_empty() {
-                drafts.insert(uid, proposed);
+            if proposed.len() > pending {
+                drafts.insert(row.uid, (proposed, pending));
             }
         }
         let width = self.policy.width(&outlook);
-        drafts.retain(|_, d| {
-            d.truncate(width - 1);
-            !d.is_empty()
-        });
+        let drafts = drafts
+            .into_iter()
+            .filter(|_| width > 1)
+            .map(|(uid, (mut d, pending))| {
+                d.truncate(width - 1 + pending);
+                (uid, d)
+            })
+            .collect();
         Ok((drafts, width))
     }
 
-    /// Counts what the verify step did for each slot and tells each drafter what is final.
-    pub fn record(&mut self, verified: &[Verified], model: &mut dyn LanguageModel) -> Result<()> {
+    /// Counts what the verify steps did for each slot and what they cost, and tells each
+    /// drafter what is final.
+    pub fn record(
+        &mut self,
+        verified: &[Verified],
+        costs: &[StepCost],
+        model: &mut dyn LanguageModel,
+    ) -> Result<()> {
+        for step in costs {
+            self.policy.observe(step);
+        }
         let none = Vec::new();
         for v in verified {
             let Some(slot) = self.slots.get_mut(&v.uid) else {
@@ -146,6 +161,11 @@ impl SlotDrafters {
             slot.source.commit(view(&mut *model, &none), committed)?;
         }
         Ok(())
+    }
+
+    /// The policy, with the step costs it has taken in.
+    pub fn into_policy(self) -> DraftLengthPolicy {
+        self.policy
     }
 
     /// Ends sequence `uid`'s drafting; its counters, when it had a drafter.
