@@ -7,10 +7,10 @@
 
 mod common;
 
-use mlxb::engine::batch::{BatchGenerator, BatchSettings, SequenceRequest};
+use mlxb::engine::batch::{BatchGenerator, BatchSettings, DecodingRow, SequenceRequest};
 use mlxb::engine::forks::Forks;
 use mlxb::engine::generate::{Flow, GenerateConfig, Generator};
-use mlxb::engine::models;
+use mlxb::engine::models::{self, LanguageModel};
 use mlxb::engine::sample::{LogitsProcessors, ProcessorConfig, Sampler, SamplerConfig};
 use std::collections::HashMap;
 
@@ -113,19 +113,26 @@ fn drafted_rows_keep_their_solo_greedy_output() {
     let mut got: Vec<Vec<(u32, mlx_rs::Array)>> = vec![Vec::new(); prompts.len()];
     let (mut proposed, mut accepted, mut uneven) = (0, 0, 0);
     for step in 0.. {
-        let drafts: HashMap<usize, Vec<u32>> = gen
-            .decoding_rows()
-            .into_iter()
-            .map(|r| {
-                // A draft continues the tokens handed out so far (its first token guesses the
-                // row's pending one, if it has one).
-                let row = row_of[&r.uid];
-                let d = draft_for(row, step, got[row].len(), &want_ids[row], vocab);
-                (r.uid, d)
-            })
-            .collect();
+        // A draft continues the tokens handed out so far: a row's pending token first (as read,
+        // or guessed while unread), then the variant of the turn.
+        let mut propose = |rows: &[DecodingRow], _: &mut dyn LanguageModel| {
+            Ok(rows
+                .iter()
+                .map(|r| {
+                    let row = row_of[&r.uid];
+                    let seen = got[row].len();
+                    let d = match r.next {
+                        Some(next) => std::iter::once(next)
+                            .chain(draft_for(row, step, seen + 1, &want_ids[row], vocab))
+                            .collect(),
+                        None => draft_for(row, step, seen, &want_ids[row], vocab),
+                    };
+                    (r.uid, d)
+                })
+                .collect::<HashMap<usize, Vec<u32>>>())
+        };
         let tokens = gen
-            .next_tokens_drafted(loaded.model.as_mut(), &drafts)
+            .next_tokens_drafted(loaded.model.as_mut(), &mut propose)
             .unwrap();
         if tokens.is_empty() {
             break;

@@ -149,9 +149,19 @@ pub struct DecodingRow {
     /// Tokens it may still hand out.
     pub room: usize,
     /// Whether its next token is sampled but not handed out yet: a draft for it then starts
-    /// with a guess of that token, kept only when the guess is right.
+    /// with that token (`next`, when it has been read) or a guess of it (kept only when the
+    /// guess is right).
     pub next_pending: bool,
+    /// The pending token, once read (it comes out in this call's tokens).
+    pub next: Option<u32>,
 }
+
+/// What proposes the drafts of a speculative batch's step: given the decoding rows, the ids
+/// proposed to follow each row's last handed-out token, by sequence id. It may be asked twice
+/// in one step: first with pending tokens unread (a draft then guesses them), and, when some
+/// row offers a draft, again once they are read.
+pub type Proposer<'a> =
+    dyn FnMut(&[DecodingRow], &mut dyn LanguageModel) -> Result<HashMap<usize, Vec<u32>>> + 'a;
 
 /// Rows being prefilled together, with their batched caches (empty when there are no rows).
 #[derive(Default)]
@@ -404,6 +414,7 @@ impl BatchGenerator {
                 uid: r.uid,
                 room: r.max_tokens.saturating_sub(r.produced),
                 next_pending: !r.anchor_out,
+                next: None,
             })
             .collect()
     }
@@ -538,21 +549,20 @@ impl BatchGenerator {
     /// The next tokens (one per decoding sequence), running prefills as needed (mlx-lm's
     /// `next_generated`); empty once nothing is left.
     pub fn next_tokens(&mut self, model: &mut dyn LanguageModel) -> Result<Vec<BatchToken>> {
-        self.next_tokens_drafted(model, &HashMap::new())
+        self.next_tokens_drafted(model, &mut |_, _| Ok(HashMap::new()))
     }
 
     /// [`BatchGenerator::next_tokens`] where, in a speculative batch, the decoding step verifies
-    /// `drafts` (by sequence id: the ids proposed to follow the last token handed out to it,
-    /// whose first is a guess of the pending token when the row has one). A step without any
-    /// usable draft is a plain, pipelined decoding step. A row's tokens come in order, several
-    /// per call when drafts are kept.
+    /// what `propose` drafts (see [`Proposer`]). A step without any usable draft is a plain,
+    /// pipelined decoding step. A row's tokens come in order, several per call when drafts are
+    /// kept.
     pub fn next_tokens_drafted(
         &mut self,
         model: &mut dyn LanguageModel,
-        drafts: &HashMap<usize, Vec<u32>>,
+        propose: &mut Proposer<'_>,
     ) -> Result<Vec<BatchToken>> {
         loop {
-            let (prompt_progress, tokens) = self.advance(model, drafts)?;
+            let (prompt_progress, tokens) = self.advance(model, propose)?;
             if tokens.is_empty() && prompt_progress {
                 continue;
             }
@@ -565,12 +575,12 @@ impl BatchGenerator {
     fn advance(
         &mut self,
         model: &mut dyn LanguageModel,
-        drafts: &HashMap<usize, Vec<u32>>,
+        propose: &mut Proposer<'_>,
     ) -> Result<(bool, Vec<BatchToken>)> {
         let mut tokens = Vec::new();
         if !self.decode.rows.is_empty() {
             tokens = if self.speculative {
-                self.verify_next(model, drafts)?
+                self.verify_next(model, propose)?
             } else {
                 self.decode_next(model)?
             };
@@ -845,17 +855,26 @@ impl BatchGenerator {
     fn verify_next(
         &mut self,
         model: &mut dyn LanguageModel,
-        drafts: &HashMap<usize, Vec<u32>>,
+        propose: &mut Proposer<'_>,
     ) -> Result<Vec<BatchToken>> {
-        let offers = |r: &Decoding| {
+        let mut rows = self.decoding_rows();
+        let mut drafts = propose(&rows, model)?;
+        let offers = |r: &DecodingRow| {
             drafts
                 .get(&r.uid)
-                .is_some_and(|d| d.len() > usize::from(!r.anchor_out))
+                .is_some_and(|d| d.len() > usize::from(r.next_pending))
         };
-        if !self.decode.rows.iter().any(offers) {
+        if !rows.iter().any(offers) {
             return self.decode_next(model);
         }
         let (anchors, anchor_logprobs) = self.decode.queued()?;
+        if rows.iter().any(|r| r.next_pending) {
+            // The pending tokens are read now: draft again from them rather than guesses.
+            for (row, &a) in rows.iter_mut().zip(&anchors) {
+                row.next = row.next_pending.then_some(a);
+            }
+            drafts = propose(&rows, model)?;
+        }
         let mut out = Vec::new();
         let mut rows = std::mem::take(&mut self.decode.rows);
         let mut keep = Vec::with_capacity(rows.len());

@@ -258,9 +258,9 @@ fn serve_batch(
             let Some(d) = drafters.as_mut() else {
                 return gen.next_tokens(model.model.as_mut());
             };
-            let (drafts, width) = d.drafts(&gen.decoding_rows(), model.model.as_mut())?;
-            metrics.block_width(width);
-            let tokens = gen.next_tokens_drafted(model.model.as_mut(), &drafts)?;
+            let tokens =
+                gen.next_tokens_drafted(model.model.as_mut(), &mut |rows, m| d.drafts(rows, m))?;
+            metrics.block_width(d.last_width());
             for token in &tokens {
                 d.take(token);
             }

@@ -245,7 +245,7 @@ mod tests {
         // Steps taken replace the start-up estimate: wide blocks turned out dear.
         let mut policy = DraftLengthPolicy::new(cheap);
         for width in 2..=3 {
-            let seconds = 2.5;
+            let seconds = 4.0;
             policy.observe(&StepCost {
                 rows: 1,
                 width,
@@ -258,6 +258,6 @@ mod tests {
             width: 2,
             seconds: 0.5,
         });
-        assert!((policy.cost(1, 2) - (2.5 + 0.2 * (0.5 - 2.5))).abs() < 1e-12);
+        assert!((policy.cost(1, 2) - (4.0 + 0.2 * (0.5 - 4.0))).abs() < 1e-12);
     }
 }

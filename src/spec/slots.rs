@@ -29,6 +29,8 @@ pub struct SlotDrafters {
     opts: SpecOptions,
     policy: DraftLengthPolicy,
     slots: HashMap<usize, SlotDraft>,
+    /// The block width of the latest proposal.
+    last_width: usize,
 }
 
 /// Slot drafters read nothing of the target's per-sequence state (see
@@ -49,7 +51,13 @@ impl SlotDrafters {
             opts: opts.clone(),
             policy,
             slots: HashMap::new(),
+            last_width: 1,
         })
+    }
+
+    /// The block width the policy chose for the latest proposal (1: no drafts).
+    pub fn last_width(&self) -> usize {
+        self.last_width
     }
 
     /// Starts drafting for sequence `uid` with prompt `prompt`, sampled at `temp`, at most
@@ -89,15 +97,15 @@ impl SlotDrafters {
         }
     }
 
-    /// Each decoding row's proposal to follow its last handed-out token (`rows` as
-    /// `BatchGenerator::decoding_rows` gives them; a row whose next token is pending gets one
-    /// token more, the guess of that token), cut to the block width the policy picks for the
-    /// whole step (returned too); rows without a drafter, room or proposal get none.
+    /// Each decoding row's proposal to follow its last handed-out token (a row whose next token
+    /// is pending gets one token more: that token when it has been read, else a guess of it),
+    /// cut to the block width the policy picks for the whole step; rows without a drafter,
+    /// room or proposal get none. The engine's [`crate::engine::batch::Proposer`].
     pub fn drafts(
         &mut self,
         rows: &[DecodingRow],
         model: &mut dyn LanguageModel,
-    ) -> Result<(HashMap<usize, Vec<u32>>, usize)> {
+    ) -> Result<HashMap<usize, Vec<u32>>> {
         let none = Vec::new();
         let mut drafts = HashMap::with_capacity(rows.len());
         let mut outlook = Vec::with_capacity(rows.len());
@@ -111,11 +119,20 @@ impl SlotDrafters {
             let mut proposed = Vec::new();
             if n > 0 {
                 let started = Instant::now();
-                let draft =
-                    slot.source
-                        .draft(view(&mut *model, &none), &slot.sequence, n + pending)?;
+                if let Some(next) = row.next {
+                    slot.sequence.push(next);
+                    let draft = slot
+                        .source
+                        .draft(view(&mut *model, &none), &slot.sequence, n);
+                    slot.sequence.pop();
+                    proposed = std::iter::once(next).chain(draft?.tokens).collect();
+                } else {
+                    let draft =
+                        slot.source
+                            .draft(view(&mut *model, &none), &slot.sequence, n + pending)?;
+                    proposed = draft.tokens;
+                }
                 slot.metrics.draft_seconds += started.elapsed().as_secs_f64();
-                proposed = draft.tokens;
                 proposed.truncate(n + pending);
             }
             outlook.push(RowOutlook {
@@ -128,6 +145,7 @@ impl SlotDrafters {
             }
         }
         let width = self.policy.width(&outlook);
+        self.last_width = width;
         let drafts = drafts
             .into_iter()
             .filter(|_| width > 1)
@@ -136,7 +154,7 @@ impl SlotDrafters {
                 (uid, d)
             })
             .collect();
-        Ok((drafts, width))
+        Ok(drafts)
     }
 
     /// Counts what the verify steps did for each slot and what they cost, and tells each
