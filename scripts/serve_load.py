@@ -472,6 +472,7 @@ def compare(args):
     levels = [int(c) for c in args.clients_list.split(",")]
     arms = [a.split() for a in args.arms.split(";")] if args.arms else [[]]
     labels = [" ".join(a) or "no drafter" for a in arms]
+    labels = [f"{l} ({i + 1})" if labels.count(l) > 1 else l for i, l in enumerate(labels)]
     result = {"model": args.model, "max_tokens": args.max_tokens, "duration_s": args.duration,
               "multi_turn": args.multi_turn, "server_args": args.server_args,
               "arms": labels, "mlxb": {}, "mlx-lm": []}

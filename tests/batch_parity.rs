@@ -10,9 +10,8 @@ use common::with;
 use mlx_rs::ops::indexing::IndexOp;
 use mlxb::engine::batch::{generate_all, BatchGenerator, BatchSettings, SequenceRequest};
 use mlxb::engine::forks::Forks;
-use mlxb::engine::generate::{Flow, GenerateConfig, Generator};
 use mlxb::engine::models;
-use mlxb::engine::sample::{LogitsProcessors, ProcessorConfig, Sampler, SamplerConfig};
+use mlxb::engine::sample::{Sampler, SamplerConfig};
 use mlxb::engine::text::FinishReason;
 use serde_json::json;
 use std::collections::HashMap;
@@ -264,31 +263,6 @@ fn quantized_kv_caches_are_refused_with_the_reason() {
     );
 }
 
-/// The single-stream loop's greedy tokens and logprobs for `prompt`.
-fn single_stream(
-    loaded: &mut models::LoadedModel,
-    prompt: &[u32],
-    max_tokens: usize,
-    prefill_step_size: usize,
-) -> Vec<(u32, mlx_rs::Array)> {
-    let mut sampler = greedy();
-    let mut processors = LogitsProcessors::new(&ProcessorConfig::default()).unwrap();
-    let plan = loaded.plan.clone();
-    let cfg = GenerateConfig {
-        max_tokens,
-        prefill_step_size,
-    };
-    let mut alone = vec![];
-    Generator::new(loaded.model.as_mut(), &mut sampler, &mut processors)
-        .with_plan(&plan)
-        .run(prompt, &cfg, |s| {
-            alone.push((s.token, s.logprobs.clone()));
-            Ok(Flow::Continue)
-        })
-        .unwrap();
-    alone
-}
-
 /// gemma2 with grouped heads, which mlx-lm's own gemma2 cannot batch (its `[B, 1, L, S]` mask
 /// meets `[B, kv, rep, L, S]` scores; with B equal to the group size it broadcasts, silently,
 /// over the wrong axis): each row of a batch of two must follow its own prompt, as alone (f32:
@@ -315,7 +289,7 @@ fn gemma2_grouped_heads_batch_row_by_row() {
     )
     .unwrap();
     for (i, (prompt, got)) in prompts.iter().zip(&batched).enumerate() {
-        let alone = single_stream(&mut loaded, prompt, 12, 2048);
+        let alone = common::single_stream(&mut loaded, prompt, 12, 2048);
         let ids: Vec<u32> = alone.iter().map(|(t, _)| *t).collect();
         assert_eq!(got.tokens, ids, "row {i}: ids differ from the row alone");
         for (s, ((_, lp), row)) in alone.iter().zip(&got.logprobs).enumerate() {
@@ -355,7 +329,7 @@ fn a_batch_of_one_is_bit_identical_to_the_single_stream_path() {
         )
         .unwrap()
         .remove(0);
-        let alone = single_stream(&mut loaded, &prompt, 20, 2048);
+        let alone = common::single_stream(&mut loaded, &prompt, 20, 2048);
         assert_same(dtype, &batched, &alone);
     }
 }
@@ -424,7 +398,11 @@ fn kept_prefixes_continue_bit_identically() {
         let got = generate_all(&mut loaded, greedy(), vec![], settings, vec![request])
             .unwrap()
             .remove(0);
-        assert_same(what, &got, &single_stream(&mut loaded, &prompt, 10, 16));
+        assert_same(
+            what,
+            &got,
+            &common::single_stream(&mut loaded, &prompt, 10, 16),
+        );
     }
     let together = [first.clone(), common::prompt_ids(30, 384, 8)];
     assert!(

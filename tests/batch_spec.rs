@@ -9,33 +9,12 @@ mod common;
 
 use mlxb::engine::batch::{BatchGenerator, BatchSettings, DecodingRow, SequenceRequest};
 use mlxb::engine::forks::Forks;
-use mlxb::engine::generate::{Flow, GenerateConfig, Generator};
 use mlxb::engine::models::{self, LanguageModel};
-use mlxb::engine::sample::{LogitsProcessors, ProcessorConfig, Sampler, SamplerConfig};
+use mlxb::engine::sample::{Sampler, SamplerConfig};
 use std::collections::HashMap;
 
 fn greedy() -> Sampler {
     Sampler::new(&SamplerConfig::default()).unwrap()
-}
-
-/// One prompt decoded alone: its ids and logprob rows.
-fn alone(loaded: &mut models::LoadedModel, prompt: &[u32], n: usize) -> Vec<(u32, mlx_rs::Array)> {
-    let mut sampler = greedy();
-    let mut processors = LogitsProcessors::new(&ProcessorConfig::default()).unwrap();
-    let plan = loaded.plan.clone();
-    let cfg = GenerateConfig {
-        max_tokens: n,
-        prefill_step_size: 2048,
-    };
-    let mut out = vec![];
-    Generator::new(loaded.model.as_mut(), &mut sampler, &mut processors)
-        .with_plan(&plan)
-        .run(prompt, &cfg, |s| {
-            out.push((s.token, s.logprobs.clone()));
-            Ok(Flow::Continue)
-        })
-        .unwrap();
-    out
 }
 
 /// What row `row` drafts at step `step`, having handed out `produced` of the ids `want`: the
@@ -80,7 +59,7 @@ fn drafted_rows_keep_their_solo_greedy_output() {
     let want: Vec<Vec<(u32, mlx_rs::Array)>> = prompts
         .iter()
         .zip(budgets)
-        .map(|(p, n)| alone(&mut loaded, p, n))
+        .map(|(p, n)| common::single_stream(&mut loaded, p, n, 2048))
         .collect();
     let want_ids: Vec<Vec<u32>> = want
         .iter()

@@ -14,7 +14,7 @@
 //! sampled and, at each decoding step, verifies the blocks its caller drafted per row
 //! (`batch_verify`): a row then gains between 1 and k + 1 tokens per step.
 
-use super::batch_verify::{block, confirmed, rewind_rows, rows_can_rewind, StepCost, Verified};
+use super::batch_verify::{block, confirmed, rewind_rows, rows_can_rewind, Verified};
 use super::cache::{BatchKvCache, BatchRows, KvCache};
 use super::error::{EngineError, Result};
 use super::models::{Caches, LanguageModel};
@@ -236,7 +236,8 @@ pub struct BatchGenerator {
     /// Whether decoding steps verify drafted blocks (tokens handed out as soon as sampled).
     speculative: bool,
     verified: Vec<Verified>,
-    step_costs: Vec<StepCost>,
+    /// Decoding forwards run since [`BatchGenerator::take_decode_forwards`] was last called.
+    decode_forwards: usize,
 }
 
 /// Per-layer batched caches, all rows empty.
@@ -387,7 +388,7 @@ impl BatchGenerator {
             captured: Vec::new(),
             speculative: false,
             verified: Vec::new(),
-            step_costs: Vec::new(),
+            decode_forwards: 0,
         })
     }
 
@@ -451,14 +452,15 @@ impl BatchGenerator {
         Ok(seconds)
     }
 
+    /// Decoding forwards (plain or verify) run since the last call: a call that hands out
+    /// tokens may have run two (a plain step after a verify step hands out nothing itself).
+    pub fn take_decode_forwards(&mut self) -> usize {
+        std::mem::take(&mut self.decode_forwards)
+    }
+
     /// What the verify steps since the last call did, per row and step.
     pub fn take_verified(&mut self) -> Vec<Verified> {
         std::mem::take(&mut self.verified)
-    }
-
-    /// What the verify steps since the last call cost, per step.
-    pub fn take_step_costs(&mut self) -> Vec<StepCost> {
-        std::mem::take(&mut self.step_costs)
     }
 
     /// Keeps the keys and values of every prompt prefilled alone (all but its last token) for
@@ -788,6 +790,7 @@ impl BatchGenerator {
     /// row, the next step follows at once.
     fn decode_next(&mut self, model: &mut dyn LanguageModel) -> Result<Vec<BatchToken>> {
         loop {
+            self.decode_forwards += 1;
             let mut batch = std::mem::take(&mut self.decode);
             let stepped = self.step(model, &mut batch);
             self.decode = batch;
@@ -926,8 +929,8 @@ impl BatchGenerator {
             })
             .collect();
         let rows = blocks.len();
-        let started = std::time::Instant::now();
         let input = Array::from_slice(&ids, &[rows as i32, width as i32]);
+        self.decode_forwards += 1;
         let logits = model.forward(&input, &mut self.decode.caches)?;
         let logprobs = logits.subtract(logits.logsumexp_axis(-1, true)?)?;
         let picks = if self.decode.rows.iter().all(|r| r.sampler.is_none()) {
@@ -946,11 +949,6 @@ impl BatchGenerator {
         let picks = read_ids(&picks)?;
         self.decode.next_tokens = None;
         self.decode.next_logprobs = None;
-        self.step_costs.push(StepCost {
-            rows,
-            width,
-            seconds: started.elapsed().as_secs_f64(),
-        });
         let mut rows_out = std::mem::take(&mut self.decode.rows);
         let mut keep = Vec::with_capacity(rows);
         let mut next_logprobs = Vec::with_capacity(rows);

@@ -25,17 +25,6 @@ pub struct Verified {
     pub accepted: usize,
 }
 
-/// What one verify step cost: its shape and the seconds of its forward and sampling.
-#[derive(Debug, Clone, Copy, PartialEq)]
-pub struct StepCost {
-    /// Rows in the forward.
-    pub rows: usize,
-    /// Tokens per row (the widest block).
-    pub width: usize,
-    /// Seconds from the forward's start to the sampled tokens being read.
-    pub seconds: f64,
-}
-
 /// Whether every layer's batched cache is a full-attention one, the kind whose rows can drop
 /// different numbers of positions (sliding-window and recurrent caches cannot yet).
 pub fn rows_can_rewind(caches: &mut Caches) -> bool {

@@ -215,6 +215,7 @@ fn serve_batch(
     let mut slots: HashMap<usize, Slot<'_>> = HashMap::new();
     let mut next = Some(first);
     let mut deferred = None;
+    let mut step_started: Option<Instant> = None;
     loop {
         // Admission: jobs join while there is room, in queue order; one that must run alone
         // ends admission until the batch has drained.
@@ -254,6 +255,11 @@ fn serve_batch(
         if slots.is_empty() {
             return deferred;
         }
+        // A step's wall time runs to the start of the next one: handing out its tokens counts.
+        if let (Some(d), Some(t)) = (drafters.as_mut(), step_started) {
+            d.step_took(t.elapsed().as_secs_f64(), gen.take_decode_forwards());
+        }
+        step_started = Some(Instant::now());
         let stepped = catch_unwind(AssertUnwindSafe(|| -> Result<Vec<BatchToken>> {
             let Some(d) = drafters.as_mut() else {
                 return gen.next_tokens(model.model.as_mut());
@@ -264,11 +270,7 @@ fn serve_batch(
             for token in &tokens {
                 d.take(token);
             }
-            d.record(
-                &gen.take_verified(),
-                &gen.take_step_costs(),
-                model.model.as_mut(),
-            )?;
+            d.record(&gen.take_verified(), model.model.as_mut())?;
             Ok(tokens)
         }));
         let tokens = match stepped {

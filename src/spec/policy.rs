@@ -5,13 +5,15 @@
 //! per second, `Σ_rows E[tokens] / cost(B, W)`, with a row's expected tokens
 //! `1 + α + α² + … + α^k` (α: that row's acceptance so far, from a neutral prior) and
 //! `cost(B, W)` the time of one forward of that shape measured on this machine at start-up,
-//! replaced by a running average of the steps of that shape actually taken (real contexts are
-//! longer than the start-up probe's, and sampling a wider block costs more too).
+//! replaced by a running average of the wall time of the steps of that shape actually taken
+//! (real contexts are longer than the start-up probe's, and a verify step also gives up the
+//! overlap of a plain step's forward with handing out the previous tokens). A row whose next
+//! token is still unread offers a guess of it first: that guess counts as one more draft to be
+//! kept.
 //! W = 1 is plain batched decoding, so drafting turns itself off wherever batching alone hands
 //! out more tokens per second.
 
 use crate::engine::batch::BatchGenerator;
-use crate::engine::batch_verify::StepCost;
 use crate::engine::error::Result;
 use crate::engine::models::LanguageModel;
 use std::collections::HashMap;
@@ -74,12 +76,25 @@ impl CostTable {
     }
 }
 
+/// What one step cost: its shape and its wall time.
+#[derive(Debug, Clone, Copy, PartialEq)]
+pub struct StepCost {
+    /// Rows in the step.
+    pub rows: usize,
+    /// Its block width.
+    pub width: usize,
+    /// Seconds from one step to the next.
+    pub seconds: f64,
+}
+
 /// One row as the policy sees it: how many tokens its drafter proposed and how often its
 /// drafts have been kept.
 #[derive(Debug, Clone, Copy)]
 pub struct RowOutlook {
-    /// Drafted tokens on offer.
+    /// Drafted tokens on offer (after the guess, if there is one).
     pub proposed: usize,
+    /// Whether they follow a guess of the row's unread next token.
+    pub guessed: bool,
     /// Drafts kept so far.
     pub accepted: usize,
     /// Drafts verified so far.
@@ -91,6 +106,7 @@ impl RowOutlook {
     pub fn plain() -> Self {
         Self {
             proposed: 0,
+            guessed: false,
             accepted: 0,
             drafted: 0,
         }
@@ -102,12 +118,14 @@ impl RowOutlook {
         (self.accepted as f64 + 1.0) / (self.drafted as f64 + 2.0)
     }
 
-    /// Tokens the row hands out from a block with `k` of its drafts.
+    /// Tokens the row hands out from a block with `k` of its drafts (each kept only if every
+    /// draft before it and the guess, if any, were right).
     pub fn expected_tokens(&self, k: usize) -> f64 {
         let a = self.acceptance();
         let k = k.min(self.proposed);
+        let start = if self.guessed { a } else { 1.0 };
         (1..=k)
-            .fold((1.0, 1.0), |(sum, p), _| (sum + p * a, p * a))
+            .fold((1.0, start), |(sum, p), _| (sum + p * a, p * a))
             .0
     }
 }
@@ -194,6 +212,7 @@ mod tests {
     fn row(proposed: usize, accepted: usize, drafted: usize) -> RowOutlook {
         RowOutlook {
             proposed,
+            guessed: false,
             accepted,
             drafted,
         }
@@ -219,6 +238,11 @@ mod tests {
         assert!((r.expected_tokens(2) - (1.0 + a + a * a)).abs() < 1e-12);
         assert_eq!(r.expected_tokens(0), 1.0);
         assert_eq!(row(1, 0, 0).expected_tokens(5), 1.5);
+        let guessed = RowOutlook {
+            guessed: true,
+            ..row(2, 0, 0)
+        };
+        assert_eq!(guessed.expected_tokens(2), 1.0 + 0.25 + 0.125);
     }
 
     #[test]

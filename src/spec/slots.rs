@@ -5,10 +5,10 @@
 
 use super::factory::{open_slot_source, SpecOptions};
 use super::metrics::SpecMetrics;
-use super::policy::{DraftLengthPolicy, RowOutlook};
+use super::policy::{DraftLengthPolicy, RowOutlook, StepCost};
 use super::source::{DraftSource, TargetView};
 use crate::engine::batch::{BatchToken, DecodingRow};
-use crate::engine::batch_verify::{StepCost, Verified};
+use crate::engine::batch_verify::Verified;
 use crate::engine::error::Result;
 use crate::engine::models::{Caches, LanguageModel};
 use std::collections::HashMap;
@@ -29,7 +29,8 @@ pub struct SlotDrafters {
     opts: SpecOptions,
     policy: DraftLengthPolicy,
     slots: HashMap<usize, SlotDraft>,
-    /// The block width of the latest proposal.
+    /// The rows and block width of the latest proposal, until its step's time is taken in.
+    last_step: Option<(usize, usize)>,
     last_width: usize,
 }
 
@@ -51,6 +52,7 @@ impl SlotDrafters {
             opts: opts.clone(),
             policy,
             slots: HashMap::new(),
+            last_step: None,
             last_width: 1,
         })
     }
@@ -137,6 +139,7 @@ impl SlotDrafters {
             }
             outlook.push(RowOutlook {
                 proposed: proposed.len().saturating_sub(pending),
+                guessed: row.next_pending && row.next.is_none(),
                 accepted: slot.metrics.accepted_tokens,
                 drafted: slot.metrics.drafted_tokens,
             });
@@ -146,6 +149,7 @@ impl SlotDrafters {
         }
         let width = self.policy.width(&outlook);
         self.last_width = width;
+        self.last_step = Some((rows.len(), width));
         let drafts = drafts
             .into_iter()
             .filter(|_| width > 1)
@@ -157,17 +161,20 @@ impl SlotDrafters {
         Ok(drafts)
     }
 
-    /// Counts what the verify steps did for each slot and what they cost, and tells each
-    /// drafter what is final.
-    pub fn record(
-        &mut self,
-        verified: &[Verified],
-        costs: &[StepCost],
-        model: &mut dyn LanguageModel,
-    ) -> Result<()> {
-        for step in costs {
-            self.policy.observe(step);
+    /// Takes in the wall time of the step the latest proposal was made for (from its start to
+    /// the next step's, over the `forwards` decoding forwards it ran), for the policy.
+    pub fn step_took(&mut self, seconds: f64, forwards: usize) {
+        if let (Some((rows, width)), true) = (self.last_step.take(), forwards > 0) {
+            self.policy.observe(&StepCost {
+                rows,
+                width,
+                seconds: seconds / forwards as f64,
+            });
         }
+    }
+
+    /// Counts what the verify steps did for each slot and tells each drafter what is final.
+    pub fn record(&mut self, verified: &[Verified], model: &mut dyn LanguageModel) -> Result<()> {
         let none = Vec::new();
         for v in verified {
             let Some(slot) = self.slots.get_mut(&v.uid) else {

@@ -456,3 +456,30 @@ pub fn f32_host_order_expected() -> bool {
     }
     expected
 }
+
+/// The single-stream loop's greedy tokens and logprobs for `prompt`.
+pub fn single_stream(
+    loaded: &mut mlxb::engine::models::LoadedModel,
+    prompt: &[u32],
+    max_tokens: usize,
+    prefill_step_size: usize,
+) -> Vec<(u32, mlx_rs::Array)> {
+    use mlxb::engine::generate::{Flow, GenerateConfig, Generator};
+    use mlxb::engine::sample::{LogitsProcessors, ProcessorConfig, Sampler, SamplerConfig};
+    let mut sampler = Sampler::new(&SamplerConfig::default()).unwrap();
+    let mut processors = LogitsProcessors::new(&ProcessorConfig::default()).unwrap();
+    let plan = loaded.plan.clone();
+    let cfg = GenerateConfig {
+        max_tokens,
+        prefill_step_size,
+    };
+    let mut alone = vec![];
+    Generator::new(loaded.model.as_mut(), &mut sampler, &mut processors)
+        .with_plan(&plan)
+        .run(prompt, &cfg, |s| {
+            alone.push((s.token, s.logprobs.clone()));
+            Ok(Flow::Continue)
+        })
+        .unwrap();
+    alone
+}
