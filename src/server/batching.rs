@@ -266,7 +266,9 @@ fn serve_batch(
             };
             let tokens =
                 gen.next_tokens_drafted(model.model.as_mut(), &mut |rows, m| d.drafts(rows, m))?;
-            metrics.block_width(d.last_width());
+            if let Some(width) = d.step_width() {
+                metrics.block_width(width);
+            }
             for token in &tokens {
                 d.take(token);
             }

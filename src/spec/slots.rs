@@ -31,7 +31,6 @@ pub struct SlotDrafters {
     slots: HashMap<usize, SlotDraft>,
     /// The rows and block width of the latest proposal, until its step's time is taken in.
     last_step: Option<(usize, usize)>,
-    last_width: usize,
 }
 
 /// Slot drafters read nothing of the target's per-sequence state (see
@@ -53,13 +52,13 @@ impl SlotDrafters {
             policy,
             slots: HashMap::new(),
             last_step: None,
-            last_width: 1,
         })
     }
 
-    /// The block width the policy chose for the latest proposal (1: no drafts).
-    pub fn last_width(&self) -> usize {
-        self.last_width
+    /// The block width the policy chose for the step under way (1: no drafts); `None` when
+    /// that step asked for no proposal (no row was decoding).
+    pub fn step_width(&self) -> Option<usize> {
+        self.last_step.map(|(_, width)| width)
     }
 
     /// Starts drafting for sequence `uid` with prompt `prompt`, sampled at `temp`, at most
@@ -148,7 +147,6 @@ impl SlotDrafters {
             }
         }
         let width = self.policy.width(&outlook);
-        self.last_width = width;
         self.last_step = Some((rows.len(), width));
         let drafts = drafts
             .into_iter()
