@@ -533,7 +533,7 @@ impl BatchGenerator {
             .filter(|&i| !uids.contains(&self.decode.rows[i].uid))
             .collect();
         if keep.len() < self.decode.rows.len() {
-            self.filter_decode(&keep)?;
+            self.decode.keep(&keep)?;
         }
         Ok(())
     }
@@ -995,10 +995,6 @@ impl BatchGenerator {
             eval_caches(&self.decode.caches)?;
         }
         Ok(out)
-    }
-
-    fn filter_decode(&mut self, keep: &[usize]) -> Result<()> {
-        self.decode.keep(keep)
     }
 
     fn filter_prompt(&mut self, keep: &[usize]) -> Result<()> {
