@@ -275,3 +275,79 @@ fn sampling_uses_rejection_and_bad_input_exits_2() {
         );
     }
 }
+
+#[test]
+fn batched_measure_checks_against_the_plain_batch_and_refuses_what_it_cannot_compare() {
+    let fx = Fixture::new();
+    // Five prompts: with --n-parallel 2, groups of 2, 2 and 1 (the order of the two batches
+    // alternates per group).
+    let text = format!(
+        "{MIXED}{{\"prompt_ids\": [7, 8, 9, 7, 8, 9, 7, 8]}}\n{{\"prompt\": \"one two one two one two\"}}\n"
+    );
+    let data = fx.prompts("p.jsonl", &text);
+    let run = |extra: &[&str]| {
+        let mut a = fx.args("measure", &data, "24");
+        a.extend(["--draft-kind", "ngram"]);
+        a.extend(extra);
+        common::run_mlxb_json(&a, &[])
+    };
+    let (code, single, err) = run(&["--json"]);
+    assert_eq!(code, 0, "{err}");
+    assert_eq!(single["n_parallel"], 1);
+    for policy in ["all", "cost"] {
+        let (code, v, err) = run(&["--json", "--n-parallel", "2", "--draft-policy", policy]);
+        assert_eq!(code, 0, "{policy}: {err}");
+        assert_eq!(v["n_parallel"], 2);
+        assert_eq!(v["prompts"], 5);
+        assert_eq!(v["lossless_checked"], true);
+        // Every prompt generates what it generates one stream at a time, where the ids are
+        // checked against vanilla decoding.
+        assert_eq!(v["generated_tokens"], single["generated_tokens"], "{v}");
+        assert_eq!(v["generated_tokens"], v["generated_tokens_vanilla"]);
+        let ratio = f(&v["tokens_per_sec_spec"]) / f(&v["tokens_per_sec_vanilla"]);
+        assert!((f(&v["speedup"]) - ratio).abs() < 1e-9 * ratio, "{v}");
+        let (drafted, accepted) = (f(&v["drafted_tokens"]), f(&v["accepted_tokens"]));
+        assert!(accepted <= drafted, "{v}");
+        if policy == "all" {
+            assert!(v["drafts"].as_u64().unwrap() > 0, "{v}");
+            // A step's draft and verify times are parts of the drafting batch's time.
+            let spec_seconds = f(&v["generated_tokens"]) / f(&v["tokens_per_sec_spec"]);
+            let step_ms = f(&v["draft_ms_per_round"]) + f(&v["verify_ms_per_round"]);
+            assert!(
+                step_ms * f(&v["target_forwards"]) / 1e3 <= spec_seconds,
+                "{v}"
+            );
+        }
+    }
+    let (code, out, err) = common::run_mlxb(&{
+        let mut a = fx.args("measure", &data, "8");
+        a.extend(["--draft-kind", "ngram", "--n-parallel", "3"]);
+        a
+    });
+    assert_eq!(code, 0, "{err}");
+    assert!(
+        out.contains("3 sequences at once") && out.contains("plain batched steps"),
+        "{out}"
+    );
+    let trace = fx.tmp.path().join("t.jsonl");
+    for (extra, want) in [
+        (vec!["--n-parallel", "0"], "at least 1"),
+        (vec!["--n-parallel", "2", "--temp", "0.5"], "--temp 0"),
+        (
+            vec!["--n-parallel", "2", "--spec-trace", s(&trace)],
+            "--spec-trace",
+        ),
+        (
+            vec!["--n-parallel", "2", "--repetition-penalty", "1.2"],
+            "penalty",
+        ),
+    ] {
+        let (code, _, err) = run(&extra);
+        common::assert_refused(&format!("{extra:?}"), code, &err, &[want]);
+    }
+    let mut a = fx.args("measure", &data, "8");
+    a.extend(["--drafter", s(&fx.drafter), "--n-parallel", "2"]);
+    let (code, _, err) = common::run_mlxb(&a);
+    common::assert_refused("dspark", code, &err, &["n-gram", "--n-parallel 1"]);
+    assert!(!trace.exists());
+}

@@ -6,12 +6,15 @@ use super::common::resolve_model;
 use super::common::{ModelArgs, PromptFileArgs, SamplingArgs, SpecArgs};
 use super::flags::{open_session, ForkArgs};
 use crate::engine::error::EngineError;
+use crate::engine::sample::LogitsProcessors;
 use crate::spec::dspark::checkpoint;
 use crate::spec::executor::Speculation;
-use crate::spec::factory::{concrete_kind, open_source, DraftKind, SpecOptions};
+use crate::spec::factory::{concrete_kind, drafts_per_slot, open_source, DraftKind, SpecOptions};
+use crate::spec::policy::DraftPolicy;
 use crate::spec::source::VerifyMode;
 use crate::spec::trace::{JsonlTrace, TraceSink};
-use crate::train::measure::measure;
+use crate::train::measure::{measure, MeasureReport};
+use crate::train::measure_batch::BatchedMeasure;
 use crate::train::prompts::PromptFile;
 use clap::Args;
 use std::path::PathBuf;
@@ -39,6 +42,15 @@ pub struct MeasureArgs {
     /// with each round's prompt index).
     #[arg(long, value_name = "FILE")]
     pub spec_trace: Option<PathBuf>,
+    /// Decode N prompts at once in the batched engine, every sequence drafting for itself (as
+    /// `serve --max-batch N` does), against the same batches without drafts: aggregate speeds,
+    /// greedy ids checked equal to the plain batch's. 1 measures one stream at a time.
+    #[arg(long = "n-parallel", value_name = "N", default_value_t = 1)]
+    pub n_parallel: usize,
+    /// With `--n-parallel` above 1: how each batched step sizes its verify blocks (as
+    /// `serve --draft-policy`).
+    #[arg(long, value_enum, default_value_t = DraftPolicy::Cost)]
+    pub draft_policy: DraftPolicy,
 }
 
 /// The drafter options: a drafter is required; `--temp > 0` verifies by rejection sampling
@@ -77,12 +89,60 @@ fn dspark_temperatures(opts: &SpecOptions) -> anyhow::Result<Option<Vec<f64>>> {
         .then(|| config.sts_temperatures.unwrap_or_default()))
 }
 
+/// Why `--n-parallel N` cannot measure these settings, if it cannot (checked before any model
+/// loads).
+fn batch_refusal(args: &MeasureArgs, opts: &SpecOptions) -> anyhow::Result<Option<String>> {
+    if args.n_parallel == 0 {
+        return Ok(Some("--n-parallel must be at least 1".into()));
+    }
+    if args.n_parallel == 1 {
+        return Ok(None);
+    }
+    let params = args.sampling.text_params(&args.model);
+    Ok(if !drafts_per_slot(opts) {
+        Some("measure --n-parallel drafts per sequence in a batch, which only the n-gram drafter does (--draft-kind ngram); measure this drafter one stream at a time (--n-parallel 1)".into())
+    } else if params.sampler.temp != 0.0 {
+        Some("measure --n-parallel compares greedy batches (--temp 0): sampled rows of a batch share one random stream, so the two batches could not be compared".into())
+    } else if !LogitsProcessors::new(&params.processors)?.is_empty() {
+        Some("measure --n-parallel decodes without logits processors (no repetition, presence or frequency penalty, logit bias)".into())
+    } else if args.spec_trace.is_some() {
+        Some(
+            "--spec-trace records one stream's rounds; leave it out with --n-parallel above 1"
+                .into(),
+        )
+    } else {
+        None
+    })
+}
+
 /// Entry point of `mlxb measure`.
 pub fn run(args: MeasureArgs) -> anyhow::Result<()> {
     // Every input is checked before the models load.
     let prompts = PromptFile::read(&args.data)?;
     let opts = spec_options(&args)?;
-    let temps = dspark_temperatures(&opts)?;
+    if let Some(why) = batch_refusal(&args, &opts)? {
+        return Err(EngineError::Input(why).into());
+    }
+    let report = if args.n_parallel > 1 {
+        measure_batched(&args, &prompts, &opts)?
+    } else {
+        measure_streams(&args, &prompts, &opts)?
+    };
+    if args.json {
+        println!("{}", serde_json::to_string(&report)?);
+    } else {
+        println!("{}", report.summary());
+    }
+    Ok(())
+}
+
+/// One stream at a time (see [`measure`]).
+fn measure_streams(
+    args: &MeasureArgs,
+    prompts: &PromptFile,
+    opts: &SpecOptions,
+) -> anyhow::Result<MeasureReport> {
+    let temps = dspark_temperatures(opts)?;
     let mut trace = args
         .spec_trace
         .as_deref()
@@ -93,8 +153,8 @@ pub fn run(args: MeasureArgs) -> anyhow::Result<()> {
     let ids = prompts
         .token_ids(&session, args.prompt_file.use_chat_template())
         .map_err(|e| args.prompt_file.explain(e))?;
-    let mut source = open_source(&opts, &session, forks, args.model.prefill_step_size)?;
-    let mut drafting = Speculation::with_options(Box::new(source.as_mut()), &opts);
+    let mut source = open_source(opts, &session, forks, args.model.prefill_step_size)?;
+    let mut drafting = Speculation::with_options(Box::new(source.as_mut()), opts);
     let params = args.sampling.text_params(&args.model);
     let bar = super::progress::bar("measuring", ids.len() as u64, "prompts");
     let report = measure(
@@ -118,11 +178,33 @@ pub fn run(args: MeasureArgs) -> anyhow::Result<()> {
     if let Some(t) = trace.as_mut() {
         t.flush()?;
     }
-    let report = report?;
-    if args.json {
-        println!("{}", serde_json::to_string(&report)?);
-    } else {
-        println!("{}", report.summary());
-    }
-    Ok(())
+    Ok(report?)
+}
+
+/// `--n-parallel N` prompts at once (see [`BatchedMeasure`]).
+fn measure_batched(
+    args: &MeasureArgs,
+    prompts: &PromptFile,
+    opts: &SpecOptions,
+) -> anyhow::Result<MeasureReport> {
+    let dir = resolve_model(args.model.model.as_deref())?;
+    let (mut session, _) = open_session(&dir, &args.forks)?;
+    let ids = prompts
+        .token_ids(&session, args.prompt_file.use_chat_template())
+        .map_err(|e| args.prompt_file.explain(e))?;
+    let measure = BatchedMeasure {
+        opts,
+        policy: args.draft_policy,
+        n_parallel: args.n_parallel,
+        max_tokens: args.sampling.text_params(&args.model).generate.max_tokens,
+        prefill_step_size: args.model.prefill_step_size,
+        stop_tokens: session.tokenizer.eos_token_ids().iter().copied().collect(),
+    };
+    let bar = super::progress::bar("measuring", ids.len() as u64, "prompts");
+    let report = measure.run(&mut session.model, &ids, |done| {
+        bar.set_position(done as u64);
+        Ok(())
+    });
+    bar.finish_and_clear();
+    Ok(report?)
 }

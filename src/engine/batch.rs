@@ -236,7 +236,7 @@ pub struct BatchGenerator {
     /// Whether decoding steps verify drafted blocks (tokens handed out as soon as sampled).
     speculative: bool,
     verified: Vec<Verified>,
-    /// Decoding forwards run since [`BatchGenerator::take_decode_forwards`] was last called.
+    /// Decoding forwards (plain or verify) run so far.
     decode_forwards: usize,
 }
 
@@ -452,10 +452,10 @@ impl BatchGenerator {
         Ok(seconds)
     }
 
-    /// Decoding forwards (plain or verify) run since the last call: a call that hands out
-    /// tokens may have run two (a plain step after a verify step hands out nothing itself).
-    pub fn take_decode_forwards(&mut self) -> usize {
-        std::mem::take(&mut self.decode_forwards)
+    /// Decoding forwards (plain or verify) run so far: a call that hands out tokens may have
+    /// run two (a plain step after a verify step hands out nothing itself).
+    pub fn decode_forwards(&self) -> usize {
+        self.decode_forwards
     }
 
     /// What the verify steps since the last call did, per row and step.

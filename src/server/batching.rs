@@ -23,7 +23,7 @@ use crate::engine::text::FinishReason;
 use crate::engine::tokenizer::{StreamingDetokenizer, Tokenizer};
 use crate::spec::factory::SpecOptions;
 use crate::spec::metrics::SpecMetrics;
-use crate::spec::policy::{CostTable, DraftLengthPolicy, DraftPolicy};
+use crate::spec::policy::{DraftLengthPolicy, DraftPolicy};
 use crate::spec::slots::SlotDrafters;
 use std::collections::HashMap;
 use std::panic::{catch_unwind, AssertUnwindSafe};
@@ -118,14 +118,9 @@ impl SlotDrafting {
         opts: &SpecOptions,
         policy: DraftPolicy,
     ) -> Result<Self> {
-        if policy == DraftPolicy::All {
-            return Ok(Self {
-                opts: opts.clone(),
-                policy: DraftLengthPolicy::all(),
-            });
-        }
         let gen = new_generator_for(&session.model, &session.tokenizer, batching)?;
-        let table = CostTable::measure(
+        let policy = DraftLengthPolicy::for_batch(
+            policy,
             &gen,
             session.model.model.as_mut(),
             batching.max_batch,
@@ -133,7 +128,7 @@ impl SlotDrafting {
         )?;
         Ok(Self {
             opts: opts.clone(),
-            policy: DraftLengthPolicy::new(table),
+            policy,
         })
     }
 }
@@ -215,7 +210,6 @@ fn serve_batch(
     let mut slots: HashMap<usize, Slot<'_>> = HashMap::new();
     let mut next = Some(first);
     let mut deferred = None;
-    let mut step_started: Option<Instant> = None;
     loop {
         // Admission: jobs join while there is room, in queue order; one that must run alone
         // ends admission until the batch has drained.
@@ -255,24 +249,14 @@ fn serve_batch(
         if slots.is_empty() {
             return deferred;
         }
-        // A step's wall time runs to the start of the next one: handing out its tokens counts.
-        if let (Some(d), Some(t)) = (drafters.as_mut(), step_started) {
-            d.step_took(t.elapsed().as_secs_f64(), gen.take_decode_forwards());
-        }
-        step_started = Some(Instant::now());
         let stepped = catch_unwind(AssertUnwindSafe(|| -> Result<Vec<BatchToken>> {
             let Some(d) = drafters.as_mut() else {
                 return gen.next_tokens(model.model.as_mut());
             };
-            let tokens =
-                gen.next_tokens_drafted(model.model.as_mut(), &mut |rows, m| d.drafts(rows, m))?;
+            let tokens = d.step(&mut gen, model.model.as_mut())?;
             if let Some(width) = d.step_width() {
                 metrics.block_width(width);
             }
-            for token in &tokens {
-                d.take(token);
-            }
-            d.record(&gen.take_verified(), model.model.as_mut())?;
             Ok(tokens)
         }));
         let tokens = match stepped {

@@ -161,6 +161,22 @@ impl DraftLengthPolicy {
         }
     }
 
+    /// The policy of kind `kind` for batches of `gen`'s shape on `model`: for
+    /// [`DraftPolicy::Cost`], forwards of up to `max_rows` rows × `max_width` tokens are timed
+    /// first.
+    pub fn for_batch(
+        kind: DraftPolicy,
+        gen: &BatchGenerator,
+        model: &mut dyn LanguageModel,
+        max_rows: usize,
+        max_width: usize,
+    ) -> Result<Self> {
+        Ok(match kind {
+            DraftPolicy::All => Self::all(),
+            DraftPolicy::Cost => Self::new(CostTable::measure(gen, model, max_rows, max_width)?),
+        })
+    }
+
     /// The policy that verifies every proposal in full.
     pub fn all() -> Self {
         Self {

@@ -7,7 +7,7 @@ use super::factory::{open_slot_source, SpecOptions};
 use super::metrics::SpecMetrics;
 use super::policy::{DraftLengthPolicy, RowOutlook, StepCost};
 use super::source::{DraftSource, TargetView};
-use crate::engine::batch::{BatchToken, DecodingRow};
+use crate::engine::batch::{BatchGenerator, BatchToken, DecodingRow};
 use crate::engine::batch_verify::Verified;
 use crate::engine::error::Result;
 use crate::engine::models::{Caches, LanguageModel};
@@ -31,6 +31,9 @@ pub struct SlotDrafters {
     slots: HashMap<usize, SlotDraft>,
     /// The rows and block width of the latest proposal, until its step's time is taken in.
     last_step: Option<(usize, usize)>,
+    /// When the step under way (see [`SlotDrafters::step`]) started, and the generator's
+    /// decoding forwards then.
+    step_started: Option<(Instant, usize)>,
 }
 
 /// Slot drafters read nothing of the target's per-sequence state (see
@@ -52,6 +55,7 @@ impl SlotDrafters {
             policy,
             slots: HashMap::new(),
             last_step: None,
+            step_started: None,
         })
     }
 
@@ -92,7 +96,7 @@ impl SlotDrafters {
     }
 
     /// Takes a token the batch handed out to its sequence.
-    pub fn take(&mut self, token: &BatchToken) {
+    fn take(&mut self, token: &BatchToken) {
         if let Some(slot) = self.slots.get_mut(&token.uid) {
             slot.sequence.push(token.token);
         }
@@ -159,9 +163,32 @@ impl SlotDrafters {
         Ok(drafts)
     }
 
+    /// One step of `gen` (a speculative batch) with every slot drafting for itself: the wall
+    /// time of the previous step (to this one's start: handing out its tokens counts) goes to
+    /// the policy, each slot takes the tokens handed out to it, and each drafter learns what
+    /// the verify forwards kept.
+    pub fn step(
+        &mut self,
+        gen: &mut BatchGenerator,
+        model: &mut dyn LanguageModel,
+    ) -> Result<Vec<BatchToken>> {
+        let forwards = gen.decode_forwards();
+        if let Some((t, before)) = self.step_started {
+            // A generator replaced since (a failed batch) starts counting again: no forwards.
+            self.step_took(t.elapsed().as_secs_f64(), forwards.saturating_sub(before));
+        }
+        self.step_started = Some((Instant::now(), forwards));
+        let tokens = gen.next_tokens_drafted(model, &mut |rows, m| self.drafts(rows, m))?;
+        for token in &tokens {
+            self.take(token);
+        }
+        self.record(&gen.take_verified(), model)?;
+        Ok(tokens)
+    }
+
     /// Takes in the wall time of the step the latest proposal was made for (from its start to
     /// the next step's, over the `forwards` decoding forwards it ran), for the policy.
-    pub fn step_took(&mut self, seconds: f64, forwards: usize) {
+    fn step_took(&mut self, seconds: f64, forwards: usize) {
         if let (Some((rows, width)), true) = (self.last_step.take(), forwards > 0) {
             self.policy.observe(&StepCost {
                 rows,
@@ -172,7 +199,7 @@ impl SlotDrafters {
     }
 
     /// Counts what the verify steps did for each slot and tells each drafter what is final.
-    pub fn record(&mut self, verified: &[Verified], model: &mut dyn LanguageModel) -> Result<()> {
+    fn record(&mut self, verified: &[Verified], model: &mut dyn LanguageModel) -> Result<()> {
         let none = Vec::new();
         for v in verified {
             let Some(slot) = self.slots.get_mut(&v.uid) else {

@@ -87,6 +87,10 @@ pub struct MeasureReport {
     pub drafter: String,
     /// Prompts measured.
     pub prompts: usize,
+    /// Sequences decoded at once (1: one stream at a time, where a round is one drafter
+    /// proposal and its verify forward; more: a batch, where a round is one batched decoding
+    /// forward for all its rows and speeds are aggregate).
+    pub n_parallel: usize,
     /// Sampling temperature (0 = greedy).
     pub temp: f64,
     /// Verification rule (`match` or `reject`).
@@ -140,7 +144,7 @@ pub struct MeasureReport {
 }
 
 /// The first generated position where two id lists differ (a length difference counts).
-fn first_difference(a: &[u32], b: &[u32]) -> Option<usize> {
+pub(super) fn first_difference(a: &[u32], b: &[u32]) -> Option<usize> {
     a.iter()
         .zip(b)
         .position(|(x, y)| x != y)
@@ -208,42 +212,65 @@ pub fn measure(
             .as_ref()
             .map(|c| c.iter().map(f).collect::<Vec<_>>())
     };
-    Ok(MeasureReport {
-        drafter: total.drafter.clone(),
-        prompts: prompts.len(),
-        temp: params.sampler.temp,
-        verify: match drafting.verify {
-            VerifyMode::Match => "match",
-            VerifyMode::Reject => "reject",
-        }
-        .into(),
-        lossless_checked: greedy,
-        generated_tokens: spec.tokens,
-        generated_tokens_vanilla: vanilla.tokens,
-        drafts: total.drafts,
-        drafted_tokens: total.drafted_tokens,
-        accepted_tokens: total.accepted_tokens,
-        acceptance_rate: total.acceptance_rate(),
-        mean_acceptance_length: total.mean_acceptance_length(),
-        per_position_acceptance: total.per_position_rate(),
-        target_forwards: total.target_forwards,
-        replays: total.replays,
-        tokens_per_sec_vanilla: vanilla.tps(),
-        tokens_per_sec_spec: spec.tps(),
-        speedup: spec.tps() / vanilla.tps().max(1e-12),
-        draft_ms_per_round: total.ms_per_round(total.draft_seconds),
-        verify_ms_per_round: total.ms_per_round(total.verify_seconds),
-        rollback_ms_per_round: total.ms_per_round(total.rollback_seconds),
-        vanilla_step_ms: 1e3 / vanilla.tps().max(1e-12),
-        ece: column(|p| p.ece_after),
-        ece_before: column(|p| p.ece_before),
-        auroc: column_opt(|p| p.auroc_after),
-        auroc_before: column_opt(|p| p.auroc_before),
-        calibration,
-    })
+    let verify = match drafting.verify {
+        VerifyMode::Match => "match",
+        VerifyMode::Reject => "reject",
+    };
+    let mut report = MeasureReport::new(&total, prompts.len(), params.sampler.temp, verify);
+    report.lossless_checked = greedy;
+    report.generated_tokens = spec.tokens;
+    report.generated_tokens_vanilla = vanilla.tokens;
+    report.tokens_per_sec_vanilla = vanilla.tps();
+    report.tokens_per_sec_spec = spec.tps();
+    report.speedup = spec.tps() / vanilla.tps().max(1e-12);
+    report.draft_ms_per_round = total.ms_per_round(total.draft_seconds);
+    report.verify_ms_per_round = total.ms_per_round(total.verify_seconds);
+    report.rollback_ms_per_round = total.ms_per_round(total.rollback_seconds);
+    report.vanilla_step_ms = 1e3 / vanilla.tps().max(1e-12);
+    report.ece = column(|p| p.ece_after);
+    report.ece_before = column(|p| p.ece_before);
+    report.auroc = column_opt(|p| p.auroc_after);
+    report.auroc_before = column_opt(|p| p.auroc_before);
+    report.calibration = calibration;
+    Ok(report)
 }
 
 impl MeasureReport {
+    /// A report with the acceptance counters of `totals` over `prompts` prompts, one stream at
+    /// a time, and every speed, time and calibration field still empty.
+    pub fn new(totals: &SpecMetrics, prompts: usize, temp: f64, verify: &str) -> Self {
+        Self {
+            drafter: totals.drafter.clone(),
+            prompts,
+            n_parallel: 1,
+            temp,
+            verify: verify.into(),
+            lossless_checked: false,
+            generated_tokens: 0,
+            generated_tokens_vanilla: 0,
+            drafts: totals.drafts,
+            drafted_tokens: totals.drafted_tokens,
+            accepted_tokens: totals.accepted_tokens,
+            acceptance_rate: totals.acceptance_rate(),
+            mean_acceptance_length: totals.mean_acceptance_length(),
+            per_position_acceptance: totals.per_position_rate(),
+            target_forwards: totals.target_forwards,
+            replays: totals.replays,
+            tokens_per_sec_vanilla: 0.0,
+            tokens_per_sec_spec: 0.0,
+            speedup: 0.0,
+            draft_ms_per_round: 0.0,
+            verify_ms_per_round: 0.0,
+            rollback_ms_per_round: 0.0,
+            vanilla_step_ms: 0.0,
+            ece: None,
+            ece_before: None,
+            auroc: None,
+            auroc_before: None,
+            calibration: None,
+        }
+    }
+
     /// The human-readable summary `mlxb measure` prints without `--json`.
     pub fn summary(&self) -> String {
         let per: Vec<String> = self
@@ -251,23 +278,29 @@ impl MeasureReport {
             .iter()
             .map(|r| format!("{r:.3}"))
             .collect();
+        let batched = self.n_parallel > 1;
+        let (rows, equal) = match batched {
+            true => (
+                format!(", {} sequences at once", self.n_parallel),
+                ", ids equal the plain batch",
+            ),
+            false => (String::new(), ", ids equal vanilla"),
+        };
+        let round =
+            (self.draft_ms_per_round + self.verify_ms_per_round + self.rollback_ms_per_round)
+                / self.vanilla_step_ms.max(1e-9);
         let mut out = format!(
-            "drafter {} on {} prompts (temp {}, verify {}{})\n\
+            "drafter {} on {} prompts (temp {}, verify {}{}{})\n\
              generated: {} tokens speculative, {} vanilla\n\
              drafts {}, drafted {}, accepted {}, target forwards {}\n\
              acceptance rate {:.3}, mean acceptance length {:.3}\n\
-             per-position acceptance: [{}]\n\
-             decode: vanilla {:.2} tok/s, speculative {:.2} tok/s, speedup {:.3}x\n\
-             round: draft {:.2} ms + verify {:.2} ms + rollback {:.2} ms = {:.2} vanilla steps of {:.2} ms",
+             per-position acceptance: [{}]\n",
             self.drafter,
             self.prompts,
             self.temp,
             self.verify,
-            if self.lossless_checked {
-                ", ids equal vanilla"
-            } else {
-                ""
-            },
+            rows,
+            if self.lossless_checked { equal } else { "" },
             self.generated_tokens,
             self.generated_tokens_vanilla,
             self.drafts,
@@ -277,16 +310,33 @@ impl MeasureReport {
             self.acceptance_rate,
             self.mean_acceptance_length,
             per.join(", "),
-            self.tokens_per_sec_vanilla,
-            self.tokens_per_sec_spec,
-            self.speedup,
-            self.draft_ms_per_round,
-            self.verify_ms_per_round,
-            self.rollback_ms_per_round,
-            (self.draft_ms_per_round + self.verify_ms_per_round + self.rollback_ms_per_round)
-                / self.vanilla_step_ms.max(1e-9),
-            self.vanilla_step_ms,
         );
+        if batched {
+            out.push_str(&format!(
+                "decode (aggregate): plain batch {:.2} tok/s, drafting batch {:.2} tok/s, speedup {:.3}x\n\
+                 step: draft {:.2} ms + verify {:.2} ms = {:.2} plain batched steps of {:.2} ms",
+                self.tokens_per_sec_vanilla,
+                self.tokens_per_sec_spec,
+                self.speedup,
+                self.draft_ms_per_round,
+                self.verify_ms_per_round,
+                round,
+                self.vanilla_step_ms,
+            ));
+        } else {
+            out.push_str(&format!(
+                "decode: vanilla {:.2} tok/s, speculative {:.2} tok/s, speedup {:.3}x\n\
+                 round: draft {:.2} ms + verify {:.2} ms + rollback {:.2} ms = {:.2} vanilla steps of {:.2} ms",
+                self.tokens_per_sec_vanilla,
+                self.tokens_per_sec_spec,
+                self.speedup,
+                self.draft_ms_per_round,
+                self.verify_ms_per_round,
+                self.rollback_ms_per_round,
+                round,
+                self.vanilla_step_ms,
+            ));
+        }
         if let Some(c) = &self.calibration {
             out.push_str("\n\nconfidence calibration (survival product vs prefix accepted):\n");
             out.push_str(&stats_table(c, None));

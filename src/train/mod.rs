@@ -8,7 +8,8 @@
 //! seeded stream), `forward` (trainable parameters and the differentiable drafter forward), `loss`
 //! (DeepSpec's loss), `optim` (training options, learning-rate schedule, AdamW with clipping),
 //! `state` (resumable training state), `trainer` (the training step and run), `calibrate` (STS
-//! and per-position thresholds), `measure` (vanilla vs speculative over a prompt file).
+//! and per-position thresholds), `measure` (vanilla vs speculative over a prompt file, one stream at a time),
+//! `measure_batch` (the same in the batched engine, every sequence drafting for itself).
 
 pub mod calibrate;
 pub mod data;
@@ -18,6 +19,7 @@ pub mod forward;
 pub mod init;
 pub mod loss;
 pub mod measure;
+pub mod measure_batch;
 pub mod optim;
 pub mod prompts;
 pub mod sequences;
