@@ -238,6 +238,8 @@ pub struct BatchGenerator {
     verified: Vec<Verified>,
     /// Decoding forwards (plain or verify) run so far.
     decode_forwards: usize,
+    /// Rounds that did prompt work (a prefill chunk, or sequences starting to decode) so far.
+    prompt_rounds: usize,
 }
 
 /// Per-layer batched caches, all rows empty.
@@ -389,6 +391,7 @@ impl BatchGenerator {
             speculative: false,
             verified: Vec::new(),
             decode_forwards: 0,
+            prompt_rounds: 0,
         })
     }
 
@@ -456,6 +459,11 @@ impl BatchGenerator {
     /// run two (a plain step after a verify step hands out nothing itself).
     pub fn decode_forwards(&self) -> usize {
         self.decode_forwards
+    }
+
+    /// Rounds that did prompt work so far (a step's wall time then includes a prefill).
+    pub fn prompt_rounds(&self) -> usize {
+        self.prompt_rounds
     }
 
     /// What the verify steps since the last call did, per row and step.
@@ -637,6 +645,7 @@ impl BatchGenerator {
             progress = true;
             self.prefill(model, &chunks)?;
         }
+        self.prompt_rounds += usize::from(progress);
         Ok((progress, tokens))
     }
 

@@ -3,15 +3,16 @@
 //! block, so the step picks one width W for the batch: each row then offers
 //! `min(its proposal, W - 1)` drafts, and W maximises the expected tokens the step hands out
 //! per second, `Σ_rows E[tokens] / cost(B, W)`, with a row's expected tokens
-//! `1 + α + α² + … + α^k` (α: that row's acceptance so far, from a neutral prior) and
-//! `cost(B, W)` the time of one forward of that shape measured on this machine at start-up,
-//! replaced by a running average of the wall time of the steps of that shape actually taken
-//! (real contexts are longer than the start-up probe's, and a verify step also gives up the
-//! overlap of a plain step's forward with handing out the previous tokens). A row whose next
-//! token is still unread offers a guess of it first: that guess counts as one more draft to be
-//! kept.
+//! `1 + α + α² + … + α^k` (α: that row's acceptance so far, starting from the acceptance
+//! pooled over every row before it) and `cost(B, W)` the time of one forward of that shape
+//! measured on this machine at start-up, replaced by a running average of the wall time of the
+//! steps of that shape actually taken (real contexts are longer than the start-up probe's, and
+//! a verify step also gives up the overlap of a plain step's forward with handing out the
+//! previous tokens; steps that also prefilled are left out). A row whose next token is still
+//! unread offers a guess of it first: that guess counts as one more draft to be kept.
 //! W = 1 is plain batched decoding, so drafting turns itself off wherever batching alone hands
-//! out more tokens per second.
+//! out more tokens per second; one step in [`EXPLORE_EVERY`] with drafts on offer still
+//! verifies two-token blocks, so the acceptance keeps being measured.
 
 use crate::engine::batch::BatchGenerator;
 use crate::engine::error::Result;
@@ -112,16 +113,16 @@ impl RowOutlook {
         }
     }
 
-    /// The chance a draft is kept: kept / verified with one kept and one rejected draft
-    /// assumed beforehand, so a new row starts at 1/2.
-    pub fn acceptance(&self) -> f64 {
-        (self.accepted as f64 + 1.0) / (self.drafted as f64 + 2.0)
+    /// The chance a draft is kept: kept / verified with two drafts kept at rate `prior`
+    /// assumed beforehand, so a new row starts at `prior`.
+    pub fn acceptance(&self, prior: f64) -> f64 {
+        (self.accepted as f64 + 2.0 * prior) / (self.drafted as f64 + 2.0)
     }
 
     /// Tokens the row hands out from a block with `k` of its drafts (each kept only if every
-    /// draft before it and the guess, if any, were right).
-    pub fn expected_tokens(&self, k: usize) -> f64 {
-        let a = self.acceptance();
+    /// draft before it and the guess, if any, were right), its acceptance starting at `prior`.
+    pub fn expected_tokens(&self, k: usize, prior: f64) -> f64 {
+        let a = self.acceptance(prior);
         let k = k.min(self.proposed);
         let start = if self.guessed { a } else { 1.0 };
         (1..=k)
@@ -150,7 +151,20 @@ pub struct DraftLengthPolicy {
     table: Option<CostTable>,
     /// Running average of the seconds of steps taken, by rows and width.
     seen: HashMap<(usize, usize), f64>,
+    /// Drafts kept and drafts verified over every row so far: a new row's acceptance starts
+    /// from what the drafter achieves on this workload rather than from 1/2.
+    pooled: (usize, usize),
+    /// Steps with drafts on offer that were decoded plainly since the last verify step.
+    plain_since_verify: usize,
+    /// An exploring width was given and its step may ask again (once its pending tokens are
+    /// read): the answer stays 2.
+    exploring: bool,
 }
+
+/// With drafts on offer, one step in this many verifies two-token blocks even where the
+/// estimates say plain decoding is faster, so acceptance keeps being measured: estimates from a
+/// few unlucky early drafts would otherwise turn drafting off for good.
+const EXPLORE_EVERY: usize = 16;
 
 impl DraftLengthPolicy {
     /// A policy over `table`.
@@ -158,6 +172,9 @@ impl DraftLengthPolicy {
         Self {
             table: Some(table),
             seen: HashMap::new(),
+            pooled: (0, 0),
+            plain_since_verify: 0,
+            exploring: false,
         }
     }
 
@@ -182,6 +199,9 @@ impl DraftLengthPolicy {
         Self {
             table: None,
             seen: HashMap::new(),
+            pooled: (0, 0),
+            plain_since_verify: 0,
+            exploring: false,
         }
     }
 
@@ -191,6 +211,18 @@ impl DraftLengthPolicy {
             .entry((step.rows, step.width))
             .and_modify(|s| *s += NEWEST_STEP_WEIGHT * (step.seconds - *s))
             .or_insert(step.seconds);
+    }
+
+    /// Takes in one row's verify result: `accepted` of its `proposed` drafts kept.
+    pub fn observe_acceptance(&mut self, proposed: usize, accepted: usize) {
+        self.pooled.0 += accepted;
+        self.pooled.1 += proposed;
+    }
+
+    /// A new row's acceptance: the pooled rate of every row so far, from 1/2 with one kept and
+    /// one rejected draft assumed.
+    pub fn prior(&self) -> f64 {
+        (self.pooled.0 as f64 + 1.0) / (self.pooled.1 as f64 + 2.0)
     }
 
     /// Seconds a step of `rows` × `width` is expected to take.
@@ -203,21 +235,37 @@ impl DraftLengthPolicy {
     }
 
     /// The block width (1 = no drafts) that hands out the most expected tokens per second
-    /// for these rows.
-    pub fn width(&self, rows: &[RowOutlook]) -> usize {
+    /// for these rows (2 every [`EXPLORE_EVERY`]-th step with drafts on offer that would
+    /// otherwise be plain).
+    pub fn width(&mut self, rows: &[RowOutlook]) -> usize {
         let widest = rows.iter().map(|r| r.proposed + 1).max().unwrap_or(1);
         let Some(table) = &self.table else {
             return widest;
         };
+        let prior = self.prior();
         let mut best = (1, 0.0);
         for w in 1..=widest.min(table.max_width()) {
-            let tokens: f64 = rows.iter().map(|r| r.expected_tokens(w - 1)).sum();
+            let tokens: f64 = rows.iter().map(|r| r.expected_tokens(w - 1, prior)).sum();
             let rate = tokens / self.cost(rows.len(), w).max(f64::MIN_POSITIVE);
             if rate > best.1 {
                 best = (w, rate);
             }
         }
-        best.0
+        if best.0 > 1 || widest == 1 {
+            self.plain_since_verify = 0;
+            self.exploring = false;
+            return best.0;
+        }
+        if std::mem::take(&mut self.exploring) {
+            return 2;
+        }
+        self.plain_since_verify += 1;
+        if self.plain_since_verify >= EXPLORE_EVERY {
+            self.plain_since_verify = 0;
+            self.exploring = true;
+            return 2;
+        }
+        1
     }
 }
 
@@ -249,16 +297,43 @@ mod tests {
 
     #[test]
     fn expected_tokens_are_a_geometric_sum_of_the_acceptance() {
-        let r = row(3, 3, 4); // acceptance 4/6
+        let r = row(3, 3, 4); // acceptance (3 + 2 × 1/2) / (4 + 2)
         let a = 4.0 / 6.0;
-        assert!((r.expected_tokens(2) - (1.0 + a + a * a)).abs() < 1e-12);
-        assert_eq!(r.expected_tokens(0), 1.0);
-        assert_eq!(row(1, 0, 0).expected_tokens(5), 1.5);
+        assert!((r.expected_tokens(2, 0.5) - (1.0 + a + a * a)).abs() < 1e-12);
+        assert_eq!(r.expected_tokens(0, 0.5), 1.0);
+        assert_eq!(row(1, 0, 0).expected_tokens(5, 0.5), 1.5);
+        assert_eq!(row(1, 0, 0).expected_tokens(5, 0.25), 1.25);
         let guessed = RowOutlook {
             guessed: true,
             ..row(2, 0, 0)
         };
-        assert_eq!(guessed.expected_tokens(2), 1.0 + 0.25 + 0.125);
+        assert_eq!(guessed.expected_tokens(2, 0.5), 1.0 + 0.25 + 0.125);
+    }
+
+    #[test]
+    fn new_rows_start_from_the_acceptance_pooled_over_every_row() {
+        // A block of 2 costs 1.4x a plain step: a new row pays at the neutral prior of 1/2...
+        let table = CostTable::from_times(vec![1], vec![vec![1.0, 1.4]]);
+        let mut policy = DraftLengthPolicy::new(table);
+        assert_eq!(policy.prior(), 0.5);
+        assert_eq!(policy.width(&[row(1, 0, 0)]), 2);
+        // ...but not once earlier rows had a fifth of their drafts kept...
+        for _ in 0..10 {
+            policy.observe_acceptance(5, 1);
+        }
+        assert!((policy.prior() - 11.0 / 52.0).abs() < 1e-12);
+        let widths: Vec<usize> = (0..2 * EXPLORE_EVERY + 1)
+            .map(|_| policy.width(&[row(1, 0, 0)]))
+            .collect();
+        // ...except one step in EXPLORE_EVERY, which keeps measuring the acceptance (and a
+        // step that asks again once its pending tokens are read gets the same answer).
+        let mut want = vec![1; 2 * EXPLORE_EVERY + 1];
+        want[EXPLORE_EVERY - 1] = 2;
+        want[EXPLORE_EVERY] = 2;
+        want[2 * EXPLORE_EVERY] = 2;
+        assert_eq!(widths, want);
+        // A row's own record still outweighs the pool once it has one.
+        assert_eq!(policy.width(&[row(1, 18, 20)]), 2);
     }
 
     #[test]
@@ -277,11 +352,9 @@ mod tests {
             DraftLengthPolicy::all().width(&[row(2, 0, 0), row(5, 0, 9)]),
             6
         );
-        // Nothing proposed: nothing to verify.
-        assert_eq!(
-            DraftLengthPolicy::new(cheap.clone()).width(&[row(0, 98, 100)]),
-            1
-        );
+        // Nothing proposed: nothing to verify, and nothing to explore.
+        let mut idle = DraftLengthPolicy::new(cheap.clone());
+        assert!((0..2 * EXPLORE_EVERY).all(|_| idle.width(&[row(0, 98, 100)]) == 1));
         // Steps taken replace the start-up estimate: wide blocks turned out dear.
         let mut policy = DraftLengthPolicy::new(cheap);
         for width in 2..=3 {

@@ -32,8 +32,8 @@ pub struct SlotDrafters {
     /// The rows and block width of the latest proposal, until its step's time is taken in.
     last_step: Option<(usize, usize)>,
     /// When the step under way (see [`SlotDrafters::step`]) started, and the generator's
-    /// decoding forwards then.
-    step_started: Option<(Instant, usize)>,
+    /// decoding forwards and prompt rounds then.
+    step_started: Option<(Instant, (usize, usize))>,
 }
 
 /// Slot drafters read nothing of the target's per-sequence state (see
@@ -172,12 +172,18 @@ impl SlotDrafters {
         gen: &mut BatchGenerator,
         model: &mut dyn LanguageModel,
     ) -> Result<Vec<BatchToken>> {
-        let forwards = gen.decode_forwards();
+        let now = (gen.decode_forwards(), gen.prompt_rounds());
         if let Some((t, before)) = self.step_started {
             // A generator replaced since (a failed batch) starts counting again: no forwards.
-            self.step_took(t.elapsed().as_secs_f64(), forwards.saturating_sub(before));
+            let forwards = now.0.saturating_sub(before.0);
+            // A step that also prefilled says nothing of what decoding costs.
+            if now.1 == before.1 {
+                self.step_took(t.elapsed().as_secs_f64(), forwards);
+            } else {
+                self.last_step = None;
+            }
         }
-        self.step_started = Some((Instant::now(), forwards));
+        self.step_started = Some((Instant::now(), now));
         let tokens = gen.next_tokens_drafted(model, &mut |rows, m| self.drafts(rows, m))?;
         for token in &tokens {
             self.take(token);
@@ -206,6 +212,7 @@ impl SlotDrafters {
                 continue;
             };
             slot.metrics.record(v.proposed, v.accepted);
+            self.policy.observe_acceptance(v.proposed, v.accepted);
             // The target's cache holds every handed-out token but the newest (the next anchor).
             let committed = slot.sequence.len().saturating_sub(1);
             slot.source.commit(view(&mut *model, &none), committed)?;

@@ -131,6 +131,10 @@ pub struct MeasureReport {
     pub rollback_ms_per_round: f64,
     /// Milliseconds of one vanilla decode step (vanilla generation time / tokens).
     pub vanilla_step_ms: f64,
+    /// Batched runs: decoding steps by the block width the policy chose (index W - 1; width
+    /// 1 is a plain step), as `mlxb:spec_decode_block_width_total` counts them in `serve`.
+    #[serde(skip_serializing_if = "Option::is_none")]
+    pub block_widths: Option<Vec<usize>>,
     /// DSpark: ECE per position of the survival product with the checkpoint's temperatures.
     pub ece: Option<Vec<f64>>,
     /// DSpark: the same without temperatures (raw sigmoid confidences).
@@ -263,6 +267,7 @@ impl MeasureReport {
             verify_ms_per_round: 0.0,
             rollback_ms_per_round: 0.0,
             vanilla_step_ms: 0.0,
+            block_widths: None,
             ece: None,
             ece_before: None,
             auroc: None,

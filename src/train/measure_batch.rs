@@ -46,6 +46,8 @@ struct GroupRun {
     forwards: usize,
     /// The drafting run's per-sequence counters, summed.
     spec: SpecMetrics,
+    /// The drafting run's steps by block width (index W - 1).
+    widths: Vec<usize>,
 }
 
 impl BatchedMeasure<'_> {
@@ -106,7 +108,13 @@ impl BatchedMeasure<'_> {
         let mut started: Option<(Instant, usize)> = None;
         loop {
             let tokens: Vec<BatchToken> = match drafters.as_mut() {
-                Some((d, _)) => d.step(&mut gen, model.model.as_mut())?,
+                Some((d, _)) => {
+                    let tokens = d.step(&mut gen, model.model.as_mut())?;
+                    if let Some(w) = d.step_width() {
+                        count_width(&mut run.widths, w);
+                    }
+                    tokens
+                }
                 None => gen.next_tokens(model.model.as_mut())?,
             };
             if tokens.is_empty() {
@@ -184,6 +192,12 @@ impl BatchedMeasure<'_> {
                 total.time += run.time;
                 total.forwards += run.forwards;
                 total.spec.add(&run.spec);
+                if total.widths.len() < run.widths.len() {
+                    total.widths.resize(run.widths.len(), 0);
+                }
+                for (t, n) in total.widths.iter_mut().zip(&run.widths) {
+                    *t += n;
+                }
                 total.ids.extend(run.ids);
             }
             done += group.len();
@@ -191,6 +205,14 @@ impl BatchedMeasure<'_> {
         }
         Ok(report(self, prompts.len(), &vanilla, &spec))
     }
+}
+
+/// Counts one step of block width `width` in `widths` (index W - 1).
+fn count_width(widths: &mut Vec<usize>, width: usize) {
+    if widths.len() < width {
+        widths.resize(width, 0);
+    }
+    widths[width - 1] += 1;
 }
 
 /// The report of a batched measurement: acceptance from the sequences' own counters; a round
@@ -216,6 +238,7 @@ fn report(
     r.speedup = r.tokens_per_sec_spec / r.tokens_per_sec_vanilla.max(1e-12);
     r.draft_ms_per_round = totals.ms_per_round(draft);
     r.verify_ms_per_round = totals.ms_per_round(verify);
+    r.block_widths = Some(spec.widths.clone());
     r.vanilla_step_ms = vanilla.time.as_secs_f64() * 1e3 / vanilla.forwards.max(1) as f64;
     r
 }
