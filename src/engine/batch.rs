@@ -888,9 +888,29 @@ impl BatchGenerator {
             drafts = propose(&rows, model)?;
         }
         let mut out = Vec::new();
+        let blocks = self.hand_out_anchors(&drafts, &anchors, &anchor_logprobs, &mut out)?;
+        if blocks.is_empty() {
+            return Ok(out);
+        }
+        let (picks, logprobs, width) = self.verify_blocks(model, &blocks)?;
+        self.accept_blocks(&blocks, &picks, &logprobs, width, &mut out)?;
+        Ok(out)
+    }
+
+    /// Hands out the queued tokens (`anchors`) no plain step has handed out yet, keeps the rows
+    /// still decoding, and returns each kept row's verify block: its anchor, then its drafts
+    /// (a draft that starts with a guess of an unread anchor keeps the rest only when the guess
+    /// was right).
+    fn hand_out_anchors(
+        &mut self,
+        drafts: &HashMap<usize, Vec<u32>>,
+        anchors: &[u32],
+        anchor_logprobs: &Array,
+        out: &mut Vec<BatchToken>,
+    ) -> Result<Vec<Vec<u32>>> {
         let mut rows = std::mem::take(&mut self.decode.rows);
         let mut keep = Vec::with_capacity(rows.len());
-        let mut own: Vec<&[u32]> = Vec::with_capacity(rows.len());
+        let mut blocks = Vec::with_capacity(rows.len());
         for (i, row) in rows.iter_mut().enumerate() {
             let mut d = drafts.get(&row.uid).map_or(&[][..], Vec::as_slice);
             if !row.anchor_out {
@@ -905,29 +925,28 @@ impl BatchGenerator {
                 if finish.is_some() {
                     continue;
                 }
-                // The draft's first token guessed this anchor: the rest follows it if right.
                 d = match d.split_first() {
                     Some((&guess, rest)) if guess == anchors[i] => rest,
                     _ => &[],
                 };
             }
             keep.push(i);
-            own.push(d);
+            blocks.push(block(anchors[i], d, row.max_tokens - row.produced));
         }
         self.decode.rows = rows;
         if keep.len() < self.decode.rows.len() {
             self.decode.keep(&keep)?;
         }
-        if self.decode.rows.is_empty() {
-            return Ok(out);
-        }
-        let anchors: Vec<u32> = keep.iter().map(|&i| anchors[i]).collect();
-        let blocks: Vec<Vec<u32>> = anchors
-            .iter()
-            .zip(&self.decode.rows)
-            .zip(&own)
-            .map(|((&a, r), d)| block(a, d, r.max_tokens - r.produced))
-            .collect();
+        Ok(blocks)
+    }
+
+    /// One forward of every decoding row's block, right-padded to the widest: each position's
+    /// sampled token (row-major, `width` per row), the logprobs `[rows, width, V]` and the width.
+    fn verify_blocks(
+        &mut self,
+        model: &mut dyn LanguageModel,
+        blocks: &[Vec<u32>],
+    ) -> Result<(Vec<u32>, Array, usize)> {
         let width = blocks.iter().map(Vec::len).max().unwrap_or(1);
         let ids: Vec<i32> = blocks
             .iter()
@@ -955,7 +974,21 @@ impl BatchGenerator {
             ops::concatenate(&parts, 0)?
         };
         eval([&picks, &logprobs])?;
-        let picks = read_ids(&picks)?;
+        Ok((read_ids(&picks)?, logprobs, width))
+    }
+
+    /// Each row keeps its drafts up to its first disagreement with its own sampled tokens and
+    /// hands out one token more; the token after its last kept one is queued as its next
+    /// anchor, and the positions it rejected are dropped from its caches.
+    fn accept_blocks(
+        &mut self,
+        blocks: &[Vec<u32>],
+        picks: &[u32],
+        logprobs: &Array,
+        width: usize,
+        out: &mut Vec<BatchToken>,
+    ) -> Result<()> {
+        let rows = blocks.len();
         self.decode.next_tokens = None;
         self.decode.next_logprobs = None;
         let mut rows_out = std::mem::take(&mut self.decode.rows);
@@ -963,7 +996,7 @@ impl BatchGenerator {
         let mut next_logprobs = Vec::with_capacity(rows);
         let mut next = Vec::with_capacity(rows);
         let mut drop = Vec::with_capacity(rows);
-        for (i, (row, block)) in rows_out.iter_mut().zip(&blocks).enumerate() {
+        for (i, (row, block)) in rows_out.iter_mut().zip(blocks).enumerate() {
             let picked = &picks[i * width..i * width + block.len()];
             let accepted = confirmed(&block[1..], picked);
             self.verified.push(Verified {
@@ -1003,7 +1036,7 @@ impl BatchGenerator {
             rewind_rows(&mut self.decode.caches, &drop)?;
             eval_caches(&self.decode.caches)?;
         }
-        Ok(out)
+        Ok(())
     }
 
     fn filter_prompt(&mut self, keep: &[usize]) -> Result<()> {
