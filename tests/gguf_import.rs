@@ -179,6 +179,27 @@ fn smollm2_f32_import_is_l1_identical_to_mlx_lm() {
     parity(dir, "What is the capital of France?", "12", true);
 }
 
+/// The committed regenerated sequences name the target by the sha256 of its `config.json`, and
+/// `train-dspark` refuses a file whose header names another target: an importer change that
+/// rewrites the default model's `config.json` would make them unusable on every new machine.
+#[test]
+fn committed_sequences_name_the_default_import() {
+    let config = smollm2().join("config.json");
+    let have = registry::sha256_file(&config).unwrap();
+    let root = Path::new(env!("CARGO_MANIFEST_DIR")).join("assets/sequences");
+    for name in [
+        "smollm2-135m-instruct.jsonl",
+        "smollm2-135m-instruct.b8.jsonl",
+    ] {
+        let text = std::fs::read_to_string(root.join(name)).unwrap();
+        let header: Value = serde_json::from_str(text.lines().next().unwrap()).unwrap();
+        assert_eq!(
+            header["target_config_sha256"], have,
+            "{name} was regenerated from a config.json other than today's import writes"
+        );
+    }
+}
+
 #[test]
 fn smollm2_keep_quant_import_is_l1_identical_to_mlx_lm() {
     let dir = keep_quant("smollm2-135m-instruct");
