@@ -3,13 +3,15 @@
 //! different widths in one step, so rows drop different numbers of positions), every row's
 //! greedy ids equal that prompt's ids decoded alone, and its logprobs stay within 1e-4 of them
 //! (f32; a batch's rows are computed in other shapes than a single stream's, so their bits may
-//! differ, as they do for batched decoding without drafts).
+//! differ, as they do for batched decoding without drafts). The tapped target outputs each row
+//! hands its drafter (DSpark's input) are those of its own positions.
 
 mod common;
 
+use mlx_rs::ops::indexing::IndexOp;
 use mlxb::engine::batch::{BatchGenerator, BatchSettings, DecodingRow, SequenceRequest};
 use mlxb::engine::forks::Forks;
-use mlxb::engine::models::{self, LanguageModel};
+use mlxb::engine::models::{self, ForwardOpts, LanguageModel};
 use mlxb::engine::sample::{Sampler, SamplerConfig};
 use std::collections::HashMap;
 
@@ -66,12 +68,14 @@ fn drafted_rows_keep_their_solo_greedy_output() {
         .map(|w| w.iter().map(|(t, _)| *t).collect())
         .collect();
 
-    // Two prompts prefilled at a time: rows join the decoding batch at different steps.
+    // Two prompts prefilled at a time: rows join the decoding batch at different steps; long
+    // prompts are prefilled in several chunks.
     let settings = BatchSettings {
         prefill_batch_size: 2,
         completion_batch_size: 8,
-        prefill_step_size: 2048,
+        prefill_step_size: 8,
     };
+    let taps = vec![1usize, 3];
     let mut gen = BatchGenerator::new(
         loaded.model.as_ref(),
         &loaded.plan,
@@ -81,7 +85,8 @@ fn drafted_rows_keep_their_solo_greedy_output() {
     )
     .unwrap()
     .speculative(loaded.model.as_ref())
-    .unwrap();
+    .unwrap()
+    .tapping(taps.clone());
     let requests = prompts
         .iter()
         .zip(budgets)
@@ -91,10 +96,27 @@ fn drafted_rows_keep_their_solo_greedy_output() {
     let row_of: HashMap<usize, usize> = uids.iter().enumerate().map(|(i, &u)| (u, i)).collect();
     let mut got: Vec<Vec<(u32, mlx_rs::Array)>> = vec![Vec::new(); prompts.len()];
     let (mut proposed, mut accepted, mut uneven) = (0, 0, 0);
+    // Per row, per position: the latest tapped outputs handed to a proposal (a rejected draft's
+    // position is handed out again with the token that replaces it).
+    let mut tapped: Vec<HashMap<usize, Vec<mlx_rs::Array>>> = vec![HashMap::new(); prompts.len()];
+    // Per row: positions before this are final and their latest taps were handed out (every
+    // handed-out token but the newest has been forwarded before the proposal sees it).
+    let mut settled = vec![0usize; prompts.len()];
     for step in 0.. {
         // A draft continues the tokens handed out so far: a row's pending token first (as read,
         // or guessed while unread), then the variant of the turn.
         let mut propose = |rows: &[DecodingRow], _: &mut dyn LanguageModel| {
+            for r in rows {
+                let row = row_of[&r.uid];
+                settled[row] = settled[row].max(prompts[row].len() + got[row].len() - 1);
+                for t in &r.tapped {
+                    for j in 0..t.layers[0].shape()[1] {
+                        let at: Vec<mlx_rs::Array> =
+                            t.layers.iter().map(|l| l.index((0, j, ..))).collect();
+                        tapped[row_of[&r.uid]].insert(t.first_position + j as usize, at);
+                    }
+                }
+            }
             Ok(rows
                 .iter()
                 .map(|r| {
@@ -136,6 +158,16 @@ fn drafted_rows_keep_their_solo_greedy_output() {
         uneven > 3,
         "rows kept the same number of drafts in all but {uneven} steps"
     );
+    for (i, got) in got.iter().enumerate() {
+        check_taps(
+            &mut loaded,
+            &taps,
+            &prompts[i],
+            got,
+            (&tapped[i], settled[i]),
+            i,
+        );
+    }
     for (i, (got, want)) in got.iter().zip(&want).enumerate() {
         let ids: Vec<u32> = got.iter().map(|(t, _)| *t).collect();
         assert_eq!(
@@ -146,6 +178,52 @@ fn drafted_rows_keep_their_solo_greedy_output() {
             let diff = a.subtract(b).unwrap().abs().unwrap().max(None).unwrap();
             let diff = diff.item_exact::<f32>();
             assert!(diff < 1e-4, "row {i} step {s}: logprobs differ by {diff}");
+        }
+    }
+}
+
+/// Row `row`'s tapped outputs as handed to its proposals (`seen`, by position) against one
+/// single-stream forward of its prompt and generated tokens: every position before `settled`
+/// within 1e-4, none missing (the positions of a row's last steps have no proposal left to go
+/// to, and may still hold a rejected draft's outputs).
+fn check_taps(
+    loaded: &mut models::LoadedModel,
+    taps: &[usize],
+    prompt: &[u32],
+    got: &[(u32, mlx_rs::Array)],
+    (seen, settled): (&HashMap<usize, Vec<mlx_rs::Array>>, usize),
+    row: usize,
+) {
+    let ids: Vec<i32> = prompt
+        .iter()
+        .chain(got.iter().map(|(t, _)| t))
+        .map(|&t| t as i32)
+        .collect();
+    let mut caches = loaded.model.make_caches();
+    let opts = ForwardOpts {
+        exit_after: None,
+        taps: taps.to_vec(),
+    };
+    let input = mlx_rs::Array::from_slice(&ids, &[1, ids.len() as i32]);
+    let out = loaded
+        .model
+        .forward_ext(&input, &mut caches, &opts)
+        .unwrap();
+    if got.len() > 2 {
+        assert!(
+            settled > prompt.len(),
+            "row {row}: taps only up to {settled}"
+        );
+    }
+    for p in 0..settled {
+        let at = seen
+            .get(&p)
+            .unwrap_or_else(|| panic!("row {row}: no tapped outputs for position {p}"));
+        for (l, (a, solo)) in at.iter().zip(&out.taps).enumerate() {
+            let b = solo.index((0, p as i32, ..));
+            let diff = a.subtract(&b).unwrap().abs().unwrap().max(None).unwrap();
+            let diff = diff.item_exact::<f32>();
+            assert!(diff < 1e-4, "row {row} position {p} tap {l}: off by {diff}");
         }
     }
 }

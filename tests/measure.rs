@@ -345,9 +345,21 @@ fn batched_measure_checks_against_the_plain_batch_and_refuses_what_it_cannot_com
         let (code, _, err) = run(&extra);
         common::assert_refused(&format!("{extra:?}"), code, &err, &[want]);
     }
+    // DSpark drafts per sequence from each row's tapped target outputs: every block verified
+    // (unpruned), the ids still those of the plain batch.
+    let mut a = fx.args("measure", &data, "16");
+    a.extend(["--drafter", s(&fx.drafter), "--dspark-min-conf", "0"]);
+    a.extend(["--n-parallel", "2", "--draft-policy", "all", "--json"]);
+    let (code, v, err) = common::run_mlxb_json(&a, &[]);
+    assert_eq!(code, 0, "{err}");
+    assert_eq!(v["lossless_checked"], true, "{v}");
+    assert_eq!(v["drafter"], "dspark", "{v}");
+    assert!(v["drafts"].as_u64().unwrap() > 0, "{v}");
+    assert_eq!(v["generated_tokens"], v["generated_tokens_vanilla"]);
+    // A drafter that reads the target's caches of one sequence cannot draft per row.
     let mut a = fx.args("measure", &data, "8");
-    a.extend(["--drafter", s(&fx.drafter), "--n-parallel", "2"]);
+    a.extend(["--draft-layers", "1", "--n-parallel", "2"]);
     let (code, _, err) = common::run_mlxb(&a);
-    common::assert_refused("dspark", code, &err, &["n-gram", "--n-parallel 1"]);
+    common::assert_refused("self", code, &err, &["n-gram", "--n-parallel 1"]);
     assert!(!trace.exists());
 }

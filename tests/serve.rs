@@ -876,40 +876,59 @@ fn answers_alone(s: &Server, prompts: &[String], max_tokens: usize) -> Vec<Strin
         .collect()
 }
 
-/// Drafting per slot (`--draft-kind ngram --max-batch 6`): six concurrent greedy requests,
-/// each drafting for itself and verified together, answer exactly as the same prompts asked
-/// one at a time of a server without a drafter; per-request draft counters add up to the
+/// Drafting per slot (`--max-batch 6` with the n-gram drafter, then with a DSpark drafter,
+/// which reads each row's tapped target outputs): six concurrent greedy requests, each
+/// drafting for itself and verified together, answer exactly as the same prompts asked one
+/// at a time of a server without a drafter; per-request draft counters add up to the
 /// server's, and the draft-length policy's choices are counted by block width. Both
 /// policies: `all` (every proposal verified, so drafts surely meet the batch) and the
 /// default `cost`.
 #[test]
-fn batched_ngram_drafting_answers_as_alone() {
+fn batched_drafting_answers_as_alone() {
     let prompts: Vec<String> = (0..6)
         .map(|i| format!("Round {i}: one two three one two three one two three. {PROMPT}"))
         .collect();
     let plain = Server::start(&["--max-batch", "1"]);
     let expected = answers_alone(&plain, &prompts, 40);
     drop(plain);
-    for policy in ["all", "cost"] {
-        let rounds = concurrent_drafted_answers(policy, &prompts, &expected);
-        assert!(rounds > 0 || policy == "cost", "no request drafted");
+    // A random DSpark drafter for the tiny target, every block unpruned.
+    let tmp = tempfile::tempdir().unwrap();
+    let dspark = tmp.path().join("dspark");
+    let dspark = dspark.to_str().unwrap();
+    let model = model().to_str().unwrap();
+    let (code, _, err) = common::run_mlxb(&common::dspark_init_args(
+        model,
+        dspark,
+        &["--tap-layers", "0"],
+    ));
+    assert_eq!(code, 0, "{err}");
+    let drafters: [&[&str]; 2] = [
+        &["--draft-kind", "ngram", "--num-draft-tokens", "3"],
+        &["--drafter", dspark, "--dspark-min-conf", "0"],
+    ];
+    for flags in drafters {
+        for policy in ["all", "cost"] {
+            let rounds = concurrent_drafted_answers(flags, policy, &prompts, &expected);
+            assert!(
+                rounds > 0 || policy == "cost",
+                "{flags:?}: no request drafted"
+            );
+        }
     }
 }
 
-/// Sends `prompts` at once to an n-gram drafting batched server (`--draft-policy policy`),
-/// checks every answer against `expected` and the counters; returns the verify rounds that
-/// carried a draft.
-fn concurrent_drafted_answers(policy: &str, prompts: &[String], expected: &[String]) -> u64 {
-    let s = Server::start(&[
-        "--draft-kind",
-        "ngram",
-        "--num-draft-tokens",
-        "3",
-        "--max-batch",
-        "6",
-        "--draft-policy",
-        policy,
-    ]);
+/// Sends `prompts` at once to a batched server drafting with `drafter`
+/// (`--draft-policy policy`), checks every answer against `expected` and the counters;
+/// returns the verify rounds that carried a draft.
+fn concurrent_drafted_answers(
+    drafter: &[&str],
+    policy: &str,
+    prompts: &[String],
+    expected: &[String],
+) -> u64 {
+    let mut flags = drafter.to_vec();
+    flags.extend(["--max-batch", "6", "--draft-policy", policy]);
+    let s = Server::start(&flags);
     let url = s.url("/v1/completions");
     let handles: Vec<_> = prompts
         .iter()
@@ -934,7 +953,7 @@ fn concurrent_drafted_answers(policy: &str, prompts: &[String], expected: &[Stri
         assert_eq!(
             v["choices"][0]["text"].as_str().unwrap(),
             want,
-            "client {i}"
+            "{drafter:?} {policy}: client {i}"
         );
         rounds += v["timings"]["draft_rounds"].as_u64().unwrap_or(0);
     }

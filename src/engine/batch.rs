@@ -17,7 +17,7 @@
 use super::batch_verify::{block, confirmed, rewind_rows, rows_can_rewind, Verified};
 use super::cache::{BatchKvCache, BatchRows, KvCache};
 use super::error::{EngineError, Result};
-use super::models::{Caches, LanguageModel};
+use super::models::{Caches, ForwardOpts, LanguageModel};
 use super::plan::ForkPlan;
 use super::sample::Sampler;
 use super::text::FinishReason;
@@ -128,6 +128,10 @@ struct Prefill {
     /// Whether every prefill forward it took part in held it alone (then its keys and values
     /// are bit-identical to a single-stream prefill's).
     alone: bool,
+    /// Positions in its cache (its reused prefix, then the prefilled chunks).
+    cached: usize,
+    /// Tapped outputs of its prefill forwards (see [`BatchGenerator::tapping`]).
+    tapped: Vec<TappedRows>,
 }
 
 /// A sequence in the decoding batch.
@@ -139,10 +143,24 @@ struct Decoding {
     /// Whether its queued token was already handed out (by a verify step, which hands out
     /// every token it samples); a plain step then feeds it without handing it out again.
     anchor_out: bool,
+    /// Positions in its cache: the queued token goes in at this position.
+    cached: usize,
+    /// Tapped outputs of its forwards not yet given to a proposer.
+    tapped: Vec<TappedRows>,
+}
+
+/// The target's outputs at the tapped layers for consecutive positions of one sequence: what a
+/// drafter conditioned on the target's hidden states (DSpark) reads.
+#[derive(Debug, Clone)]
+pub struct TappedRows {
+    /// Position of the first row in the sequence.
+    pub first_position: usize,
+    /// Per tapped layer, in the order asked for: `[1, L, D]`.
+    pub layers: Vec<Array>,
 }
 
 /// A decoding sequence as a drafter sees it (see [`BatchGenerator::decoding_rows`]).
-#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+#[derive(Debug, Clone)]
 pub struct DecodingRow {
     /// The sequence.
     pub uid: usize,
@@ -154,6 +172,10 @@ pub struct DecodingRow {
     pub next_pending: bool,
     /// The pending token, once read (it comes out in this call's tokens).
     pub next: Option<u32>,
+    /// The tapped outputs of its positions forwarded since the previous proposal (prompt
+    /// included; rejected verify positions too, which a later round's tokens replace); empty
+    /// unless the generator taps layers.
+    pub tapped: Vec<TappedRows>,
 }
 
 /// What proposes the drafts of a speculative batch's step: given the decoding rows, the ids
@@ -240,6 +262,43 @@ pub struct BatchGenerator {
     decode_forwards: usize,
     /// Rounds that did prompt work (a prefill chunk, or sequences starting to decode) so far.
     prompt_rounds: usize,
+    /// Layers whose outputs every forward hands to the rows it ran (see
+    /// [`BatchGenerator::tapping`]).
+    taps: Vec<usize>,
+}
+
+/// One forward of `input` `[B, W]` on `caches`; with `taps`, also each row's outputs at those
+/// layers for its first `lens[i]` positions, which start at position `starts[i]`.
+fn forward_tapped(
+    model: &mut dyn LanguageModel,
+    input: &Array,
+    caches: &mut Caches,
+    taps: &[usize],
+    rows: &[(usize, usize)],
+) -> Result<(Array, Vec<Option<TappedRows>>)> {
+    if taps.is_empty() {
+        return Ok((model.forward(input, caches)?, vec![None; rows.len()]));
+    }
+    let opts = ForwardOpts {
+        exit_after: None,
+        taps: taps.to_vec(),
+    };
+    let out = model.forward_ext(input, caches, &opts)?;
+    let tapped = rows
+        .iter()
+        .enumerate()
+        .map(|(i, &(start, len))| {
+            (len > 0).then(|| TappedRows {
+                first_position: start,
+                layers: out
+                    .taps
+                    .iter()
+                    .map(|t| t.index((i as i32..i as i32 + 1, ..len as i32, ..)))
+                    .collect(),
+            })
+        })
+        .collect();
+    Ok((out.logits, tapped))
 }
 
 /// Per-layer batched caches, all rows empty.
@@ -392,7 +451,16 @@ impl BatchGenerator {
             verified: Vec::new(),
             decode_forwards: 0,
             prompt_rounds: 0,
+            taps: Vec::new(),
         })
+    }
+
+    /// Hands the outputs of target layers `layers` for every position a forward runs to that
+    /// sequence's next proposal ([`DecodingRow::tapped`]): for drafters that read the target's
+    /// hidden states. The logits are those of the untapped forward.
+    pub fn tapping(mut self, layers: Vec<usize>) -> Self {
+        self.taps = layers;
+        self
     }
 
     /// Makes every decoding step a verify step for the blocks given to
@@ -419,8 +487,19 @@ impl BatchGenerator {
                 room: r.max_tokens.saturating_sub(r.produced),
                 next_pending: !r.anchor_out,
                 next: None,
+                tapped: Vec::new(),
             })
             .collect()
+    }
+
+    /// [`BatchGenerator::decoding_rows`] with the tapped outputs each row has gathered since
+    /// they were last handed out.
+    fn rows_to_propose(&mut self) -> Vec<DecodingRow> {
+        let mut rows = self.decoding_rows();
+        for (row, r) in rows.iter_mut().zip(self.decode.rows.iter_mut()) {
+            row.tapped = std::mem::take(&mut r.tapped);
+        }
+        rows
     }
 
     /// Seconds one forward of `rows` sequences × `width` tokens takes on this machine, for
@@ -507,6 +586,7 @@ impl BatchGenerator {
         let mut uids = Vec::with_capacity(requests.len());
         for request in requests {
             let skip = request.prefix.as_ref().map_or(0, |p| p.len);
+            let cached = skip;
             let (last, head) = request.prompt[skip..].split_last().unwrap_or((&0, &[]));
             let mut segments = VecDeque::new();
             if !head.is_empty() {
@@ -522,6 +602,8 @@ impl BatchGenerator {
                 sampler: request.sampler,
                 prefix: request.prefix,
                 alone: true,
+                cached,
+                tapped: Vec::new(),
             });
             uids.push(uid);
         }
@@ -677,10 +759,25 @@ impl BatchGenerator {
         while start < longest {
             let n = self.settings.prefill_step_size.min(longest - start);
             let part = tokens.index((.., start as i32..(start + n) as i32));
-            model.forward(&part, &mut self.prompt.caches)?;
+            // Each row's real positions of this part (padding follows them).
+            let rows: Vec<(usize, usize)> = self
+                .prompt
+                .rows
+                .iter()
+                .zip(chunks)
+                .map(|(r, c)| (r.cached + start, n.min(c.len().saturating_sub(start))))
+                .collect();
+            let (_, tapped) =
+                forward_tapped(model, &part, &mut self.prompt.caches, &self.taps, &rows)?;
+            for (r, t) in self.prompt.rows.iter_mut().zip(tapped) {
+                r.tapped.extend(t);
+            }
             eval_caches(&self.prompt.caches)?;
             memory::clear_cache()?;
             start += n;
+        }
+        for (r, c) in self.prompt.rows.iter_mut().zip(chunks) {
+            r.cached += c.len();
         }
         if padded {
             for c in self.prompt.caches.iter_mut() {
@@ -743,6 +840,8 @@ impl BatchGenerator {
                     produced: 0,
                     sampler: r.sampler,
                     anchor_out: false,
+                    cached: r.cached,
+                    tapped: r.tapped,
                 })
                 .collect(),
             caches,
@@ -770,7 +869,18 @@ impl BatchGenerator {
             .take()
             .ok_or_else(|| EngineError::Runtime("a decoding batch has no queued step".into()))?;
         let current_logprobs = batch.next_logprobs.take();
-        let logits = model.forward(&inputs.expand_dims(1)?, &mut batch.caches)?;
+        let rows: Vec<(usize, usize)> = batch.rows.iter().map(|r| (r.cached, 1)).collect();
+        let (logits, tapped) = forward_tapped(
+            model,
+            &inputs.expand_dims(1)?,
+            &mut batch.caches,
+            &self.taps,
+            &rows,
+        )?;
+        for (r, t) in batch.rows.iter_mut().zip(tapped) {
+            r.cached += 1;
+            r.tapped.extend(t);
+        }
         let logits = logits.index((.., -1, ..));
         let logprobs = logits.subtract(logits.logsumexp_axis(-1, true)?)?;
         let sampled = if batch.rows.iter().all(|r| r.sampler.is_none()) {
@@ -869,7 +979,7 @@ impl BatchGenerator {
         model: &mut dyn LanguageModel,
         propose: &mut Proposer<'_>,
     ) -> Result<Vec<BatchToken>> {
-        let mut rows = self.decoding_rows();
+        let mut rows = self.rows_to_propose();
         let mut drafts = propose(&rows, model)?;
         let offers = |r: &DecodingRow| {
             drafts
@@ -884,6 +994,8 @@ impl BatchGenerator {
             // The pending tokens are read now: draft again from them rather than guesses.
             for (row, &a) in rows.iter_mut().zip(&anchors) {
                 row.next = row.next_pending.then_some(a);
+                // Already given to the first proposal.
+                row.tapped.clear();
             }
             drafts = propose(&rows, model)?;
         }
@@ -959,7 +1071,18 @@ impl BatchGenerator {
         let rows = blocks.len();
         let input = Array::from_slice(&ids, &[rows as i32, width as i32]);
         self.decode_forwards += 1;
-        let logits = model.forward(&input, &mut self.decode.caches)?;
+        let spans: Vec<(usize, usize)> = self
+            .decode
+            .rows
+            .iter()
+            .zip(blocks)
+            .map(|(r, b)| (r.cached, b.len()))
+            .collect();
+        let (logits, tapped) =
+            forward_tapped(model, &input, &mut self.decode.caches, &self.taps, &spans)?;
+        for (r, t) in self.decode.rows.iter_mut().zip(tapped) {
+            r.tapped.extend(t);
+        }
         let logprobs = logits.subtract(logits.logsumexp_axis(-1, true)?)?;
         let picks = if self.decode.rows.iter().all(|r| r.sampler.is_none()) {
             let vocab = logprobs.shape()[2];
@@ -1019,6 +1142,8 @@ impl BatchGenerator {
                 }
             }
             if !finished {
+                // Its anchor and kept drafts stay in its cache.
+                row.cached += accepted + 1;
                 keep.push(i);
                 next.push(picked[accepted] as i32);
                 next_logprobs.push(logprobs.index((i as i32, accepted as i32, ..)));

@@ -164,10 +164,22 @@ pub fn run(
     metrics: &Metrics,
     shutdown: &AtomicBool,
 ) -> Option<Job> {
-    let mut drafters = batching
-        .drafting
-        .as_ref()
-        .and_then(|d| SlotDrafters::new(&d.opts, d.policy.clone()));
+    let opened = batching.drafting.as_ref().map(|d| {
+        SlotDrafters::new(
+            &d.opts,
+            d.policy.clone(),
+            session.model.model.as_ref(),
+            session.model.plan.forks,
+        )
+    });
+    let mut drafters = match opened.transpose() {
+        Ok(d) => d.flatten(),
+        Err(e) => {
+            metrics.started(first.arrived.elapsed());
+            fail(first, metrics, &e);
+            return None;
+        }
+    };
     let deferred = serve_batch(
         session,
         batching,
@@ -195,7 +207,7 @@ fn serve_batch(
     shutdown: &AtomicBool,
 ) -> Option<Job> {
     let max_batch = batching.max_batch;
-    let mut gen = match new_generator_for(&session.model, &session.tokenizer, batching) {
+    let gen = match new_generator_for(&session.model, &session.tokenizer, batching) {
         Ok(gen) => gen,
         Err(e) => {
             metrics.started(first.arrived.elapsed());
@@ -203,6 +215,13 @@ fn serve_batch(
             return None;
         }
     };
+    // Drafters that read the target's hidden states (DSpark) need every prompt position's,
+    // which a kept prefix has not: their requests prefill the whole prompt.
+    let taps = drafters
+        .as_ref()
+        .map_or(Vec::new(), SlotDrafters::tap_layers);
+    let reuse_prefixes = taps.is_empty();
+    let mut gen = gen.tapping(taps);
     let Session {
         model, tokenizer, ..
     } = session;
@@ -223,7 +242,11 @@ fn serve_batch(
             };
             match batch_sampler(&job, tokenizer) {
                 Ok(Some(sampler)) => {
-                    let prefix = batching.store.lookup(&job.prompt_ids);
+                    let prefix = if reuse_prefixes {
+                        batching.store.lookup(&job.prompt_ids)
+                    } else {
+                        None
+                    };
                     let admission = Admission {
                         job,
                         sampler,

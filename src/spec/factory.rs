@@ -7,6 +7,7 @@ use super::dspark::drafter::PruneMode;
 use super::source::{DraftSource, VerifyMode};
 use crate::engine::error::{EngineError, Result};
 use crate::engine::forks::Forks;
+use crate::engine::models::LanguageModel;
 use crate::engine::session::Session;
 use std::path::{Path, PathBuf};
 
@@ -171,21 +172,7 @@ pub fn open_source(
         DraftKind::SelfLayers => Box::new(super::early_exit::EarlyExitSource::new(
             opts.draft_layers.unwrap_or(0),
         )),
-        DraftKind::Dspark => {
-            let min_conf = match opts.dspark_min_conf {
-                Some(c) => Some(c),
-                None => super::dspark::drafter::min_conf_from_env()?,
-            };
-            Box::new(
-                super::dspark::drafter::DsparkSource::open(
-                    dir()?,
-                    session.model.model.as_ref(),
-                    min_conf,
-                    forks,
-                )?
-                .with_prune(opts.dspark_prune),
-            )
-        }
+        DraftKind::Dspark => open_dspark(opts, dir()?, session.model.model.as_ref(), forks)?,
         DraftKind::Assistant => Box::new(super::assistant::drafter::AssistantSource::open(
             dir()?,
             &session.dir,
@@ -201,21 +188,52 @@ pub fn open_source(
     })
 }
 
-/// Whether drafters of these options can draft for one slot of a batched engine: those that
-/// propose from a sequence's tokens alone (n-gram). The others read the target's state of one
-/// sequence (its caches, hidden states or a draft model's caches kept in step with it), which a
-/// batch does not hand out per row; their requests decode one at a time.
-pub fn drafts_per_slot(opts: &SpecOptions) -> bool {
-    matches!(concrete_kind(opts), Ok(DraftKind::Ngram))
+/// The DSpark drafter at `dir` for `target`, with the options' threshold and pruning rule.
+fn open_dspark(
+    opts: &SpecOptions,
+    dir: &Path,
+    target: &dyn LanguageModel,
+    forks: Forks,
+) -> Result<Box<dyn DraftSource>> {
+    let min_conf = match opts.dspark_min_conf {
+        Some(c) => Some(c),
+        None => super::dspark::drafter::min_conf_from_env()?,
+    };
+    Ok(Box::new(
+        super::dspark::drafter::DsparkSource::open(dir, target, min_conf, forks)?
+            .with_prune(opts.dspark_prune),
+    ))
 }
 
-/// A drafter for one slot of a batched engine (see [`drafts_per_slot`]); `None` for kinds
-/// that cannot draft per slot.
-pub fn open_slot_source(opts: &SpecOptions) -> Option<Box<dyn DraftSource>> {
-    drafts_per_slot(opts).then(|| -> Box<dyn DraftSource> {
-        Box::new(super::ngram::NgramSource::new(
-            opts.ngram_min,
-            opts.ngram_max,
-        ))
-    })
+/// Whether drafters of these options can draft for one slot of a batched engine: those that
+/// propose from a sequence's tokens alone (n-gram) or from its tokens and the target's tapped
+/// outputs, which the batch hands to each row (DSpark). The others read the target's caches
+/// of one sequence or keep a draft model's caches in step with it, which a batch does not
+/// hand out per row; their requests decode one at a time.
+pub fn drafts_per_slot(opts: &SpecOptions) -> bool {
+    matches!(
+        concrete_kind(opts),
+        Ok(DraftKind::Ngram | DraftKind::Dspark)
+    )
+}
+
+/// A drafter for one slot of a batched engine on `target` (see [`drafts_per_slot`]); `None`
+/// for kinds that cannot draft per slot.
+pub fn open_slot_source(
+    opts: &SpecOptions,
+    target: &dyn LanguageModel,
+    forks: Forks,
+) -> Result<Option<Box<dyn DraftSource>>> {
+    if !drafts_per_slot(opts) {
+        return Ok(None);
+    }
+    Ok(Some(
+        match (concrete_kind(opts)?, opts.draft_model.as_deref()) {
+            (DraftKind::Dspark, Some(dir)) => open_dspark(opts, dir, target, forks)?,
+            _ => Box::new(super::ngram::NgramSource::new(
+                opts.ngram_min,
+                opts.ngram_max,
+            )),
+        },
+    ))
 }

@@ -1,7 +1,8 @@
 //! Drafting per slot of the batched engine: one drafter per sequence, proposing from the
-//! tokens that sequence has so far; the engine verifies every slot's block in one batched
-//! forward and says per slot how many drafts it kept (`engine::batch_verify`). Each slot keeps
-//! its own acceptance counters, reported with its request.
+//! tokens that sequence has so far (and, for DSpark, the target's tapped outputs of its
+//! positions, which the batch hands to each row); the engine verifies every slot's block in
+//! one batched forward and says per slot how many drafts it kept (`engine::batch_verify`).
+//! Each slot keeps its own acceptance counters, reported with its request.
 
 use super::factory::{open_slot_source, SpecOptions};
 use super::metrics::SpecMetrics;
@@ -10,6 +11,7 @@ use super::source::{DraftSource, TargetView};
 use crate::engine::batch::{BatchGenerator, BatchToken, DecodingRow};
 use crate::engine::batch_verify::Verified;
 use crate::engine::error::Result;
+use crate::engine::forks::Forks;
 use crate::engine::models::{Caches, LanguageModel};
 use std::collections::HashMap;
 use std::time::Instant;
@@ -24,11 +26,26 @@ struct SlotDraft {
     metrics: SpecMetrics,
 }
 
+impl SlotDraft {
+    /// Most tokens it may draft after `row`'s pending token (if any): its limit, within the
+    /// row's room.
+    fn room_for_drafts(&self, row: &DecodingRow) -> usize {
+        let pending = usize::from(row.next_pending);
+        self.limit.min(row.room.saturating_sub(1 + pending))
+    }
+}
+
 /// The drafters of a batch's slots, and the policy that sizes each step's blocks.
 pub struct SlotDrafters {
     opts: SpecOptions,
+    forks: Forks,
     policy: DraftLengthPolicy,
     slots: HashMap<usize, SlotDraft>,
+    /// Drafters of slots that left, for the next slots (each `begin` starts one afresh), so
+    /// a drafter with weights is opened once per concurrent slot rather than per request.
+    idle: Vec<Box<dyn DraftSource>>,
+    /// The target layers the drafters read (see [`SlotDrafters::tap_layers`]).
+    taps: Vec<usize>,
     /// The rows and block width of the latest proposal, until its step's time is taken in.
     last_step: Option<(usize, usize)>,
     /// When the step under way (see [`SlotDrafters::step`]) started, and the generator's
@@ -36,8 +53,8 @@ pub struct SlotDrafters {
     step_started: Option<(Instant, (usize, usize))>,
 }
 
-/// Slot drafters read nothing of the target's per-sequence state (see
-/// `factory::drafts_per_slot`), so they are shown the model with no caches.
+/// Slot drafters read nothing of the target's caches (see `factory::drafts_per_slot`), so
+/// they are shown the model with no caches.
 fn view<'a>(model: &'a mut dyn LanguageModel, none: &'a Caches) -> TargetView<'a> {
     TargetView {
         model,
@@ -46,17 +63,33 @@ fn view<'a>(model: &'a mut dyn LanguageModel, none: &'a Caches) -> TargetView<'a
 }
 
 impl SlotDrafters {
-    /// Drafters of `opts` for each slot, sized by `policy`; `None` when that kind cannot draft
-    /// per slot.
-    pub fn new(opts: &SpecOptions, policy: DraftLengthPolicy) -> Option<Self> {
-        open_slot_source(opts)?;
-        Some(Self {
+    /// Drafters of `opts` for each slot of a batch on `target` (opened with `forks`), sized by
+    /// `policy`; `None` when that kind cannot draft per slot. One drafter is opened here.
+    pub fn new(
+        opts: &SpecOptions,
+        policy: DraftLengthPolicy,
+        target: &dyn LanguageModel,
+        forks: Forks,
+    ) -> Result<Option<Self>> {
+        let Some(first) = open_slot_source(opts, target, forks)? else {
+            return Ok(None);
+        };
+        Ok(Some(Self {
             opts: opts.clone(),
+            forks,
             policy,
             slots: HashMap::new(),
+            taps: first.tap_layers(),
+            idle: vec![first],
             last_step: None,
             step_started: None,
-        })
+        }))
+    }
+
+    /// The target layers whose outputs the batch must hand to each row
+    /// ([`BatchGenerator::tapping`]); empty for drafters that read tokens only.
+    pub fn tap_layers(&self) -> Vec<usize> {
+        self.taps.clone()
     }
 
     /// The block width the policy chose for the step under way (1: no drafts); `None` when
@@ -74,8 +107,12 @@ impl SlotDrafters {
         (temp, limit): (f64, usize),
         model: &mut dyn LanguageModel,
     ) -> Result<()> {
-        let Some(mut source) = open_slot_source(&self.opts) else {
-            return Ok(());
+        let mut source = match self.idle.pop() {
+            Some(s) => s,
+            None => match open_slot_source(&self.opts, &*model, self.forks)? {
+                Some(s) => s,
+                None => return Ok(()),
+            },
         };
         source.configure_sampling(temp, self.opts.verify);
         source.begin(view(model, &Vec::new()), prompt)?;
@@ -112,6 +149,21 @@ impl SlotDrafters {
         model: &mut dyn LanguageModel,
     ) -> Result<HashMap<usize, Vec<u32>>> {
         let none = Vec::new();
+        for row in rows {
+            if let Some(slot) = self.slots.get_mut(&row.uid) {
+                for t in &row.tapped {
+                    slot.source
+                        .observe_taps(t.first_position, t.layers.clone())?;
+                }
+            }
+        }
+        // Drafting costs time of its own (a DSpark block is a forward of the drafter): when no
+        // width would pay even if every row offered its whole limit, the step stays plain
+        // without drafting.
+        if self.policy.width(&self.best_case(rows)) == 1 {
+            self.last_step = Some((rows.len(), 1));
+            return Ok(HashMap::new());
+        }
         let mut drafts = HashMap::with_capacity(rows.len());
         let mut outlook = Vec::with_capacity(rows.len());
         for row in rows {
@@ -120,7 +172,7 @@ impl SlotDrafters {
                 outlook.push(RowOutlook::plain());
                 continue;
             };
-            let n = slot.limit.min(row.room.saturating_sub(1 + pending));
+            let n = slot.room_for_drafts(row);
             let mut proposed = Vec::new();
             if n > 0 {
                 let started = Instant::now();
@@ -161,6 +213,21 @@ impl SlotDrafters {
             })
             .collect();
         Ok(drafts)
+    }
+
+    /// Each row as the policy would see it if its drafter offered its whole limit.
+    fn best_case(&self, rows: &[DecodingRow]) -> Vec<RowOutlook> {
+        rows.iter()
+            .map(|row| match self.slots.get(&row.uid) {
+                Some(slot) => RowOutlook {
+                    proposed: slot.room_for_drafts(row),
+                    guessed: row.next_pending && row.next.is_none(),
+                    accepted: slot.metrics.accepted_tokens,
+                    drafted: slot.metrics.drafted_tokens,
+                },
+                None => RowOutlook::plain(),
+            })
+            .collect()
     }
 
     /// One step of `gen` (a speculative batch) with every slot drafting for itself: the wall
@@ -227,6 +294,8 @@ impl SlotDrafters {
 
     /// Ends sequence `uid`'s drafting; its counters, when it had a drafter.
     pub fn leave(&mut self, uid: usize) -> Option<SpecMetrics> {
-        self.slots.remove(&uid).map(|s| s.metrics)
+        let slot = self.slots.remove(&uid)?;
+        self.idle.push(slot.source);
+        Some(slot.metrics)
     }
 }

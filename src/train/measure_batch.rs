@@ -76,12 +76,20 @@ impl BatchedMeasure<'_> {
         let mut gen = self.generator(model, group.len())?;
         let mut drafters = match drafting {
             Some(policy) => {
-                gen = gen.speculative(model.model.as_ref())?;
-                let d = SlotDrafters::new(self.opts, policy.clone()).ok_or_else(|| {
+                let d = SlotDrafters::new(
+                    self.opts,
+                    policy.clone(),
+                    model.model.as_ref(),
+                    model.plan.forks,
+                )?
+                .ok_or_else(|| {
                     EngineError::Input(
                         "this drafter cannot draft per sequence in a batch; measure it with --n-parallel 1".into(),
                     )
                 })?;
+                gen = gen
+                    .speculative(model.model.as_ref())?
+                    .tapping(d.tap_layers());
                 Some((d, policy))
             }
             None => None,

@@ -184,7 +184,9 @@ impl DsparkSource {
         }
     }
 
-    /// The tapped rows `context..end` from `pending`, in order, as `[1, L, m*d]`.
+    /// The tapped rows `context..end` from `pending`, in order, as `[1, L, m*d]`; rows at or
+    /// past `end` stay pending (a batch may have run the anchor already: the next round reads
+    /// its row).
     fn take_rows(&mut self, end: usize) -> Result<Option<Array>> {
         let mut parts = Vec::new();
         let mut next = self.context;
@@ -192,6 +194,11 @@ impl DsparkSource {
         chunks.sort_by_key(|(p, _)| *p);
         for (first, rows) in chunks {
             let len = rows.shape()[1] as usize;
+            if first + len > end {
+                let from = first.max(end);
+                let tail = rows.index((.., (from - first) as i32.., ..));
+                self.pending.push((from, tail));
+            }
             if first + len <= next || first >= end {
                 continue;
             }
@@ -344,7 +351,6 @@ impl DraftSource for DsparkSource {
             self.module.extend_context(&features, &mut self.caches)?;
         }
         self.context = start;
-        self.pending.clear();
         let out = self
             .module
             .block(&*target.model, anchor, &mut self.caches)?;
