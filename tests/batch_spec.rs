@@ -250,3 +250,119 @@ fn sliding_window_models_refuse_drafting_in_a_batch() {
         .to_string();
     assert!(err.contains("full attention"), "{err}");
 }
+
+/// At temperature 1 a drafting batch keeps each request's distribution: batches that mix two
+/// prompts, rows that draft (always token 3, two tokens a step: mostly wrong, sometimes right)
+/// and rows that do not, give each prompt's second and third tokens the distribution the same
+/// batches give without drafts (two-sample chi-square per prompt and position; fixed seeds,
+/// deterministic).
+#[test]
+fn sampled_rows_keep_their_distribution_in_a_drafting_batch() {
+    let tmp = tempfile::tempdir().unwrap();
+    let config = common::tiny_llama(serde_json::json!({
+        "hidden_size": 32, "num_hidden_layers": 1, "intermediate_size": 64,
+        "num_attention_heads": 2, "num_key_value_heads": 1, "vocab_size": 12
+    }));
+    common::make_model_with(tmp.path(), &config, "f32", None, &["--no-tokenizer"]);
+    let mut loaded = models::load(tmp.path(), Forks::default()).unwrap();
+    let prompts = [vec![1u32, 5, 7, 2, 9], vec![4u32, 4, 10, 6]];
+    let (rows, batches, vocab) = (8usize, 200usize, 12usize);
+    // counts[drafting][prompt][position - 1][token]
+    let mut counts = vec![vec![vec![vec![0f64; vocab]; 2]; 2]; 2];
+    let (mut proposed, mut accepted) = (0, 0);
+    for drafting in [false, true] {
+        mlxb::engine::sample::seed(if drafting { 1234 } else { 99 }).unwrap();
+        for _ in 0..batches {
+            let sampler = Sampler::new(&SamplerConfig {
+                temp: 1.0,
+                ..Default::default()
+            })
+            .unwrap();
+            let settings = BatchSettings {
+                prefill_batch_size: rows,
+                completion_batch_size: rows,
+                prefill_step_size: 2048,
+            };
+            let mut gen = BatchGenerator::new(
+                loaded.model.as_ref(),
+                &loaded.plan,
+                sampler,
+                vec![],
+                settings,
+            )
+            .unwrap()
+            .speculative(loaded.model.as_ref())
+            .unwrap();
+            let requests = (0..rows)
+                .map(|r| SequenceRequest::new(prompts[r % 2].clone(), 3))
+                .collect();
+            let uids = gen.insert(requests).unwrap();
+            let row_of: HashMap<usize, usize> =
+                uids.iter().enumerate().map(|(i, &u)| (u, i)).collect();
+            let mut got = vec![Vec::new(); rows];
+            let mut propose = |decoding: &[DecodingRow], _: &mut dyn LanguageModel| {
+                Ok(decoding
+                    .iter()
+                    .filter(|r| drafting && row_of[&r.uid] % 4 != 3)
+                    .map(|r| {
+                        let lead = r.next.into_iter().chain(r.next_pending.then_some(3));
+                        (r.uid, lead.take(1).chain([3, 3]).collect())
+                    })
+                    .collect::<HashMap<usize, Vec<u32>>>())
+            };
+            loop {
+                let tokens = gen
+                    .next_tokens_drafted(loaded.model.as_mut(), &mut propose)
+                    .unwrap();
+                if tokens.is_empty() {
+                    break;
+                }
+                for t in tokens {
+                    got[row_of[&t.uid]].push(t.token as usize);
+                }
+                for v in gen.take_verified() {
+                    proposed += v.proposed;
+                    accepted += v.accepted;
+                }
+            }
+            for (r, toks) in got.iter().enumerate() {
+                assert_eq!(toks.len(), 3, "row {r}: {toks:?}");
+                for pos in 1..3 {
+                    counts[usize::from(drafting)][r % 2][pos - 1][toks[pos]] += 1.0;
+                }
+            }
+        }
+    }
+    // Drafts were both kept and rejected.
+    assert!(
+        accepted > 50 && proposed > accepted + 50,
+        "{accepted}/{proposed}"
+    );
+    for p in 0..2 {
+        for pos in 0..2 {
+            let (plain, spec) = (&counts[0][p][pos], &counts[1][p][pos]);
+            let mut chi2 = 0.0;
+            let mut dof = 0;
+            for i in 0..vocab {
+                let total = plain[i] + spec[i];
+                if total < 10.0 {
+                    continue;
+                }
+                let e = total / 2.0;
+                chi2 += (plain[i] - e).powi(2) / e + (spec[i] - e).powi(2) / e;
+                dof += 1;
+            }
+            // 99.9th percentile of chi-square with up to 11 dof is 31.3.
+            assert!(dof >= 3, "prompt {p}: too concentrated to test: {plain:?}");
+            assert!(
+                chi2 < 31.3,
+                "prompt {p} token {}: drafting changed the distribution: chi2 {chi2:.1} over {dof} bins; plain {plain:?} drafting {spec:?}",
+                pos + 2
+            );
+            assert!(
+                spec[3] < plain[3] * 1.5 + 30.0,
+                "prompt {p}: the drafted token is over-represented: plain {plain:?} drafting {spec:?}"
+            );
+        }
+    }
+}
