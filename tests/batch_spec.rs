@@ -338,9 +338,8 @@ fn sampled_rows_keep_their_distribution_in_a_drafting_batch() {
         accepted > 50 && proposed > accepted + 50,
         "{accepted}/{proposed}"
     );
-    for p in 0..2 {
-        for pos in 0..2 {
-            let (plain, spec) = (&counts[0][p][pos], &counts[1][p][pos]);
+    for (p, (plain_p, spec_p)) in counts[0].iter().zip(&counts[1]).enumerate() {
+        for (pos, (plain, spec)) in plain_p.iter().zip(spec_p).enumerate() {
             let mut chi2 = 0.0;
             let mut dof = 0;
             for i in 0..vocab {

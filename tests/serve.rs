@@ -876,8 +876,8 @@ fn answers_alone(s: &Server, prompts: &[String], max_tokens: usize) -> Vec<Strin
         .collect()
 }
 
-/// Drafting per slot (`--max-batch 6` with the n-gram drafter, then with a DSpark drafter,
-/// which reads each row's tapped target outputs): six concurrent greedy requests, each
+/// Drafting per slot (`--max-batch 6` with the n-gram drafter, a DSpark drafter, which reads
+/// each row's tapped target outputs, and a draft model): six concurrent greedy requests, each
 /// drafting for itself and verified together, answer exactly as the same prompts asked one
 /// at a time of a server without a drafter; per-request draft counters add up to the
 /// server's, and the draft-length policy's choices are counted by block width. Both
@@ -902,9 +902,18 @@ fn batched_drafting_answers_as_alone() {
         &["--tap-layers", "0"],
     ));
     assert_eq!(code, 0, "{err}");
-    let drafters: [&[&str]; 2] = [
+    let drafters: [&[&str]; 3] = [
         &["--draft-kind", "ngram", "--num-draft-tokens", "3"],
         &["--drafter", dspark, "--dspark-min-conf", "0"],
+        // The target as its own draft model: every slot's own caches, one shared model.
+        &[
+            "--draft-kind",
+            "model",
+            "--draft-model",
+            model,
+            "--num-draft-tokens",
+            "3",
+        ],
     ];
     for flags in drafters {
         for policy in ["all", "cost"] {

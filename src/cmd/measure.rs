@@ -100,7 +100,7 @@ fn batch_refusal(args: &MeasureArgs, opts: &SpecOptions) -> anyhow::Result<Optio
     }
     let params = args.sampling.text_params(&args.model);
     Ok(if !drafts_per_slot(opts) {
-        Some("measure --n-parallel drafts per sequence in a batch, which only the n-gram and DSpark drafters do; measure this drafter one stream at a time (--n-parallel 1)".into())
+        Some("measure --n-parallel drafts per sequence in a batch, which the n-gram, DSpark and model drafters do; measure this drafter one stream at a time (--n-parallel 1)".into())
     } else if params.sampler.temp != 0.0 {
         Some("measure --n-parallel compares greedy batches (--temp 0): sampled rows of a batch share one random stream, so the two batches could not be compared".into())
     } else if !LogitsProcessors::new(&params.processors)?.is_empty() {
@@ -188,12 +188,14 @@ fn measure_batched(
     opts: &SpecOptions,
 ) -> anyhow::Result<MeasureReport> {
     let dir = resolve_model(args.model.model.as_deref())?;
-    let (mut session, _) = open_session(&dir, &args.forks)?;
+    let (mut session, forks) = open_session(&dir, &args.forks)?;
     let ids = prompts
         .token_ids(&session, args.prompt_file.use_chat_template())
         .map_err(|e| args.prompt_file.explain(e))?;
+    let drafter = open_source(opts, &session, forks, args.model.prefill_step_size)?;
     let measure = BatchedMeasure {
         opts,
+        drafter: drafter.as_ref(),
         policy: args.draft_policy,
         n_parallel: args.n_parallel,
         max_tokens: args.sampling.text_params(&args.model).generate.max_tokens,

@@ -25,6 +25,7 @@ use crate::spec::factory::SpecOptions;
 use crate::spec::metrics::SpecMetrics;
 use crate::spec::policy::{DraftLengthPolicy, DraftPolicy};
 use crate::spec::slots::SlotDrafters;
+use crate::spec::source::DraftSource;
 use std::collections::HashMap;
 use std::panic::{catch_unwind, AssertUnwindSafe};
 use std::sync::atomic::{AtomicBool, Ordering};
@@ -99,23 +100,25 @@ pub struct Batching {
     pub drafting: Option<SlotDrafting>,
 }
 
-/// Drafting per slot: the drafter's options and the policy that sizes each step's blocks.
-#[derive(Clone)]
+/// Drafting per slot: the drafter's options, and the slots' drafters with the policy that
+/// sizes each step's blocks, kept from one batch to the next (the step costs learnt and the
+/// drafters forked stay).
 pub struct SlotDrafting {
-    /// The drafter every request opens for itself.
+    /// The drafter every request drafts with for itself.
     pub opts: SpecOptions,
-    /// Block widths by expected tokens per second.
-    pub policy: DraftLengthPolicy,
+    /// Taken while a batch runs.
+    drafters: Option<SlotDrafters>,
 }
 
 impl SlotDrafting {
-    /// Drafting with `opts` sized by `policy`: for [`DraftPolicy::Cost`], this machine's
-    /// batched forward costs (up to `batching.max_batch` rows × `num_draft_tokens + 1` tokens)
-    /// measured on the session's model.
+    /// Drafting with `opts`, each slot's drafter forked from `template`, sized by `policy`:
+    /// for [`DraftPolicy::Cost`], this machine's batched forward costs (up to
+    /// `batching.max_batch` rows × `num_draft_tokens + 1` tokens) measured on the session's
+    /// model.
     pub fn new(
         session: &mut Session,
         batching: &Batching,
-        opts: &SpecOptions,
+        (opts, template): (&SpecOptions, Box<dyn DraftSource>),
         policy: DraftPolicy,
     ) -> Result<Self> {
         let gen = new_generator_for(&session.model, &session.tokenizer, batching)?;
@@ -128,7 +131,7 @@ impl SlotDrafting {
         )?;
         Ok(Self {
             opts: opts.clone(),
-            policy,
+            drafters: Some(SlotDrafters::new(opts, policy, template)),
         })
     }
 }
@@ -164,22 +167,7 @@ pub fn run(
     metrics: &Metrics,
     shutdown: &AtomicBool,
 ) -> Option<Job> {
-    let opened = batching.drafting.as_ref().map(|d| {
-        SlotDrafters::new(
-            &d.opts,
-            d.policy.clone(),
-            session.model.model.as_ref(),
-            session.model.plan.forks,
-        )
-    });
-    let mut drafters = match opened.transpose() {
-        Ok(d) => d.flatten(),
-        Err(e) => {
-            metrics.started(first.arrived.elapsed());
-            fail(first, metrics, &e);
-            return None;
-        }
-    };
+    let mut drafters = batching.drafting.as_mut().and_then(|d| d.drafters.take());
     let deferred = serve_batch(
         session,
         batching,
@@ -189,9 +177,10 @@ pub fn run(
         metrics,
         shutdown,
     );
-    // The step costs learnt while this batch ran stay for the next one.
-    if let (Some(d), Some(drafting)) = (drafters, batching.drafting.as_mut()) {
-        drafting.policy = d.into_policy();
+    // The step costs learnt while this batch ran, and the drafters, stay for the next one.
+    if let (Some(mut d), Some(drafting)) = (drafters, batching.drafting.as_mut()) {
+        d.end_batch();
+        drafting.drafters = Some(d);
     }
     deferred
 }
@@ -215,12 +204,11 @@ fn serve_batch(
             return None;
         }
     };
-    // Drafters that read the target's hidden states (DSpark) need every prompt position's,
-    // which a kept prefix has not: their requests prefill the whole prompt.
+    // Drafters that read the target's hidden states (DSpark) are handed each row's; the
+    // worker keeps no prefixes for them (a kept prefix has no tapped outputs).
     let taps = drafters
         .as_ref()
         .map_or(Vec::new(), SlotDrafters::tap_layers);
-    let reuse_prefixes = taps.is_empty();
     let mut gen = gen.tapping(taps);
     let Session {
         model, tokenizer, ..
@@ -242,11 +230,7 @@ fn serve_batch(
             };
             match batch_sampler(&job, tokenizer) {
                 Ok(Some(sampler)) => {
-                    let prefix = if reuse_prefixes {
-                        batching.store.lookup(&job.prompt_ids)
-                    } else {
-                        None
-                    };
+                    let prefix = batching.store.lookup(&job.prompt_ids);
                     let admission = Admission {
                         job,
                         sampler,

@@ -246,7 +246,7 @@ impl State {
         if cfg.max_batch > 1 {
             if info.drafter.is_some() && slot_drafting.is_none() {
                 info.batch_note = Some(
-                    "this drafter reads the target's per-request state, so its requests decode one at a time (n-gram and DSpark draft per slot)"
+                    "this drafter reads the target's per-request state, so its requests decode one at a time (n-gram, DSpark and model drafters draft per slot)"
                         .into(),
                 );
             } else {
@@ -263,11 +263,20 @@ impl State {
         };
         let mut batching = batching::Batching::new(info.max_batch, cfg.prefill_step_size, kept);
         batching.prompt_concurrency = cfg.prompt_concurrency;
-        if let (Some(opts), true) = (&slot_drafting, info.max_batch > 1) {
+        if let (Some(opts), Some((source, _)), true) =
+            (&slot_drafting, &drafter, info.max_batch > 1)
+        {
+            // Each slot's drafter is forked from one of the single-stream drafter's.
+            let template = source.fork()?.ok_or_else(|| {
+                EngineError::Runtime(format!(
+                    "the {} drafter cannot draft per slot",
+                    source.name()
+                ))
+            })?;
             batching.drafting = Some(batching::SlotDrafting::new(
                 &mut session,
                 &batching,
-                opts,
+                (opts, template),
                 cfg.draft_policy,
             )?);
         }

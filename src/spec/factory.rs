@@ -205,35 +205,15 @@ fn open_dspark(
     ))
 }
 
-/// Whether drafters of these options can draft for one slot of a batched engine: those that
-/// propose from a sequence's tokens alone (n-gram) or from its tokens and the target's tapped
-/// outputs, which the batch hands to each row (DSpark). The others read the target's caches
-/// of one sequence or keep a draft model's caches in step with it, which a batch does not
-/// hand out per row; their requests decode one at a time.
+/// Whether drafters of these options can draft for one slot of a batched engine
+/// ([`DraftSource::fork`]): those that propose from a sequence's tokens alone (n-gram), from
+/// its tokens and the target's tapped outputs, which the batch hands to each row (DSpark), or
+/// from a draft model's caches of their own (model; the slots share its weights). The others
+/// read the target's caches of one sequence (self, assistant), which a batch does not hand out
+/// per row; their requests decode one at a time.
 pub fn drafts_per_slot(opts: &SpecOptions) -> bool {
     matches!(
         concrete_kind(opts),
-        Ok(DraftKind::Ngram | DraftKind::Dspark)
+        Ok(DraftKind::Ngram | DraftKind::Dspark | DraftKind::Model)
     )
-}
-
-/// A drafter for one slot of a batched engine on `target` (see [`drafts_per_slot`]); `None`
-/// for kinds that cannot draft per slot.
-pub fn open_slot_source(
-    opts: &SpecOptions,
-    target: &dyn LanguageModel,
-    forks: Forks,
-) -> Result<Option<Box<dyn DraftSource>>> {
-    if !drafts_per_slot(opts) {
-        return Ok(None);
-    }
-    Ok(Some(
-        match (concrete_kind(opts)?, opts.draft_model.as_deref()) {
-            (DraftKind::Dspark, Some(dir)) => open_dspark(opts, dir, target, forks)?,
-            _ => Box::new(super::ngram::NgramSource::new(
-                opts.ngram_min,
-                opts.ngram_max,
-            )),
-        },
-    ))
 }

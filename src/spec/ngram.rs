@@ -44,6 +44,10 @@ impl DraftSource for NgramSource {
         "ngram"
     }
 
+    fn fork(&self) -> Result<Option<Box<dyn DraftSource>>> {
+        Ok(Some(Box::new(Self::new(self.min, self.max))))
+    }
+
     fn draft(&mut self, _target: TargetView<'_>, sequence: &[u32], n: usize) -> Result<Draft> {
         Ok(Draft {
             tokens: self.lookup(sequence, n),

@@ -4,14 +4,13 @@
 //! one batched forward and says per slot how many drafts it kept (`engine::batch_verify`).
 //! Each slot keeps its own acceptance counters, reported with its request.
 
-use super::factory::{open_slot_source, SpecOptions};
+use super::factory::SpecOptions;
 use super::metrics::SpecMetrics;
 use super::policy::{DraftLengthPolicy, RowOutlook, StepCost};
 use super::source::{DraftSource, TargetView};
 use crate::engine::batch::{BatchGenerator, BatchToken, DecodingRow};
 use crate::engine::batch_verify::Verified;
-use crate::engine::error::Result;
-use crate::engine::forks::Forks;
+use crate::engine::error::{EngineError, Result};
 use crate::engine::models::{Caches, LanguageModel};
 use std::collections::HashMap;
 use std::time::Instant;
@@ -38,11 +37,12 @@ impl SlotDraft {
 /// The drafters of a batch's slots, and the policy that sizes each step's blocks.
 pub struct SlotDrafters {
     opts: SpecOptions,
-    forks: Forks,
     policy: DraftLengthPolicy,
     slots: HashMap<usize, SlotDraft>,
+    /// What each slot's drafter is forked from ([`DraftSource::fork`]).
+    template: Box<dyn DraftSource>,
     /// Drafters of slots that left, for the next slots (each `begin` starts one afresh), so
-    /// a drafter with weights is opened once per concurrent slot rather than per request.
+    /// a drafter is forked once per concurrent slot rather than per request.
     idle: Vec<Box<dyn DraftSource>>,
     /// The target layers the drafters read (see [`SlotDrafters::tap_layers`]).
     taps: Vec<usize>,
@@ -63,27 +63,23 @@ fn view<'a>(model: &'a mut dyn LanguageModel, none: &'a Caches) -> TargetView<'a
 }
 
 impl SlotDrafters {
-    /// Drafters of `opts` for each slot of a batch on `target` (opened with `forks`), sized by
-    /// `policy`; `None` when that kind cannot draft per slot. One drafter is opened here.
+    /// A drafter forked from `template` (the drafter `opts` opens) for each slot, sized by
+    /// `policy`. The template's kind must draft per slot (`factory::drafts_per_slot`).
     pub fn new(
         opts: &SpecOptions,
         policy: DraftLengthPolicy,
-        target: &dyn LanguageModel,
-        forks: Forks,
-    ) -> Result<Option<Self>> {
-        let Some(first) = open_slot_source(opts, target, forks)? else {
-            return Ok(None);
-        };
-        Ok(Some(Self {
+        template: Box<dyn DraftSource>,
+    ) -> Self {
+        Self {
             opts: opts.clone(),
-            forks,
             policy,
             slots: HashMap::new(),
-            taps: first.tap_layers(),
-            idle: vec![first],
+            taps: template.tap_layers(),
+            template,
+            idle: Vec::new(),
             last_step: None,
             step_started: None,
-        }))
+        }
     }
 
     /// The target layers whose outputs the batch must hand to each row
@@ -109,10 +105,12 @@ impl SlotDrafters {
     ) -> Result<()> {
         let mut source = match self.idle.pop() {
             Some(s) => s,
-            None => match open_slot_source(&self.opts, &*model, self.forks)? {
-                Some(s) => s,
-                None => return Ok(()),
-            },
+            None => self.template.fork()?.ok_or_else(|| {
+                EngineError::Runtime(format!(
+                    "the {} drafter cannot draft for one sequence of a batch",
+                    self.template.name()
+                ))
+            })?,
         };
         source.configure_sampling(temp, self.opts.verify);
         source.begin(view(model, &Vec::new()), prompt)?;
@@ -290,6 +288,15 @@ impl SlotDrafters {
     /// The policy, with the step costs it has taken in.
     pub fn into_policy(self) -> DraftLengthPolicy {
         self.policy
+    }
+
+    /// Ends a batch: every slot's drafter goes back to the idle ones, and the next batch's
+    /// first step starts the step timing afresh.
+    pub fn end_batch(&mut self) {
+        self.idle
+            .extend(self.slots.drain().map(|(_, slot)| slot.source));
+        self.last_step = None;
+        self.step_started = None;
     }
 
     /// Ends sequence `uid`'s drafting; its counters, when it had a drafter.

@@ -73,6 +73,14 @@ pub trait DraftSource {
     fn round_note(&self) -> Option<RoundNote> {
         None
     }
+
+    /// Another drafter like this one, with no sequence of its own yet, for another sequence of
+    /// the same target: one per slot of a batch (sharing weights where the kind can). `None`
+    /// for kinds that read the target's caches of one sequence, which a batch does not hand
+    /// out per row.
+    fn fork(&self) -> Result<Option<Box<dyn DraftSource>>> {
+        Ok(None)
+    }
 }
 
 /// A borrowed drafter drafts like the drafter itself, so one drafter can serve many
@@ -105,6 +113,9 @@ impl<T: DraftSource + ?Sized> DraftSource for &mut T {
     }
     fn round_note(&self) -> Option<RoundNote> {
         (**self).round_note()
+    }
+    fn fork(&self) -> Result<Option<Box<dyn DraftSource>>> {
+        (**self).fork()
     }
 }
 

@@ -7,11 +7,14 @@ use crate::engine::error::{EngineError, Result};
 use crate::engine::forks::Forks;
 use crate::engine::models::{self, LanguageModel};
 use crate::engine::tokenizer::Tokenizer;
+use std::cell::RefCell;
 use std::path::Path;
+use std::rc::Rc;
 
 /// The `model` drafter.
 pub struct TwoModelSource {
-    model: Box<dyn LanguageModel>,
+    /// Shared by the drafters of a batch's slots (each has its own caches); they draft in turn.
+    model: Rc<RefCell<Box<dyn LanguageModel>>>,
     state: CachedDrafter,
     prefill_step: usize,
 }
@@ -62,7 +65,7 @@ impl TwoModelSource {
         }
         let caches = loaded.model.make_caches();
         Ok(Self {
-            model: loaded.model,
+            model: Rc::new(RefCell::new(loaded.model)),
             state: CachedDrafter::new(caches, Vec::new()),
             prefill_step,
         })
@@ -76,14 +79,14 @@ impl DraftSource for TwoModelSource {
 
     fn begin(&mut self, _target: TargetView<'_>, prompt: &[u32]) -> Result<()> {
         // Start from empty caches: the same drafter may serve one generation after another.
-        self.state = CachedDrafter::new(self.model.make_caches(), Vec::new());
-        let model = &mut self.model;
+        let mut model = self.model.borrow_mut();
+        self.state = CachedDrafter::new(model.make_caches(), Vec::new());
         self.state
             .prefill(prompt, self.prefill_step, &mut |x, c| model.forward(x, c))
     }
 
     fn draft(&mut self, _target: TargetView<'_>, sequence: &[u32], n: usize) -> Result<Draft> {
-        let model = &mut self.model;
+        let mut model = self.model.borrow_mut();
         let tokens = self
             .state
             .draft(sequence, n, &mut |x, c| model.forward(x, c))?;
@@ -94,8 +97,17 @@ impl DraftSource for TwoModelSource {
     }
 
     fn commit(&mut self, _target: TargetView<'_>, committed: usize) -> Result<()> {
-        let model = &mut self.model;
+        let mut model = self.model.borrow_mut();
         self.state
             .commit(committed, &mut |x, c| model.forward(x, c))
+    }
+
+    fn fork(&self) -> Result<Option<Box<dyn DraftSource>>> {
+        let caches = self.model.borrow().make_caches();
+        Ok(Some(Box::new(Self {
+            model: Rc::clone(&self.model),
+            state: CachedDrafter::new(caches, Vec::new()),
+            prefill_step: self.prefill_step,
+        })))
     }
 }

@@ -16,12 +16,15 @@ use crate::spec::factory::SpecOptions;
 use crate::spec::metrics::SpecMetrics;
 use crate::spec::policy::{DraftLengthPolicy, DraftPolicy};
 use crate::spec::slots::SlotDrafters;
+use crate::spec::source::DraftSource;
 use std::time::{Duration, Instant};
 
 /// How a batched measurement runs.
 pub struct BatchedMeasure<'a> {
     /// The drafter every sequence drafts with (one that drafts per slot).
     pub opts: &'a SpecOptions,
+    /// That drafter, opened: each group's slots draft with drafters forked from it.
+    pub drafter: &'a dyn DraftSource,
     /// How each step's block width is chosen.
     pub policy: DraftPolicy,
     /// Sequences decoded at once.
@@ -76,17 +79,12 @@ impl BatchedMeasure<'_> {
         let mut gen = self.generator(model, group.len())?;
         let mut drafters = match drafting {
             Some(policy) => {
-                let d = SlotDrafters::new(
-                    self.opts,
-                    policy.clone(),
-                    model.model.as_ref(),
-                    model.plan.forks,
-                )?
-                .ok_or_else(|| {
+                let template = self.drafter.fork()?.ok_or_else(|| {
                     EngineError::Input(
                         "this drafter cannot draft per sequence in a batch; measure it with --n-parallel 1".into(),
                     )
                 })?;
+                let d = SlotDrafters::new(self.opts, policy.clone(), template);
                 gen = gen
                     .speculative(model.model.as_ref())?
                     .tapping(d.tap_layers());

@@ -27,7 +27,7 @@ use crate::spec::trace::RoundNote;
 use mlx_rs::ops::indexing::IndexOp;
 use mlx_rs::transforms::eval;
 use mlx_rs::{ops, Array, Dtype};
-use std::path::Path;
+use std::path::{Path, PathBuf};
 
 /// The environment variable giving a global confidence threshold.
 pub const MIN_CONF_ENV: &str = "MLXB_DSPARK_MINCONF";
@@ -103,6 +103,18 @@ pub struct DsparkSource {
     prune: PruneMode,
     last: Option<BlockRecord>,
     passes: usize,
+    /// Where it was loaded from, so a batch's slots can load drafters of their own.
+    origin: Option<Origin>,
+}
+
+/// What [`DsparkSource::open`] loaded a drafter with.
+#[derive(Debug, Clone)]
+struct Origin {
+    path: PathBuf,
+    min_conf: Option<f64>,
+    forks: Forks,
+    /// The target's dtype, which the drafter computes in.
+    dtype: Dtype,
 }
 
 impl DsparkSource {
@@ -114,18 +126,32 @@ impl DsparkSource {
         min_conf: Option<f64>,
         forks: Forks,
     ) -> Result<Self> {
-        let facts = TargetFacts::of(target)?;
-        let mut ckpt = checkpoint::load(path)?;
-        ckpt.config.check_target(&facts, &ckpt.dir)?;
-        let dtype = target.embed(&Array::from_slice(&[0i32], &[1, 1]))?.dtype();
-        cast_floats(&mut ckpt.weights, dtype)?;
+        let origin = Origin {
+            path: path.to_owned(),
+            min_conf,
+            forks,
+            dtype: target.embed(&Array::from_slice(&[0i32], &[1, 1]))?.dtype(),
+        };
+        Self::load(origin, Some(&TargetFacts::of(target)?))
+    }
+
+    /// Loads the checkpoint `origin` names, checked against `facts` when given.
+    fn load(origin: Origin, facts: Option<&TargetFacts>) -> Result<Self> {
+        let mut ckpt = checkpoint::load(&origin.path)?;
+        if let Some(facts) = facts {
+            ckpt.config.check_target(facts, &ckpt.dir)?;
+        }
+        let forks = origin.forks;
+        cast_floats(&mut ckpt.weights, origin.dtype)?;
         // The drafter's products take the host kernels on the same terms as the target's.
         ckpt.weights.set_host_kernel(forks.host_q4());
         ckpt.weights.set_host_matvec(forks.host_dense());
         let module =
             DsparkModule::build(&ckpt.config, &mut ckpt.weights, forks.compiled_activations)?;
         ckpt.weights.finish()?;
-        Ok(Self::new(module, min_conf))
+        let mut source = Self::new(module, origin.min_conf);
+        source.origin = Some(origin);
+        Ok(source)
     }
 
     /// Wraps a built module (thresholds from `min_conf`, else from its config).
@@ -145,6 +171,7 @@ impl DsparkSource {
             prune: PruneMode::default(),
             last: None,
             passes: 0,
+            origin: None,
         }
     }
 
@@ -325,6 +352,15 @@ impl DraftSource for DsparkSource {
 
     fn block_size(&self) -> Option<usize> {
         Some(self.config().block_size)
+    }
+
+    fn fork(&self) -> Result<Option<Box<dyn DraftSource>>> {
+        // A drafter built from a module in memory has no checkpoint to load again.
+        let Some(origin) = &self.origin else {
+            return Ok(None);
+        };
+        let source = Self::load(origin.clone(), None)?.with_prune(self.prune);
+        Ok(Some(Box::new(source)))
     }
 
     fn configure_sampling(&mut self, temp: f64, verify: VerifyMode) {
