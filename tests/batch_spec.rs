@@ -340,17 +340,7 @@ fn sampled_rows_keep_their_distribution_in_a_drafting_batch() {
     );
     for (p, (plain_p, spec_p)) in counts[0].iter().zip(&counts[1]).enumerate() {
         for (pos, (plain, spec)) in plain_p.iter().zip(spec_p).enumerate() {
-            let mut chi2 = 0.0;
-            let mut dof = 0;
-            for i in 0..vocab {
-                let total = plain[i] + spec[i];
-                if total < 10.0 {
-                    continue;
-                }
-                let e = total / 2.0;
-                chi2 += (plain[i] - e).powi(2) / e + (spec[i] - e).powi(2) / e;
-                dof += 1;
-            }
+            let (chi2, dof) = common::two_sample_chi_square(plain, spec);
             // 99.9th percentile of chi-square with up to 11 dof is 31.3.
             assert!(dof >= 3, "prompt {p}: too concentrated to test: {plain:?}");
             assert!(

@@ -222,17 +222,7 @@ fn rejection_sampling_is_lossless_in_distribution() {
         }
     }
     // Two-sample chi-square over categories with enough mass.
-    let mut chi2 = 0.0;
-    let mut dof = 0;
-    for i in 0..vocab {
-        let total = plain[i] + spec[i];
-        if total < 10.0 {
-            continue;
-        }
-        let e = total / 2.0;
-        chi2 += (plain[i] - e).powi(2) / e + (spec[i] - e).powi(2) / e;
-        dof += 1;
-    }
+    let (chi2, dof) = common::two_sample_chi_square(&plain, &spec);
     // 99.9th percentile of chi-square with up to 11 dof is 31.3.
     assert!(dof >= 3, "distribution too concentrated to test: {plain:?}");
     assert!(chi2 < 31.3, "speculative sampling changed the distribution: chi2 {chi2:.1} over {dof} bins; plain {plain:?} spec {spec:?}");

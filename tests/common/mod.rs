@@ -483,3 +483,20 @@ pub fn single_stream(
         .unwrap();
     alone
 }
+
+/// Two-sample chi-square of two count vectors over the categories with at least 10 counts in
+/// all, and how many categories that is (the degrees of freedom, plus one).
+pub fn two_sample_chi_square(a: &[f64], b: &[f64]) -> (f64, usize) {
+    let mut chi2 = 0.0;
+    let mut bins = 0;
+    for (&x, &y) in a.iter().zip(b) {
+        let total = x + y;
+        if total < 10.0 {
+            continue;
+        }
+        let e = total / 2.0;
+        chi2 += (x - e).powi(2) / e + (y - e).powi(2) / e;
+        bins += 1;
+    }
+    (chi2, bins)
+}
