@@ -356,19 +356,19 @@ fn batched_measure_checks_against_the_plain_batch_and_refuses_what_it_cannot_com
     assert_eq!(v["drafter"], "dspark", "{v}");
     assert!(v["drafts"].as_u64().unwrap() > 0, "{v}");
     assert_eq!(v["generated_tokens"], v["generated_tokens_vanilla"]);
-    // A draft model (here the target itself, so every draft is kept) drafts per sequence with
-    // caches of its own.
-    let mut a = fx.args("measure", &data, "16");
-    a.extend(["--draft-kind", "model", "--draft-model", s(&fx.target)]);
-    a.extend(["--n-parallel", "2", "--draft-policy", "all", "--json"]);
-    let (code, v, err) = common::run_mlxb_json(&a, &[]);
-    assert_eq!(code, 0, "{err}");
-    assert_eq!(v["lossless_checked"], true, "{v}");
-    assert!(v["accepted_tokens"].as_u64().unwrap() > 0, "{v}");
-    // A drafter that reads the target's caches of one sequence cannot draft per row.
-    let mut a = fx.args("measure", &data, "8");
-    a.extend(["--draft-layers", "1", "--n-parallel", "2"]);
-    let (code, _, err) = common::run_mlxb(&a);
-    common::assert_refused("self", code, &err, &["n-gram", "--n-parallel 1"]);
+    // A draft model (here the target itself, so every draft is kept) and the target's first
+    // layer draft per sequence with caches of their own.
+    for drafter in [
+        ["--draft-kind", "model", "--draft-model", s(&fx.target)],
+        ["--draft-kind", "self", "--draft-layers", "1"],
+    ] {
+        let mut a = fx.args("measure", &data, "16");
+        a.extend(drafter);
+        a.extend(["--n-parallel", "2", "--draft-policy", "all", "--json"]);
+        let (code, v, err) = common::run_mlxb_json(&a, &[]);
+        assert_eq!(code, 0, "{drafter:?}: {err}");
+        assert_eq!(v["lossless_checked"], true, "{v}");
+        assert!(v["drafts"].as_u64().unwrap() > 0, "{v}");
+    }
     assert!(!trace.exists());
 }

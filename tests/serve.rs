@@ -877,7 +877,8 @@ fn answers_alone(s: &Server, prompts: &[String], max_tokens: usize) -> Vec<Strin
 }
 
 /// Drafting per slot (`--max-batch 6` with the n-gram drafter, a DSpark drafter, which reads
-/// each row's tapped target outputs, and a draft model): six concurrent greedy requests, each
+/// each row's tapped target outputs, a draft model and the target's first layer): six
+/// concurrent greedy requests, each
 /// drafting for itself and verified together, answer exactly as the same prompts asked one
 /// at a time of a server without a drafter; per-request draft counters add up to the
 /// server's, and the draft-length policy's choices are counted by block width. Both
@@ -902,20 +903,15 @@ fn batched_drafting_answers_as_alone() {
         &["--tap-layers", "0"],
     ));
     assert_eq!(code, 0, "{err}");
-    let drafters: [&[&str]; 3] = [
-        &["--draft-kind", "ngram", "--num-draft-tokens", "3"],
-        &["--drafter", dspark, "--dspark-min-conf", "0"],
+    let n3 = ["--num-draft-tokens", "3"];
+    let drafters: [Vec<&str>; 4] = [
+        [&["--draft-kind", "ngram"][..], &n3].concat(),
+        vec!["--drafter", dspark, "--dspark-min-conf", "0"],
         // The target as its own draft model: every slot's own caches, one shared model.
-        &[
-            "--draft-kind",
-            "model",
-            "--draft-model",
-            model,
-            "--num-draft-tokens",
-            "3",
-        ],
+        [&["--draft-kind", "model", "--draft-model", model][..], &n3].concat(),
+        [&["--draft-kind", "self", "--draft-layers", "1"][..], &n3].concat(),
     ];
-    for flags in drafters {
+    for flags in &drafters {
         for policy in ["all", "cost"] {
             let rounds = concurrent_drafted_answers(flags, policy, &prompts, &expected);
             assert!(

@@ -100,7 +100,7 @@ fn batch_refusal(args: &MeasureArgs, opts: &SpecOptions) -> anyhow::Result<Optio
     }
     let params = args.sampling.text_params(&args.model);
     Ok(if !drafts_per_slot(opts) {
-        Some("measure --n-parallel drafts per sequence in a batch, which the n-gram, DSpark and model drafters do; measure this drafter one stream at a time (--n-parallel 1)".into())
+        Some("measure --n-parallel drafts per sequence in a batch, which every drafter but the assistant does; measure this drafter one stream at a time (--n-parallel 1)".into())
     } else if params.sampler.temp != 0.0 {
         Some("measure --n-parallel compares greedy batches (--temp 0): sampled rows of a batch share one random stream, so the two batches could not be compared".into())
     } else if !LogitsProcessors::new(&params.processors)?.is_empty() {

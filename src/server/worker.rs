@@ -246,7 +246,7 @@ impl State {
         if cfg.max_batch > 1 {
             if info.drafter.is_some() && slot_drafting.is_none() {
                 info.batch_note = Some(
-                    "this drafter reads the target's per-request state, so its requests decode one at a time (n-gram, DSpark and model drafters draft per slot)"
+                    "this drafter reads the target's caches of each request, so its requests decode one at a time (every drafter but the assistant drafts per slot)"
                         .into(),
                 );
             } else {

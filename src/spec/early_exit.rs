@@ -1,7 +1,8 @@
 //! The `self` drafter (early exit): the target's own first K layers, then its final norm and
 //! LM head. A real drafter for any target without training. Its caches start as copies of
 //! the target's first K caches after the prompt (identical computations), so it costs no
-//! extra prefill.
+//! extra prefill; a drafter for one slot of a batch, which is not handed the target's caches
+//! of its sequence, fills caches of its own at its first draft.
 
 use super::autoregressive::{CachedDrafter, ForwardFn};
 use super::source::{Draft, DraftSource, TargetView};
@@ -51,7 +52,8 @@ impl DraftSource for EarlyExitSource {
     }
 
     fn begin(&mut self, target: TargetView<'_>, prompt: &[u32]) -> Result<()> {
-        let total = target.caches.len();
+        let mut caches = target.model.make_caches();
+        let total = caches.len();
         if self.layers == 0 || self.layers >= total {
             return Err(EngineError::Input(format!(
                 "--draft-layers {} is out of range: the target has {total} layers (use 1..{})",
@@ -59,8 +61,12 @@ impl DraftSource for EarlyExitSource {
                 total - 1
             )));
         }
-        let mut caches = target.model.make_caches();
         caches.truncate(self.layers);
+        if target.caches.is_empty() {
+            // A batch's slot: the first draft feeds the whole prompt.
+            self.state = Some(CachedDrafter::new(caches, Vec::new()));
+            return Ok(());
+        }
         for (own, theirs) in caches.iter_mut().zip(target.caches.iter()) {
             // A copy of the target's cache, of its kind (it may be quantized by now).
             match theirs.clone_box() {
@@ -82,5 +88,9 @@ impl DraftSource for EarlyExitSource {
 
     fn commit(&mut self, target: TargetView<'_>, committed: usize) -> Result<()> {
         self.with_state(target, |state, forward| state.commit(committed, forward))
+    }
+
+    fn fork(&self) -> Result<Option<Box<dyn DraftSource>>> {
+        Ok(Some(Box::new(Self::new(self.layers))))
     }
 }
