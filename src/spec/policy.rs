@@ -88,9 +88,9 @@ pub struct StepCost {
     pub seconds: f64,
 }
 
-/// One row as the policy sees it: how many tokens its drafter proposed and how often its
-/// drafts have been kept.
-#[derive(Debug, Clone, Copy)]
+/// One row as the policy sees it: how many tokens its drafter proposed, how sure the drafter
+/// is of each, and how often its drafts have been kept.
+#[derive(Debug, Clone, Default)]
 pub struct RowOutlook {
     /// Drafted tokens on offer (after the guess, if there is one).
     pub proposed: usize,
@@ -100,17 +100,16 @@ pub struct RowOutlook {
     pub accepted: usize,
     /// Drafts verified so far.
     pub drafted: usize,
+    /// The drafter's own chance that each proposed token (the guess first, if there is one)
+    /// is kept once the ones before it are: DSpark's calibrated confidences. Positions past
+    /// its end take the row's acceptance so far.
+    pub keep: Vec<f64>,
 }
 
 impl RowOutlook {
     /// A row with nothing to offer (no drafter, or no room).
     pub fn plain() -> Self {
-        Self {
-            proposed: 0,
-            guessed: false,
-            accepted: 0,
-            drafted: 0,
-        }
+        Self::default()
     }
 
     /// The chance a draft is kept: kept / verified with two drafts kept at rate `prior`
@@ -120,14 +119,21 @@ impl RowOutlook {
     }
 
     /// Tokens the row hands out from a block with `k` of its drafts (each kept only if every
-    /// draft before it and the guess, if any, were right), its acceptance starting at `prior`.
+    /// draft before it and the guess, if any, were right): each position kept with the
+    /// drafter's own chance ([`Self::keep`]) where it gives one, else with the row's
+    /// acceptance starting at `prior`.
     pub fn expected_tokens(&self, k: usize, prior: f64) -> f64 {
         let a = self.acceptance(prior);
         let k = k.min(self.proposed);
-        let start = if self.guessed { a } else { 1.0 };
-        (1..=k)
-            .fold((1.0, start), |(sum, p), _| (sum + p * a, p * a))
-            .0
+        let chance = |j: usize| self.keep.get(j).copied().unwrap_or(a);
+        let guess = usize::from(self.guessed);
+        let mut reach: f64 = (0..guess).map(chance).product();
+        let mut sum = 1.0;
+        for j in guess..guess + k {
+            reach *= chance(j);
+            sum += reach;
+        }
+        sum
     }
 }
 
@@ -276,9 +282,9 @@ mod tests {
     fn row(proposed: usize, accepted: usize, drafted: usize) -> RowOutlook {
         RowOutlook {
             proposed,
-            guessed: false,
             accepted,
             drafted,
+            ..RowOutlook::default()
         }
     }
 
@@ -308,6 +314,24 @@ mod tests {
             ..row(2, 0, 0)
         };
         assert_eq!(guessed.expected_tokens(2, 0.5), 1.0 + 0.25 + 0.125);
+    }
+
+    #[test]
+    fn a_drafters_own_confidences_replace_the_acceptance_where_given() {
+        // Confidences 0.9 then 0.5, the third position at the acceptance 1/2.
+        let sure = RowOutlook {
+            keep: vec![0.9, 0.5],
+            ..row(3, 0, 0)
+        };
+        let want = 1.0 + 0.9 + 0.45 + 0.225;
+        assert!((sure.expected_tokens(3, 0.5) - want).abs() < 1e-12);
+        // With a guess, its confidence comes first.
+        let guessed = RowOutlook {
+            guessed: true,
+            keep: vec![0.8, 0.5],
+            ..row(1, 0, 0)
+        };
+        assert!((guessed.expected_tokens(1, 0.5) - (1.0 + 0.4)).abs() < 1e-12);
     }
 
     #[test]

@@ -172,6 +172,7 @@ impl SlotDrafters {
             };
             let n = slot.room_for_drafts(row);
             let mut proposed = Vec::new();
+            let mut keep = Vec::new();
             if n > 0 {
                 let started = Instant::now();
                 if let Some(next) = row.next {
@@ -189,12 +190,20 @@ impl SlotDrafters {
                 }
                 slot.metrics.draft_seconds += started.elapsed().as_secs_f64();
                 proposed.truncate(n + pending);
+                // The drafter's confidences follow what it drafted: a guess of an unread
+                // pending token first, then the drafts (a read one is not drafted).
+                keep = slot
+                    .source
+                    .round_note()
+                    .map(|note| note.confidence)
+                    .unwrap_or_default();
             }
             outlook.push(RowOutlook {
                 proposed: proposed.len().saturating_sub(pending),
                 guessed: row.next_pending && row.next.is_none(),
                 accepted: slot.metrics.accepted_tokens,
                 drafted: slot.metrics.drafted_tokens,
+                keep,
             });
             if proposed.len() > pending {
                 drafts.insert(row.uid, (proposed, pending));
@@ -222,6 +231,7 @@ impl SlotDrafters {
                     guessed: row.next_pending && row.next.is_none(),
                     accepted: slot.metrics.accepted_tokens,
                     drafted: slot.metrics.drafted_tokens,
+                    keep: Vec::new(),
                 },
                 None => RowOutlook::plain(),
             })
