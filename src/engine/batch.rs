@@ -586,7 +586,6 @@ impl BatchGenerator {
         let mut uids = Vec::with_capacity(requests.len());
         for request in requests {
             let skip = request.prefix.as_ref().map_or(0, |p| p.len);
-            let cached = skip;
             let (last, head) = request.prompt[skip..].split_last().unwrap_or((&0, &[]));
             let mut segments = VecDeque::new();
             if !head.is_empty() {
@@ -602,7 +601,7 @@ impl BatchGenerator {
                 sampler: request.sampler,
                 prefix: request.prefix,
                 alone: true,
-                cached,
+                cached: skip,
                 tapped: Vec::new(),
             });
             uids.push(uid);

@@ -32,6 +32,18 @@ impl SlotDraft {
         let pending = usize::from(row.next_pending);
         self.limit.min(row.room.saturating_sub(1 + pending))
     }
+
+    /// `row` as the policy sees it with `proposed` drafts on offer, kept with the drafter's
+    /// own chances `keep` (see [`RowOutlook::keep`]).
+    fn outlook(&self, row: &DecodingRow, proposed: usize, keep: Vec<f64>) -> RowOutlook {
+        RowOutlook {
+            proposed,
+            guessed: row.next_pending && row.next.is_none(),
+            accepted: self.metrics.accepted_tokens,
+            drafted: self.metrics.drafted_tokens,
+            keep,
+        }
+    }
 }
 
 /// The drafters of a batch's slots, and the policy that sizes each step's blocks.
@@ -44,8 +56,6 @@ pub struct SlotDrafters {
     /// Drafters of slots that left, for the next slots (each `begin` starts one afresh), so
     /// a drafter is forked once per concurrent slot rather than per request.
     idle: Vec<Box<dyn DraftSource>>,
-    /// The target layers the drafters read (see [`SlotDrafters::tap_layers`]).
-    taps: Vec<usize>,
     /// The rows and block width of the latest proposal, until its step's time is taken in.
     last_step: Option<(usize, usize)>,
     /// When the step under way (see [`SlotDrafters::step`]) started, and the generator's
@@ -74,7 +84,6 @@ impl SlotDrafters {
             opts: opts.clone(),
             policy,
             slots: HashMap::new(),
-            taps: template.tap_layers(),
             template,
             idle: Vec::new(),
             last_step: None,
@@ -85,7 +94,7 @@ impl SlotDrafters {
     /// The target layers whose outputs the batch must hand to each row
     /// ([`BatchGenerator::tapping`]); empty for drafters that read tokens only.
     pub fn tap_layers(&self) -> Vec<usize> {
-        self.taps.clone()
+        self.template.tap_layers()
     }
 
     /// The block width the policy chose for the step under way (1: no drafts); `None` when
@@ -198,13 +207,7 @@ impl SlotDrafters {
                     .map(|note| note.confidence)
                     .unwrap_or_default();
             }
-            outlook.push(RowOutlook {
-                proposed: proposed.len().saturating_sub(pending),
-                guessed: row.next_pending && row.next.is_none(),
-                accepted: slot.metrics.accepted_tokens,
-                drafted: slot.metrics.drafted_tokens,
-                keep,
-            });
+            outlook.push(slot.outlook(row, proposed.len().saturating_sub(pending), keep));
             if proposed.len() > pending {
                 drafts.insert(row.uid, (proposed, pending));
             }
@@ -226,13 +229,7 @@ impl SlotDrafters {
     fn best_case(&self, rows: &[DecodingRow]) -> Vec<RowOutlook> {
         rows.iter()
             .map(|row| match self.slots.get(&row.uid) {
-                Some(slot) => RowOutlook {
-                    proposed: slot.room_for_drafts(row),
-                    guessed: row.next_pending && row.next.is_none(),
-                    accepted: slot.metrics.accepted_tokens,
-                    drafted: slot.metrics.drafted_tokens,
-                    keep: Vec::new(),
-                },
+                Some(slot) => slot.outlook(row, slot.room_for_drafts(row), Vec::new()),
                 None => RowOutlook::plain(),
             })
             .collect()
