@@ -1,5 +1,6 @@
 //! Prompt-lookup drafting: find the latest earlier occurrence of the sequence's last n-gram
-//! (longest first) and propose what followed it. No model, no state.
+//! (longest first) and propose what followed it. No model; the only state is the length of
+//! the latest match (a longer match is kept more often, which a batch's policy learns).
 
 use super::source::{Draft, DraftSource, TargetView};
 use crate::engine::error::Result;
@@ -8,16 +9,28 @@ use crate::engine::error::Result;
 pub struct NgramSource {
     max: usize,
     min: usize,
+    /// The n-gram size the latest proposal continued (`None`: it found no match).
+    last_match: Option<usize>,
 }
 
 impl NgramSource {
     /// Matches n-grams of `min..=max` tokens.
     pub fn new(min: usize, max: usize) -> Self {
-        Self { max, min }
+        Self {
+            max,
+            min,
+            last_match: None,
+        }
     }
 
     /// The continuation of the latest earlier match of the last n-gram, at most `n` tokens.
     pub fn lookup(&self, seq: &[u32], n: usize) -> Vec<u32> {
+        self.matched(seq, n)
+            .map_or_else(Vec::new, |(tokens, _)| tokens)
+    }
+
+    /// [`Self::lookup`]'s continuation with the size of the n-gram it matched.
+    fn matched(&self, seq: &[u32], n: usize) -> Option<(Vec<u32>, usize)> {
         for size in (self.min..=self.max).rev() {
             if seq.len() <= size {
                 continue;
@@ -30,12 +43,12 @@ impl NgramSource {
                     let from = start + size;
                     let to = (from + n).min(seq.len());
                     if from < to {
-                        return seq[from..to].to_vec();
+                        return Some((seq[from..to].to_vec(), size));
                     }
                 }
             }
         }
-        Vec::new()
+        None
     }
 }
 
@@ -49,10 +62,16 @@ impl DraftSource for NgramSource {
     }
 
     fn draft(&mut self, _target: TargetView<'_>, sequence: &[u32], n: usize) -> Result<Draft> {
+        let found = self.matched(sequence, n);
+        self.last_match = found.as_ref().map(|(_, size)| *size);
         Ok(Draft {
-            tokens: self.lookup(sequence, n),
+            tokens: found.map_or_else(Vec::new, |(tokens, _)| tokens),
             probs: None,
         })
+    }
+
+    fn proposal_group(&self) -> Option<usize> {
+        self.last_match
     }
 
     fn commit(&mut self, _target: TargetView<'_>, _committed: usize) -> Result<()> {

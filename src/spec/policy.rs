@@ -150,6 +150,42 @@ pub enum DraftPolicy {
 /// Weight of the newest step in a shape's running average of costs.
 const NEWEST_STEP_WEIGHT: f64 = 0.2;
 
+/// Per proposal group, per draft position: how often a draft that was reached (every draft
+/// before it kept) was kept.
+#[derive(Debug, Clone, Default)]
+struct GroupAcceptance {
+    /// `(kept, reached)` by group, then by draft position.
+    counts: HashMap<usize, Vec<(usize, usize)>>,
+}
+
+impl GroupAcceptance {
+    /// Groups beyond this share its counts (longer n-gram matches behave alike).
+    const MAX_GROUP: usize = 8;
+
+    fn observe(&mut self, group: usize, proposed: usize, accepted: usize) {
+        let cells = self.counts.entry(group.min(Self::MAX_GROUP)).or_default();
+        let reached = proposed.min(accepted + 1);
+        if cells.len() < reached {
+            cells.resize(reached, (0, 0));
+        }
+        for (j, cell) in cells.iter_mut().take(reached).enumerate() {
+            cell.0 += usize::from(j < accepted);
+            cell.1 += 1;
+        }
+    }
+
+    /// Each position's kept / reached, with two drafts kept at rate `prior` assumed first.
+    fn chances(&self, group: usize, n: usize, prior: f64) -> Vec<f64> {
+        let cells = self.counts.get(&group.min(Self::MAX_GROUP));
+        (0..n)
+            .map(|j| {
+                let (kept, reached) = cells.and_then(|c| c.get(j)).copied().unwrap_or((0, 0));
+                (kept as f64 + 2.0 * prior) / (reached as f64 + 2.0)
+            })
+            .collect()
+    }
+}
+
 /// Picks each step's block width from a [`CostTable`] and the steps taken since.
 #[derive(Debug, Clone)]
 pub struct DraftLengthPolicy {
@@ -160,6 +196,9 @@ pub struct DraftLengthPolicy {
     /// Drafts kept and drafts verified over every row so far: a new row's acceptance starts
     /// from what the drafter achieves on this workload rather than from 1/2.
     pooled: (usize, usize),
+    /// Acceptance by proposal group and draft position, for drafters that group their
+    /// proposals instead of giving confidences (n-gram: by match length).
+    groups: GroupAcceptance,
     /// Steps with drafts on offer that were decoded plainly since the last verify step.
     plain_since_verify: usize,
     /// An exploring width was given and its step may ask again (once its pending tokens are
@@ -175,10 +214,15 @@ const EXPLORE_EVERY: usize = 16;
 impl DraftLengthPolicy {
     /// A policy over `table`.
     pub fn new(table: CostTable) -> Self {
+        Self::with_table(Some(table))
+    }
+
+    fn with_table(table: Option<CostTable>) -> Self {
         Self {
-            table: Some(table),
+            table,
             seen: HashMap::new(),
             pooled: (0, 0),
+            groups: GroupAcceptance::default(),
             plain_since_verify: 0,
             exploring: false,
         }
@@ -202,13 +246,7 @@ impl DraftLengthPolicy {
 
     /// The policy that verifies every proposal in full.
     pub fn all() -> Self {
-        Self {
-            table: None,
-            seen: HashMap::new(),
-            pooled: (0, 0),
-            plain_since_verify: 0,
-            exploring: false,
-        }
+        Self::with_table(None)
     }
 
     /// Takes in what a step of some shape cost.
@@ -223,6 +261,19 @@ impl DraftLengthPolicy {
     pub fn observe_acceptance(&mut self, proposed: usize, accepted: usize) {
         self.pooled.0 += accepted;
         self.pooled.1 += proposed;
+    }
+
+    /// Takes in a verify result of a proposal in group `group`
+    /// ([`crate::spec::source::DraftSource::proposal_group`]).
+    pub fn observe_group(&mut self, group: usize, proposed: usize, accepted: usize) {
+        self.groups.observe(group, proposed, accepted);
+    }
+
+    /// The chance that each of the first `n` drafts of a proposal in group `group` is kept
+    /// once the ones before it are, as learnt from that group's earlier proposals (from the
+    /// pooled prior where it has seen few).
+    pub fn group_chances(&self, group: usize, n: usize) -> Vec<f64> {
+        self.groups.chances(group, n, self.prior())
     }
 
     /// A new row's acceptance: the pooled rate of every row so far, from 1/2 with one kept and
@@ -332,6 +383,40 @@ mod tests {
             ..row(1, 0, 0)
         };
         assert!((guessed.expected_tokens(1, 0.5) - (1.0 + 0.4)).abs() < 1e-12);
+    }
+
+    #[test]
+    fn grouped_proposals_learn_each_positions_acceptance() {
+        let mut policy = DraftLengthPolicy::all();
+        // Nothing seen: every position at the prior of 1/2.
+        assert_eq!(policy.group_chances(3, 2), vec![0.5, 0.5]);
+        // Group 3: four drafts kept in full, then one rejected at its second position.
+        for _ in 0..4 {
+            policy.observe_group(3, 4, 4);
+        }
+        policy.observe_group(3, 4, 1);
+        // Group 1: always rejected at once (the later positions are never reached).
+        for _ in 0..6 {
+            policy.observe_group(1, 4, 0);
+        }
+        let prior = policy.prior();
+        let sure = policy.group_chances(3, 5);
+        let want = [
+            (5.0 + 2.0 * prior) / 7.0,
+            (4.0 + 2.0 * prior) / 7.0,
+            (4.0 + 2.0 * prior) / 6.0,
+            (4.0 + 2.0 * prior) / 6.0,
+            prior,
+        ];
+        for (got, want) in sure.iter().zip(want) {
+            assert!((got - want).abs() < 1e-12, "{sure:?}");
+        }
+        let unsure = policy.group_chances(1, 2);
+        assert!((unsure[0] - 2.0 * prior / 8.0).abs() < 1e-12);
+        assert_eq!(unsure[1], prior);
+        // Long matches share one group.
+        policy.observe_group(40, 1, 1);
+        assert_eq!(policy.group_chances(9, 1), policy.group_chances(8, 1));
     }
 
     #[test]

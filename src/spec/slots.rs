@@ -22,6 +22,8 @@ struct SlotDraft {
     sequence: Vec<u32>,
     /// Most tokens drafted per step for it (its request's `num_draft_tokens`).
     limit: usize,
+    /// The group of its latest proposal ([`DraftSource::proposal_group`]).
+    group: Option<usize>,
     metrics: SpecMetrics,
 }
 
@@ -133,6 +135,7 @@ impl SlotDrafters {
                 source,
                 sequence: prompt.to_vec(),
                 limit,
+                group: None,
                 metrics,
             },
         );
@@ -200,12 +203,18 @@ impl SlotDrafters {
                 slot.metrics.draft_seconds += started.elapsed().as_secs_f64();
                 proposed.truncate(n + pending);
                 // The drafter's confidences follow what it drafted: a guess of an unread
-                // pending token first, then the drafts (a read one is not drafted).
+                // pending token first, then the drafts (a read one is not drafted). A drafter
+                // without any has its proposal's group's acceptance instead.
                 keep = slot
                     .source
                     .round_note()
                     .map(|note| note.confidence)
                     .unwrap_or_default();
+                slot.group = slot.source.proposal_group();
+                if let (true, Some(group)) = (keep.is_empty(), slot.group) {
+                    let drafted = proposed.len() - usize::from(row.next.is_some());
+                    keep = self.policy.group_chances(group, drafted);
+                }
             }
             outlook.push(slot.outlook(row, proposed.len().saturating_sub(pending), keep));
             if proposed.len() > pending {
@@ -285,6 +294,9 @@ impl SlotDrafters {
             };
             slot.metrics.record(v.proposed, v.accepted);
             self.policy.observe_acceptance(v.proposed, v.accepted);
+            if let Some(group) = slot.group {
+                self.policy.observe_group(group, v.proposed, v.accepted);
+            }
             // The target's cache holds every handed-out token but the newest (the next anchor).
             let committed = slot.sequence.len().saturating_sub(1);
             slot.source.commit(view(&mut *model, &none), committed)?;

@@ -74,6 +74,14 @@ pub trait DraftSource {
         None
     }
 
+    /// For a drafter without confidences of its own: a small number that groups its latest
+    /// proposal with earlier ones likely kept as often (n-gram: the length of the suffix it
+    /// matched), so a batch's draft-length policy can learn each group's acceptance. `None` =
+    /// no such grouping.
+    fn proposal_group(&self) -> Option<usize> {
+        None
+    }
+
     /// Another drafter like this one, with no sequence of its own yet, for another sequence of
     /// the same target: one per slot of a batch (sharing weights where the kind can). `None`
     /// for kinds that read the target's caches of one sequence, which a batch does not hand
@@ -113,6 +121,9 @@ impl<T: DraftSource + ?Sized> DraftSource for &mut T {
     }
     fn round_note(&self) -> Option<RoundNote> {
         (**self).round_note()
+    }
+    fn proposal_group(&self) -> Option<usize> {
+        (**self).proposal_group()
     }
     fn fork(&self) -> Result<Option<Box<dyn DraftSource>>> {
         (**self).fork()
