@@ -153,6 +153,109 @@ fn verify_tests_report_the_block_cost_beside_mlx_lm() {
     assert!(out.contains("| v4 @ d4 |"), "{out}");
 }
 
+/// `--baseline llama.cpp` runs llama-bench once per recorded repetition of each `-p`/`-n`
+/// test (its own warm-up stands for the skipped one) and reads its JSON row. A stand-in
+/// llama-bench logs its arguments and answers with a fixed rate, so what mlxb asks and
+/// reports is checked exactly; the real one is timed in docs/performance.md.
+#[test]
+fn llama_cpp_baseline_runs_llama_bench_once_per_repetition() {
+    let dir = tempfile::tempdir().unwrap();
+    let model = dir.path().join("m");
+    tiny_model(&model);
+    let gguf = dir.path().join("m.gguf");
+    std::fs::write(&gguf, b"GGUF").unwrap();
+    let log = dir.path().join("calls.log");
+    let fake = dir.path().join("llama-bench");
+    std::fs::write(
+        &fake,
+        format!(
+            "#!/bin/sh\necho \"$@\" >> {}\necho '[{{\"build_commit\": \"abc1234\", \"avg_ts\": 123.5}}]'\n",
+            log.display()
+        ),
+    )
+    .unwrap();
+    std::process::Command::new("chmod")
+        .args(["+x", fake.to_str().unwrap()])
+        .status()
+        .unwrap();
+    let (fake, gguf) = (fake.to_str().unwrap(), gguf.to_str().unwrap());
+    let llama = [
+        "--baseline",
+        "llama.cpp",
+        "--llama-bench",
+        fake,
+        "--gguf",
+        gguf,
+    ];
+    let run = |extra: &[&str]| {
+        let args = [&["-p", "8", "-n", "4", "-d", "0,4", "-r", "2"], extra].concat();
+        bench(&model, &args)
+    };
+    let (code, out, err) = run(&[&llama[..], &["-o", "json"]].concat());
+    assert_eq!(code, 0, "{err}");
+    let rows: Vec<Row> = serde_json::from_str(&out).unwrap();
+    assert_eq!(rows.len(), 4);
+    for r in &rows {
+        assert_eq!(r.baseline.as_deref(), Some("llama.cpp abc1234"));
+        assert_eq!(r.baseline_samples_ts.as_deref(), Some(&[123.5, 123.5][..]));
+        assert!(r.ratio.is_some());
+    }
+    let threads = std::thread::available_parallelism().unwrap().get();
+    let calls: Vec<String> = std::fs::read_to_string(&log)
+        .unwrap()
+        .lines()
+        .map(str::to_owned)
+        .collect();
+    let want: Vec<String> = [(8, 0, 0), (0, 4, 0), (8, 0, 4), (0, 4, 4)]
+        .iter()
+        .flat_map(|(p, n, d)| {
+            let call = format!("-m {gguf} -p {p} -n {n} -d {d} -r 1 -t {threads} -o json");
+            [call.clone(), call]
+        })
+        .collect();
+    assert_eq!(calls, want);
+    let (code, out, _) = run(&llama);
+    assert_eq!(code, 0);
+    assert!(
+        out.contains("baseline: llama.cpp abc1234 for `vanilla` rows"),
+        "{out}"
+    );
+
+    // What it cannot measure, or cannot find, is one sentence and exit 2 before any model
+    // is loaded.
+    let missing = dir.path().join("nothing.gguf");
+    let cases: [(Vec<&str>, &str); 4] = [
+        (
+            vec!["--baseline", "llama.cpp", "--llama-bench", fake],
+            "add --gguf FILE",
+        ),
+        (
+            [&llama[..], &["--n-verify", "4"]].concat(),
+            "--baseline llama.cpp measures -p and -n tests only",
+        ),
+        (vec!["--gguf", gguf], "--gguf is for --baseline llama.cpp"),
+        (
+            vec![
+                "--baseline",
+                "llama.cpp",
+                "--llama-bench",
+                fake,
+                "--gguf",
+                missing.to_str().unwrap(),
+            ],
+            "nothing.gguf",
+        ),
+    ];
+    for (args, want) in cases {
+        let (code, _, err) = run(&args);
+        assert_eq!(code, 2, "{args:?}: {err}");
+        assert!(
+            err.contains(want) && err.lines().count() == 1,
+            "{args:?}: {err}"
+        );
+    }
+}
+
 #[test]
 fn bad_test_specs_are_clear_errors() {
     let (code, _, err) = bench(Path::new("/nonexistent"), &["-p", "0", "-n", "0"]);

@@ -4,6 +4,7 @@
 //! `--matrix` ([`matrix`]) does the same for every fork and tier against L1.
 
 pub mod baseline;
+pub mod llama_cpp;
 pub mod matrix;
 pub mod progress;
 pub mod report;
@@ -26,8 +27,8 @@ pub struct BenchPlan {
     pub tests: Vec<TestSpec>,
     /// Repetitions after the warm-up.
     pub repetitions: usize,
-    /// Also run mlx-lm in the oracle env.
-    pub baseline: bool,
+    /// A baseline measured in the same run, interleaved.
+    pub baseline: Option<BaselineSpec>,
     /// A drafter to measure against vanilla decoding.
     pub spec: Option<SpecOptions>,
     /// Prefill chunk size.
@@ -38,6 +39,84 @@ impl BenchPlan {
     /// Repetitions recorded in all (what a progress bar counts).
     pub fn total_reps(&self) -> usize {
         self.tests.len() * self.repetitions
+    }
+}
+
+/// Which baseline a plan measures beside mlxb.
+#[derive(Debug, Clone)]
+pub enum BaselineSpec {
+    /// mlx-lm in the oracle env, on the same model directory.
+    MlxLm,
+    /// llama.cpp's llama-bench on the same weights as a GGUF file.
+    LlamaCpp(llama_cpp::LlamaBench),
+}
+
+/// A started baseline.
+enum BaselineRunner {
+    MlxLm(baseline::MlxLmWorker),
+    LlamaCpp {
+        bench: llama_cpp::LlamaBench,
+        /// The build its rows named, once known.
+        build: Option<String>,
+    },
+}
+
+impl BaselineRunner {
+    fn start(spec: &BaselineSpec, dir: &Path) -> Result<Self> {
+        Ok(match spec {
+            BaselineSpec::MlxLm => Self::MlxLm(baseline::MlxLmWorker::start(dir)?),
+            BaselineSpec::LlamaCpp(bench) => Self::LlamaCpp {
+                bench: bench.clone(),
+                build: None,
+            },
+        })
+    }
+
+    /// The baseline's name in the report.
+    fn name(&self) -> String {
+        match self {
+            Self::MlxLm(_) => "mlx-lm".into(),
+            Self::LlamaCpp { build: Some(b), .. } if !b.is_empty() => format!("llama.cpp {b}"),
+            Self::LlamaCpp { .. } => "llama.cpp".into(),
+        }
+    }
+
+    /// Tokens per second of one repetition of `test` (and, for a verify test, the seconds of
+    /// the one-token step beside it); `None` for llama.cpp's warm-up repetition, which
+    /// llama-bench does by itself.
+    fn time(
+        &mut self,
+        test: &TestSpec,
+        inputs: &TestInputs,
+        prefill_step_size: usize,
+        warm_up: bool,
+    ) -> Result<Option<(f64, Option<f64>)>> {
+        match self {
+            Self::MlxLm(w) => {
+                let req = match test.kind {
+                    TestKind::Prefill => {
+                        serde_json::json!({"op": "pp", "context": inputs.context, "prompt": inputs.tokens, "prefill_step_size": prefill_step_size})
+                    }
+                    TestKind::Decode => {
+                        serde_json::json!({"op": "tg", "prompt": inputs.decode_prompt, "n": test.n})
+                    }
+                    TestKind::Verify => {
+                        serde_json::json!({"op": "verify", "context": inputs.context, "block": inputs.tokens, "prefill_step_size": prefill_step_size})
+                    }
+                    TestKind::Parallel => {
+                        serde_json::json!({"op": "batch", "prompts": inputs.parallel_prompts, "n": test.n})
+                    }
+                };
+                let reply = w.time(&req)?;
+                Ok(Some((tps(reply.tokens, reply.seconds), reply.step_seconds)))
+            }
+            Self::LlamaCpp { .. } if warm_up => Ok(None),
+            Self::LlamaCpp { bench, build } => {
+                let run = bench.run(test)?;
+                *build = Some(run.build);
+                Ok(Some((run.tokens_per_second, None)))
+            }
+        }
     }
 }
 
@@ -116,10 +195,9 @@ pub fn run(
     let template = row_template(session, dir)?;
     let forks = session.model.plan.forks;
     let vocab = session.model.model.vocab_size() as u32;
-    let mut worker = if plan.baseline {
-        Some(baseline::MlxLmWorker::start(dir)?)
-    } else {
-        None
+    let mut worker = match &plan.baseline {
+        Some(spec) => Some(BaselineRunner::start(spec, dir)?),
+        None => None,
     };
     let mut rows = Vec::new();
     for (t_index, test) in plan.tests.iter().enumerate() {
@@ -148,24 +226,7 @@ pub fn run(
                 (ours, None)
             };
             let theirs = match worker.as_mut() {
-                Some(w) => {
-                    let req = match test.kind {
-                        TestKind::Prefill => {
-                            serde_json::json!({"op": "pp", "context": inputs.context, "prompt": inputs.tokens, "prefill_step_size": plan.prefill_step_size})
-                        }
-                        TestKind::Decode => {
-                            serde_json::json!({"op": "tg", "prompt": inputs.decode_prompt, "n": test.n})
-                        }
-                        TestKind::Verify => {
-                            serde_json::json!({"op": "verify", "context": inputs.context, "block": inputs.tokens, "prefill_step_size": plan.prefill_step_size})
-                        }
-                        TestKind::Parallel => {
-                            serde_json::json!({"op": "batch", "prompts": inputs.parallel_prompts, "n": test.n})
-                        }
-                    };
-                    let reply = w.time(&req)?;
-                    Some((tps(reply.tokens, reply.seconds), reply.step_seconds))
-                }
+                Some(w) => w.time(test, &inputs, plan.prefill_step_size, rep == 0)?,
                 None => None,
             };
             let spec_tps = match spec_kind {
@@ -216,6 +277,7 @@ pub fn run(
         if let Some(row) = current.get_mut(1) {
             row.mean_acceptance_length = Some(stats::mean(&accepted_len));
         }
+        current[0].baseline = worker.as_ref().map(BaselineRunner::name);
         for mut row in current {
             row.finish();
             rows.push(row);

@@ -58,8 +58,12 @@ pub struct Row {
     pub stddev_ts: f64,
     /// Per-repetition tokens/second.
     pub samples_ts: Vec<f64>,
-    /// Baseline per-repetition tokens/second, when measured (mlx-lm for `vanilla`, vanilla
-    /// mlxb for a drafter, L1 for a `--matrix` configuration).
+    /// The baseline of a `vanilla` row (`mlx-lm`, or `llama.cpp` with its build), when one
+    /// was measured.
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    pub baseline: Option<String>,
+    /// Baseline per-repetition tokens/second, when measured (the baseline's for `vanilla`,
+    /// vanilla mlxb for a drafter, L1 for a `--matrix` configuration).
     #[serde(default, skip_serializing_if = "Option::is_none")]
     pub baseline_samples_ts: Option<Vec<f64>>,
     /// Paired mean ratio of tokens/second, this row / its baseline (> 1 = faster).
@@ -214,7 +218,11 @@ pub fn markdown(rows: &[Row]) -> String {
         out.push('\n');
     }
     if base || spec {
-        out.push_str("\nbaseline: mlx-lm for `vanilla` rows, vanilla mlxb (same repetitions) for `draft` rows; ratio = paired mean of per-repetition t/s ratios.\n");
+        let named = rows.iter().find_map(|r| r.baseline.as_deref());
+        out.push_str(&format!(
+            "\nbaseline: {} for `vanilla` rows, vanilla mlxb (same repetitions) for `draft` rows; ratio = paired mean of per-repetition t/s ratios.\n",
+            named.unwrap_or("mlx-lm")
+        ));
     }
     if verify {
         out.push_str("\nvN: one forward of an N-token block with all of its logits (a speculative verify); steps per block = its time over a one-token step at the same depth, in the same repetition.\n");
@@ -301,6 +309,7 @@ const COLUMNS: &[(&str, Cell)] = &[
     ("avg_ts", Cell::Scalar),
     ("stddev_ts", Cell::Scalar),
     ("samples_ts", Cell::List),
+    ("baseline", Cell::Text),
     ("baseline_samples_ts", Cell::List),
     ("ratio", Cell::Scalar),
     ("ratio_ci", Cell::List),
@@ -429,6 +438,7 @@ mod tests {
             n_gen: 128,
             n_depth: 512,
             samples_ts: vec![17.25, 18.5, 17.875],
+            baseline: Some("llama.cpp abc1234".into()),
             baseline_samples_ts: Some(vec![16.0, 17.0, 16.5]),
             verify_cost_samples: vec![1.5, 1.25, 1.75],
             baseline_verify_cost_samples: vec![2.0, 2.5, 2.25],

@@ -1,13 +1,17 @@
-//! `mlxb bench`: llama-bench-style tests with an interleaved mlx-lm baseline, run with the
-//! fork flags of `generate`, or `--matrix`: every fork and tier against L1.
+//! `mlxb bench`: llama-bench-style tests with an interleaved baseline (mlx-lm, or llama.cpp's
+//! llama-bench), run with the fork flags of `generate`, or `--matrix`: every fork and tier
+//! against L1.
 
 use super::common::resolve_model;
 use super::common::SpecArgs;
 use super::flags::{open_session, ForkArgs};
+use crate::bench::llama_cpp::LlamaBench;
 use crate::bench::matrix::{self, MatrixOptions};
 use crate::bench::progress::{Bar, Observer};
 use crate::bench::report::Row;
-use crate::bench::{self, report, runner::TestKind, runner::TestSpec, tui, BenchPlan};
+use crate::bench::{
+    self, report, runner::TestKind, runner::TestSpec, tui, BaselineSpec, BenchPlan,
+};
 use crate::engine::error::EngineError;
 use clap::{Args, ValueEnum};
 use std::io::IsTerminal;
@@ -31,6 +35,9 @@ pub enum Baseline {
     /// mlx-lm 0.32.2 in the oracle env, on the same libmlx.
     #[value(name = "mlx-lm")]
     MlxLm,
+    /// llama.cpp's llama-bench on the same weights as a GGUF file (`--gguf`; -p and -n tests).
+    #[value(name = "llama.cpp")]
+    LlamaCpp,
 }
 
 /// Flags of `mlxb bench`.
@@ -81,6 +88,13 @@ pub struct BenchArgs {
     /// Measure a baseline in the same run, interleaved.
     #[arg(long, value_enum)]
     pub baseline: Option<Baseline>,
+    /// `--baseline llama.cpp`: the llama-bench binary (default: the one
+    /// scripts/build_llama_cpp.sh builds, under mlxb's cache directory).
+    #[arg(long, value_name = "PATH")]
+    pub llama_bench: Option<std::path::PathBuf>,
+    /// `--baseline llama.cpp`: the model's weights as a GGUF file, for llama-bench.
+    #[arg(long, value_name = "FILE")]
+    pub gguf: Option<std::path::PathBuf>,
     /// Append the rows to this JSONL file (refused if it holds rows from another setup).
     #[arg(long)]
     pub results: Option<std::path::PathBuf>,
@@ -159,6 +173,44 @@ pub fn plan_tests(args: &BenchArgs) -> anyhow::Result<Vec<TestSpec>> {
     Ok(tests)
 }
 
+/// The baseline `args` ask for, its files checked.
+fn baseline_spec(args: &BenchArgs, tests: &[TestSpec]) -> anyhow::Result<Option<BaselineSpec>> {
+    let llama_only = match (&args.llama_bench, &args.gguf) {
+        (Some(_), _) => Some("--llama-bench"),
+        (None, Some(_)) => Some("--gguf"),
+        (None, None) => None,
+    };
+    Ok(match args.baseline {
+        None | Some(Baseline::MlxLm) => {
+            if let Some(flag) = llama_only {
+                return Err(EngineError::Input(format!(
+                    "{flag} is for --baseline llama.cpp; add it or drop {flag}"
+                ))
+                .into());
+            }
+            args.baseline.map(|_| BaselineSpec::MlxLm)
+        }
+        Some(Baseline::LlamaCpp) => {
+            let gguf = args.gguf.clone().ok_or_else(|| {
+                EngineError::Input(
+                    "--baseline llama.cpp needs the model's weights as a GGUF file: add --gguf FILE"
+                        .into(),
+                )
+            })?;
+            let binary = match &args.llama_bench {
+                Some(p) => p.clone(),
+                None => crate::convert::registry::cache_root()?.join("llama.cpp/bin/llama-bench"),
+            };
+            let threads = std::thread::available_parallelism().map_or(1, |n| n.get());
+            let bench = LlamaBench::new(binary, gguf, threads)?;
+            for test in tests {
+                bench.args(test)?;
+            }
+            Some(BaselineSpec::LlamaCpp(bench))
+        }
+    })
+}
+
 /// `--matrix` compares against L1 by itself; flags that would change either side are refused.
 fn check_matrix_args(args: &BenchArgs, drafter: bool) -> Result<(), EngineError> {
     let clash = if args.forks.tier.is_some() || !args.forks.explicit.is_empty() {
@@ -203,6 +255,7 @@ fn observer(tui: bool, total: usize) -> Box<dyn Observer> {
 /// Entry point of `mlxb bench`.
 pub fn run(args: BenchArgs) -> anyhow::Result<()> {
     let tests = plan_tests(&args)?;
+    let baseline = baseline_spec(&args, &tests)?;
     let spec = args.spec.options()?;
     if args.matrix {
         check_matrix_args(&args, spec.is_some())?;
@@ -226,7 +279,7 @@ pub fn run(args: BenchArgs) -> anyhow::Result<()> {
         let plan = BenchPlan {
             tests,
             repetitions: args.repetitions,
-            baseline: args.baseline.is_some(),
+            baseline,
             spec,
             prefill_step_size: args.prefill_step_size,
         };
