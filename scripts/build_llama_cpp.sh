@@ -15,11 +15,12 @@ root=$(cd "$(dirname "${BASH_SOURCE[0]}")/.." && pwd)
 source "$root/scripts/versions.env"
 cache=${XDG_CACHE_HOME:-$HOME/.cache}/mlxb/llama.cpp
 version=$LLAMA_CPP_PYTHON_VERSION
+build_id="$version native-no-amx"
 
 say() { printf '[llama.cpp] %s\n' "$*" >&2; }
 die() { printf '[llama.cpp] error: %s\n' "$*" >&2; exit 2; }
 
-if [ -x "$cache/bin/llama-bench" ] && [ "$(cat "$cache/VERSION" 2>/dev/null)" = "$version" ]; then
+if [ -x "$cache/bin/llama-bench" ] && [ "$(cat "$cache/VERSION" 2>/dev/null)" = "$build_id" ]; then
   say "llama-bench of llama-cpp-python $version is already built: $cache/bin/llama-bench"
   exit 0
 fi
@@ -36,7 +37,9 @@ src="$work/llama_cpp_python-$version/vendor/llama.cpp"
 [ -f "$src/CMakeLists.txt" ] || die "the sdist has no vendored llama.cpp at vendor/llama.cpp"
 
 say "building llama-bench and llama-quantize (GGML_NATIVE, CPU backend)"
+no_amx="-mno-amx-tile -mno-amx-int8 -mno-amx-bf16"
 cmake -S "$src" -B "$work/build" -DCMAKE_BUILD_TYPE=Release -DGGML_NATIVE=ON \
+  -DCMAKE_C_FLAGS="$no_amx" -DCMAKE_CXX_FLAGS="$no_amx" \
   -DLLAMA_CURL=OFF -DLLAMA_BUILD_TESTS=OFF -DLLAMA_BUILD_EXAMPLES=OFF -DLLAMA_BUILD_SERVER=OFF \
   -DBUILD_SHARED_LIBS=OFF >"$work/cmake.log" 2>&1 || { tail -20 "$work/cmake.log" >&2; die "cmake configure failed"; }
 cmake --build "$work/build" --target llama-bench llama-quantize -j "$(nproc)" >"$work/build.log" 2>&1 \
@@ -47,5 +50,5 @@ for b in llama-bench llama-quantize; do
   install -m 755 "$work/build/bin/$b" "$cache/bin/$b.tmp"
   mv "$cache/bin/$b.tmp" "$cache/bin/$b"
 done
-echo "$version" >"$cache/VERSION"
+echo "$build_id" >"$cache/VERSION"
 say "built: $cache/bin/llama-bench"
