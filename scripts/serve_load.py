@@ -286,6 +286,10 @@ async def run(args, url, pid):
         "server_aborted_total": metric(metrics, "mlxb:request_aborted_total"),
         "server_failure_total": metric(metrics, "mlxb:request_failure_total"),
         "server_cached_prompt_tokens": metric(metrics, "mlxb:prompt_tokens_cached_total"),
+        "server_spec_drafts": metric(metrics, "mlxb:spec_decode_num_drafts_total"),
+        "server_spec_draft_tokens": metric(metrics, "mlxb:spec_decode_num_draft_tokens_total"),
+        "server_spec_accepted_tokens": metric(metrics, "mlxb:spec_decode_num_accepted_tokens_total"),
+        "server_block_widths": {w: metric(metrics, f'mlxb:spec_decode_block_width_total{{width="{w}"}}') for w in range(1, 9)},
         "examples": st.examples,
     }
 
