@@ -65,9 +65,20 @@ impl CachedDrafter {
             .zip(sequence)
             .take_while(|(a, b)| a == b)
             .count();
-        if common < self.fed.len() {
-            // The caller skipped a commit; fall back to a trim-or-replay to the common prefix.
-            self.commit(common, forward)?;
+        // A draft continues from the logits after the sequence's last token, so that token is
+        // fed again when the caches already hold it (a second draft from the same point, as
+        // when a batch drafts from a guessed token and again once the guess proved right),
+        // where the checkpoint allows the rewind.
+        let last = sequence.len().saturating_sub(1);
+        let rewind_to_last = common > last
+            && self
+                .checkpoint
+                .as_ref()
+                .is_some_and(|c| c.positions() <= last);
+        let keep = if rewind_to_last { last } else { common };
+        if keep < self.fed.len() {
+            // The caller skipped a commit (or drafts again): a trim-or-replay to `keep`.
+            self.commit(keep, forward)?;
         }
         let new = &sequence[self.fed.len()..];
         if new.is_empty() || n == 0 {
