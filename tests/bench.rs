@@ -233,7 +233,10 @@ fn llama_cpp_baseline_runs_llama_bench_once_per_repetition() {
             [&llama[..], &["--n-verify", "4"]].concat(),
             "--baseline llama.cpp measures -p and -n tests only",
         ),
-        (vec!["--gguf", gguf], "--gguf is for --baseline llama.cpp"),
+        (
+            vec!["--gguf", gguf],
+            "--gguf is only used by --baseline llama.cpp",
+        ),
         (
             vec![
                 "--baseline",

@@ -184,7 +184,7 @@ fn baseline_spec(args: &BenchArgs, tests: &[TestSpec]) -> anyhow::Result<Option<
         None | Some(Baseline::MlxLm) => {
             if let Some(flag) = llama_only {
                 return Err(EngineError::Input(format!(
-                    "{flag} is for --baseline llama.cpp; add it or drop {flag}"
+                    "{flag} is only used by --baseline llama.cpp; add --baseline llama.cpp or drop {flag}"
                 ))
                 .into());
             }
