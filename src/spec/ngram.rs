@@ -23,14 +23,9 @@ impl NgramSource {
         }
     }
 
-    /// The continuation of the latest earlier match of the last n-gram, at most `n` tokens.
-    pub fn lookup(&self, seq: &[u32], n: usize) -> Vec<u32> {
-        self.matched(seq, n)
-            .map_or_else(Vec::new, |(tokens, _)| tokens)
-    }
-
-    /// [`Self::lookup`]'s continuation with the size of the n-gram it matched.
-    fn matched(&self, seq: &[u32], n: usize) -> Option<(Vec<u32>, usize)> {
+    /// The continuation of the latest earlier match of the last n-gram (at most `n` tokens),
+    /// with the size of the n-gram it matched.
+    fn lookup(&self, seq: &[u32], n: usize) -> Option<(Vec<u32>, usize)> {
         for size in (self.min..=self.max).rev() {
             if seq.len() <= size {
                 continue;
@@ -62,7 +57,7 @@ impl DraftSource for NgramSource {
     }
 
     fn draft(&mut self, _target: TargetView<'_>, sequence: &[u32], n: usize) -> Result<Draft> {
-        let found = self.matched(sequence, n);
+        let found = self.lookup(sequence, n);
         self.last_match = found.as_ref().map(|(_, size)| *size);
         Ok(Draft {
             tokens: found.map_or_else(Vec::new, |(tokens, _)| tokens),
@@ -86,11 +81,17 @@ mod tests {
     #[test]
     fn continues_the_latest_longest_match() {
         let s = NgramSource::new(1, 3);
+        let tokens = |seq: &[u32], n| s.lookup(seq, n).map(|(t, _)| t).unwrap_or_default();
         // "1 2 3 9 ... 1 2 3" → continue after the earlier "1 2 3" with "9 8".
-        assert_eq!(s.lookup(&[1, 2, 3, 9, 8, 7, 1, 2, 3], 2), vec![9, 8]);
+        assert_eq!(tokens(&[1, 2, 3, 9, 8, 7, 1, 2, 3], 2), vec![9, 8]);
+        assert_eq!(
+            s.lookup(&[1, 2, 3, 9, 8, 7, 1, 2, 3], 2)
+                .map(|(_, size)| size),
+            Some(3)
+        );
         // No earlier occurrence of any suffix → nothing.
-        assert_eq!(s.lookup(&[1, 2, 3, 4], 3), Vec::<u32>::new());
+        assert_eq!(tokens(&[1, 2, 3, 4], 3), Vec::<u32>::new());
         // Latest occurrence wins.
-        assert_eq!(s.lookup(&[5, 1, 5, 2, 5], 1), vec![2]);
+        assert_eq!(tokens(&[5, 1, 5, 2, 5], 1), vec![2]);
     }
 }

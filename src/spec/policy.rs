@@ -115,7 +115,7 @@ impl RowOutlook {
     /// The chance a draft is kept: kept / verified with two drafts kept at rate `prior`
     /// assumed beforehand, so a new row starts at `prior`.
     pub fn acceptance(&self, prior: f64) -> f64 {
-        (self.accepted as f64 + 2.0 * prior) / (self.drafted as f64 + 2.0)
+        kept_rate(self.accepted, self.drafted, prior)
     }
 
     /// Tokens the row hands out from a block with `k` of its drafts (each kept only if every
@@ -145,6 +145,12 @@ pub enum DraftPolicy {
     Cost,
     /// Every proposal in full, as a single stream verifies it.
     All,
+}
+
+/// A rate of drafts kept, `kept` of `tried`, with two drafts kept at rate `prior` assumed
+/// beforehand: `prior` until anything is seen, the observed rate in the long run.
+fn kept_rate(kept: usize, tried: usize, prior: f64) -> f64 {
+    (kept as f64 + 2.0 * prior) / (tried as f64 + 2.0)
 }
 
 /// Weight of the newest step in a shape's running average of costs.
@@ -180,7 +186,7 @@ impl GroupAcceptance {
         (0..n)
             .map(|j| {
                 let (kept, reached) = cells.and_then(|c| c.get(j)).copied().unwrap_or((0, 0));
-                (kept as f64 + 2.0 * prior) / (reached as f64 + 2.0)
+                kept_rate(kept, reached, prior)
             })
             .collect()
     }
@@ -279,7 +285,7 @@ impl DraftLengthPolicy {
     /// A new row's acceptance: the pooled rate of every row so far, from 1/2 with one kept and
     /// one rejected draft assumed.
     pub fn prior(&self) -> f64 {
-        (self.pooled.0 as f64 + 1.0) / (self.pooled.1 as f64 + 2.0)
+        kept_rate(self.pooled.0, self.pooled.1, 0.5)
     }
 
     /// Seconds a step of `rows` × `width` is expected to take.
