@@ -39,7 +39,7 @@ fn kernels_here() -> bool {
     here
 }
 
-/// Asserts the host product equals MLX's bit for bit for `x` (`[.., cols]`, up to 16 tokens).
+/// Asserts the host product equals MLX's bit for bit for `x` (`[.., cols]`).
 fn assert_same_bits(what: &str, h: &HostDense, w: &Array, x: &Array) {
     let ours = h.forward(x).unwrap().expect("a contiguous input is taken");
     let theirs = ops::matmul(x, w.t()).unwrap();
@@ -325,18 +325,51 @@ fn verify_blocks_of_up_to_sixteen_tokens_match_mlx_bit_for_bit() {
         }
     }
     assert_eq!(accepted > 0, kernels, "{accepted} blocks on the host path");
-    // Past sixteen tokens the layer is MLX's.
-    let w = Array::from_slice(&[0.5f32; 64 * 32], &[64, 32])
-        .as_dtype(Dtype::Bfloat16)
-        .unwrap();
-    let x = Array::from_slice(&[0.25f32; 17 * 32], &[1, 17, 32])
-        .as_dtype(Dtype::Bfloat16)
-        .unwrap();
+    // Past sixteen tokens an f32 layer is OpenBLAS's.
+    let w = Array::from_slice(&[0.5f32; 64 * 32], &[64, 32]);
+    let x = Array::from_slice(&[0.25f32; 17 * 32], &[1, 17, 32]);
     assert!(!HostDense::takes(&x));
     if let Some(h) = HostDense::new(&w).unwrap() {
         assert!(
             h.forward(&x).unwrap().is_none(),
-            "17 tokens on the host path"
+            "17 f32 tokens on the host path"
         );
     }
+}
+
+/// Prompts through 16-bit weights (MLX's `simd_gemm` order, whose sums do not depend on the
+/// token count): products of 17 to 300 tokens take the host path and equal MLX's bit for bit,
+/// on SmolLM2's shapes and on rows and depths that are not multiples of sixteen.
+#[test]
+fn prompts_through_sixteen_bit_weights_match_mlx_bit_for_bit() {
+    let kernels = kernels_here();
+    let shapes = [
+        (576, 576),
+        (192, 576),
+        (1536, 576),
+        (576, 1536),
+        (37, 100),
+        (300, 20),
+    ];
+    let mut accepted = 0;
+    for dtype in [Dtype::Bfloat16, Dtype::Float16] {
+        for (i, (rows, cols)) in shapes.into_iter().enumerate() {
+            let Some((w, h)) = pinned_weight(rows, cols, dtype, 500 + i as u64, true) else {
+                continue;
+            };
+            for tokens in [17, 31, 35, 64, 100, 300] {
+                let k = random::key(tokens as u64 * 11 + i as u64).unwrap();
+                let x = random::normal::<f32>(&[1, tokens, cols][..], 0.0, 1.0, &k)
+                    .unwrap()
+                    .as_dtype(dtype)
+                    .unwrap();
+                assert!(HostDense::takes(&x));
+                let what = format!("{dtype:?} {rows}x{cols} x{tokens}");
+                assert!(h.forward(&x).unwrap().is_some(), "{what}: refused");
+                assert_same_bits(&what, &h, &w, &x);
+                accepted += 1;
+            }
+        }
+    }
+    assert_eq!(accepted > 0, kernels, "{accepted} prompts on the host path");
 }

@@ -1,13 +1,16 @@
-//! The host path of a dense (f32, bf16 or f16) linear layer for decode steps and speculative
-//! verify blocks of up to [`MAX_TOKENS`] tokens (`--host-matvec on`, L1): the weight is read in
-//! place from MLX's evaluated buffer and multiplied by [`super::mlx_order`] in the order MLX's
-//! CPU matmul sums it, so the result has MLX's bits.
+//! The host path of a dense (f32, bf16 or f16) linear layer (`--host-matvec on`, L1) for decode
+//! steps and speculative verify blocks of up to [`MAX_TOKENS`] tokens, and for prompts of any
+//! length through 16-bit weights: the weight is read in place from MLX's evaluated buffer and
+//! multiplied by [`super::mlx_order`] in the order MLX's CPU matmul sums it, so the result has
+//! MLX's bits.
 //!
 //! "Has MLX's bits" is checked, not assumed: the first time a weight shape and dtype is used
 //! with a given number of tokens, the host product of two fixed inputs is compared bit for bit
 //! with MLX's `x @ W.T` on the real weight. A shape that differs (another BLAS, CPU or library
 //! version) stays on MLX for that token count for the rest of the process (a shape refused for
-//! one token is never pinned); only speed is lost.
+//! one token is never pinned); only speed is lost. Products longer than [`MAX_TOKENS`] (16-bit
+//! only, where the order does not depend on the token count) share one check, made with
+//! [`LONG_PROBE_TOKENS`] tokens.
 
 use super::host::{check_bits, HostSlice};
 use super::lock;
@@ -92,22 +95,25 @@ impl HostDense {
         }
     }
 
-    /// Whether `x` (`[..., cols]`) has at most [`MAX_TOKENS`] rows, the sizes the host path
-    /// reproduces (checked before a weight is pinned, so long prompts never pin).
+    /// Whether `x` (`[..., cols]`) is a product the host path may reproduce: 16-bit tokens of
+    /// any number, f32 up to [`MAX_TOKENS`] (checked before a weight is pinned, so long f32
+    /// prompts never pin).
     pub fn takes(x: &Array) -> bool {
         let last = x.shape().last().copied().unwrap_or(0).max(1) as usize;
-        x.size() <= MAX_TOKENS * last
+        x.dtype() != Dtype::Float32 || x.size() <= MAX_TOKENS * last
     }
 
-    /// `x · Wᵀ` for up to [`MAX_TOKENS`] tokens of the weight's dtype; `None` when `x` is not
-    /// such a block in a buffer the host can read, or when MLX sums this block size otherwise
-    /// (the caller then asks MLX).
+    /// `x · Wᵀ` for a product of the weight's dtype the host path reproduces
+    /// ([`mlx_order::takes_tokens`]); `None` when `x` is not such a product in a buffer the host
+    /// can read, or when MLX sums it otherwise (the caller then asks MLX).
     pub fn forward(&self, x: &Array) -> Result<Option<Array>> {
         if x.dtype() != self.array.dtype() || !x.size().is_multiple_of(self.cols) {
             return Ok(None);
         }
         let tokens = x.size() / self.cols;
-        if tokens == 0 || tokens > MAX_TOKENS || !self.matches_mlx(tokens)? {
+        if !mlx_order::takes_tokens(&self.order(tokens), tokens)
+            || !self.matches_mlx(checked_tokens(tokens))?
+        {
             return Ok(None);
         }
         self.product(x, tokens)
@@ -174,6 +180,21 @@ impl HostDense {
         }
         lock(verdicts()).insert(key, same);
         Ok(same)
+    }
+}
+
+/// Tokens the check of products longer than [`MAX_TOKENS`] uses: past one of `simd_gemm`'s
+/// 16-token tiles into the next, and past the host kernel's switch to packed weights.
+pub const LONG_PROBE_TOKENS: usize = 2 * MAX_TOKENS + 3;
+
+/// The token count whose check decides a product of `tokens` tokens: its own up to
+/// [`MAX_TOKENS`], [`LONG_PROBE_TOKENS`] past it (only the 16-bit order goes there, and its
+/// sums do not depend on the token count).
+fn checked_tokens(tokens: usize) -> usize {
+    if tokens > MAX_TOKENS {
+        LONG_PROBE_TOKENS
+    } else {
+        tokens
     }
 }
 

@@ -1,6 +1,7 @@
-//! Products `Y = X · Wᵀ` of up to [`MAX_TOKENS`] tokens (a decode step, a speculative verify
-//! block) summed in exactly the order MLX's CPU backend sums them, so that L1 decoding gets
-//! MLX's bits without MLX's matmul.
+//! Products `Y = X · Wᵀ` summed in exactly the order MLX's CPU backend sums them, so that L1
+//! decoding gets MLX's bits without MLX's matmul: up to [`MAX_TOKENS`] tokens (a decode step, a
+//! speculative verify block) in every order, and any number of tokens (a prompt) for 16-bit
+//! weights.
 //!
 //! Why: for one token MLX's CPU matmul is far from the memory roofline. f32 goes to
 //! `cblas_sgemm`, where OpenBLAS either re-packs the whole weight matrix on every call (its
@@ -30,7 +31,12 @@
 //! - **bf16/f16, Sequential** (MLX's `simd_gemm` with f32 accumulation): one f32 sum per
 //!   output in `k` order; each product of two 16-bit floats is exact in f32, so a fused
 //!   multiply-add gives the same bits as MLX's multiply-then-add. MLX rounds the sum to the
-//!   weight's dtype, which the caller does with MLX's own cast.
+//!   weight's dtype, which the caller does with MLX's own cast. `simd_gemm` walks the output in
+//!   16×16 tiles but each output's chain runs over `k` alone, so the order does not depend on
+//!   the number of tokens: prompts of any length take it ([`takes_tokens`]), through a kernel
+//!   that widens and transposes each sixteen weight rows once per call and then runs every
+//!   token past them (MLX's own `simd_gemm` copies its tiles element by element, single
+//!   threaded: SmolLM2 bf16 prefilled at ~35 tokens/s on it).
 //!
 //! Nothing here assumes the running library really sums that way: [`super::dense`] compares
 //! each weight shape with MLX's own product before using it, so another BLAS, CPU or version
@@ -47,9 +53,13 @@ const SMALL_MAX_OUTPUTS: usize = 1200;
 const SMALL_MIN_DEPTH: usize = 32;
 /// Lanes of the small-matrix kernel's accumulators (one AVX-512 register).
 const LANES: usize = 16;
-/// Most tokens one host product takes (a verify block of up to sixteen tokens; the token
-/// kernel holds them in the lanes of one vector).
+/// Most tokens one host product takes in the f32 orders (a verify block of up to sixteen
+/// tokens): longer f32 products stay on OpenBLAS, whose blocked GEMM is as fast as the host
+/// kernels there.
 pub const MAX_TOKENS: usize = LANES;
+/// Tokens past which a 16-bit product packs its weights once per call ([`x86::packed_rows`])
+/// instead of transposing them per eight tokens.
+const PACKED_MIN_TOKENS: usize = MAX_TOKENS + 1;
 /// Weights below which one thread does the whole product (a fork/join costs more).
 const PARALLEL_MIN_WEIGHTS: usize = 1 << 16;
 /// Chunks a product's rows are cut into for the two threads to claim one at a time.
@@ -178,6 +188,12 @@ pub fn panels(depth: usize, panel: usize) -> Vec<usize> {
     out
 }
 
+/// Whether a product of `tokens` tokens in `order` is one the host kernels reproduce: 1 to
+/// [`MAX_TOKENS`] in the f32 orders, any positive number in MLX's 16-bit order.
+pub fn takes_tokens(order: &Order, tokens: usize) -> bool {
+    tokens >= 1 && (tokens <= MAX_TOKENS || *order == Order::Sequential)
+}
+
 /// Whether this CPU runs the kernels (written for AVX-512 with FMA, the CPUs whose OpenBLAS
 /// kernels they mirror).
 pub fn available() -> bool {
@@ -224,9 +240,9 @@ pub fn matmul(
     if !available() {
         return Err("this CPU has no AVX-512 and FMA for the host product".into());
     }
-    if cols == 0 || tokens == 0 || tokens > MAX_TOKENS {
+    if cols == 0 || !takes_tokens(order, tokens) {
         return Err(format!(
-            "{tokens} tokens through a depth of {cols}: the host product takes 1 to {MAX_TOKENS} tokens of depth 1 or more"
+            "{tokens} tokens through a depth of {cols} in {order:?}: the host product takes depths of 1 or more and 1 to {MAX_TOKENS} tokens (any number in the 16-bit order)"
         ));
     }
     if w.len() != rows * cols || x.len() != tokens * cols {
@@ -328,6 +344,12 @@ fn rows_into(
             }
             (Weights::F32(w), _) => {
                 x86::token_panels(&x86::RowsF32(w), cols, x, tokens, panels, range, out)
+            }
+            (Weights::Bf16(w), _) if tokens >= PACKED_MIN_TOKENS => {
+                x86::packed_rows(&x86::RowsBf16(w), cols, x, tokens, range, out)
+            }
+            (Weights::F16(w), _) if tokens >= PACKED_MIN_TOKENS => {
+                x86::packed_rows(&x86::RowsF16(w), cols, x, tokens, range, out)
             }
             (Weights::Bf16(w), _) => {
                 x86::token_panels(&x86::RowsBf16(w), cols, x, tokens, panels, range, out)
@@ -614,6 +636,120 @@ mod x86 {
         }
     }
 
+    /// Tokens [`packed_rows`] runs past a packed group of rows at once (one accumulator each,
+    /// plus the weight vector: half the vector registers).
+    const PACKED_TOKENS: usize = 14;
+
+    /// One f32 chain per output and token over the whole depth in `k` order (MLX's 16-bit
+    /// order) for many tokens: each group of sixteen rows is widened and transposed once into a
+    /// `cols × 16` buffer (one vector per `k`, in the second-level cache), which every token
+    /// then reads [`PACKED_TOKENS`] at a time. Rows past the last whole group of sixteen are
+    /// done one value at a time in the same order. Writes every output of `out`
+    /// (`tokens × range.len()`).
+    #[target_feature(enable = "avx512f,avx512bw,f16c,fma")]
+    pub(super) unsafe fn packed_rows<R: Rows>(
+        w: &R,
+        cols: usize,
+        x: &[f32],
+        tokens: usize,
+        range: Range<usize>,
+        out: &mut [f32],
+    ) {
+        let len = range.len();
+        let mut packed = vec![0.0f32; cols * LANES];
+        let mut r = range.start;
+        while r + LANES <= range.end {
+            pack_rows(w, cols, r, &mut packed);
+            let mut t0 = 0;
+            while t0 < tokens {
+                let n = (tokens - t0).min(PACKED_TOKENS);
+                let block = PackedBlock {
+                    packed: &packed,
+                    cols,
+                    x: &x[t0 * cols..(t0 + n) * cols],
+                    out: &mut out[t0 * len..(t0 + n) * len],
+                    len,
+                    at: r - range.start,
+                };
+                match n {
+                    PACKED_TOKENS => packed_block::<PACKED_TOKENS>(block),
+                    1 => packed_block::<1>(block),
+                    2 => packed_block::<2>(block),
+                    3 => packed_block::<3>(block),
+                    4 => packed_block::<4>(block),
+                    5 => packed_block::<5>(block),
+                    6 => packed_block::<6>(block),
+                    7 => packed_block::<7>(block),
+                    8 => packed_block::<8>(block),
+                    9 => packed_block::<9>(block),
+                    10 => packed_block::<10>(block),
+                    11 => packed_block::<11>(block),
+                    12 => packed_block::<12>(block),
+                    _ => packed_block::<13>(block),
+                }
+                t0 += n;
+            }
+            r += LANES;
+        }
+        for r in r..range.end {
+            for t in 0..tokens {
+                let xt = &x[t * cols..(t + 1) * cols];
+                let mut acc = 0.0f32;
+                for (k, xk) in xt.iter().enumerate() {
+                    acc = w.get(r, cols, k).mul_add(*xk, acc);
+                }
+                out[t * len + r - range.start] = acc;
+            }
+        }
+    }
+
+    /// Rows `r..r + 16` widened to f32 and transposed into `packed` (`cols × 16`: the sixteen
+    /// rows' value `k` side by side at `16 k`).
+    #[target_feature(enable = "avx512f,avx512bw,f16c,fma")]
+    unsafe fn pack_rows<R: Rows>(w: &R, cols: usize, r: usize, packed: &mut [f32]) {
+        let dst = packed.as_mut_ptr();
+        let mut k = 0;
+        while k + LANES <= cols {
+            let rows: [__m512; LANES] = std::array::from_fn(|g| w.load16(r + g, cols, k));
+            for (j, c) in transpose16(rows).iter().enumerate() {
+                _mm512_storeu_ps(dst.add((k + j) * LANES), *c);
+            }
+            k += LANES;
+        }
+        for k in k..cols {
+            for g in 0..LANES {
+                *dst.add(k * LANES + g) = w.get(r + g, cols, k);
+            }
+        }
+    }
+
+    /// Up to [`PACKED_TOKENS`] tokens (`x`, `N × cols`) past one packed group of sixteen rows;
+    /// their outputs go to columns `at..at + 16` of `out` (`N` rows of `len`).
+    struct PackedBlock<'a> {
+        packed: &'a [f32],
+        cols: usize,
+        x: &'a [f32],
+        out: &'a mut [f32],
+        len: usize,
+        at: usize,
+    }
+
+    /// [`packed_rows`] for exactly `N` tokens.
+    #[target_feature(enable = "avx512f,avx512bw,f16c,fma")]
+    unsafe fn packed_block<const N: usize>(b: PackedBlock<'_>) {
+        let (p, x, cols) = (b.packed.as_ptr(), b.x.as_ptr(), b.cols);
+        let mut acc = [_mm512_setzero_ps(); N];
+        for k in 0..cols {
+            let wv = _mm512_loadu_ps(p.add(k * LANES));
+            for (t, a) in acc.iter_mut().enumerate() {
+                *a = _mm512_fmadd_ps(wv, _mm512_set1_ps(*x.add(t * cols + k)), *a);
+            }
+        }
+        for (t, a) in acc.iter().enumerate() {
+            _mm512_storeu_ps(b.out.as_mut_ptr().add(t * b.len + b.at), *a);
+        }
+    }
+
     /// Sixteen rows of sixteen values, returned as sixteen columns: element `g` of column `j`
     /// is row `g`'s value `j`.
     #[inline]
@@ -807,5 +943,59 @@ mod tests {
         }
         let f = [0.0f32; 4];
         assert!(matvec(Weights::F32(&f), 2, 2, &f[..2], &Order::Sequential, 1).is_err());
+    }
+
+    /// Prompt-sized 16-bit products (the packed kernel, any token count): every output of
+    /// every token equals a scalar left-to-right f32 sum of exact products, bit for bit, with
+    /// values whose sums round (unlike [`case`]'s); f32 orders refuse them.
+    #[test]
+    fn long_sixteen_bit_products_sum_left_to_right_for_every_token() {
+        let mut seed = 0x2545_f491_u32;
+        let mut next = move || {
+            seed ^= seed << 13;
+            seed ^= seed >> 17;
+            seed ^= seed << 5;
+            // A bf16 value of either sign in [0.25, 4): sign bit, one of four exponents, seven
+            // mantissa bits (exact in f32; a product of two of them is too).
+            let sign = (seed & 1) << 31;
+            let exponent = (125 + (seed >> 1) % 4) << 23;
+            let mantissa = ((seed >> 8) & 0x7f) << 16;
+            f32::from_bits(sign | exponent | mantissa)
+        };
+        let (rows, cols) = (37, 100);
+        let w: Vec<f32> = (0..rows * cols).map(|_| next()).collect();
+        let bf: Vec<u16> = w.iter().map(|v| (v.to_bits() >> 16) as u16).collect();
+        let wide: Vec<f32> = bf
+            .iter()
+            .map(|b| f32::from_bits(u32::from(*b) << 16))
+            .collect();
+        for tokens in [17, 35, 100] {
+            let x: Vec<f32> = (0..tokens * cols).map(|_| next()).collect();
+            if !available() {
+                continue;
+            }
+            let y = matmul(
+                Weights::Bf16(&bf),
+                rows,
+                cols,
+                &x,
+                tokens,
+                &Order::Sequential,
+                2,
+            )
+            .unwrap();
+            for t in 0..tokens {
+                for r in 0..rows {
+                    let mut want = 0.0f32;
+                    for c in 0..cols {
+                        want += wide[r * cols + c] * x[t * cols + c];
+                    }
+                    let got = y[t * rows + r];
+                    assert_eq!(got.to_bits(), want.to_bits(), "x{tokens} token {t} row {r}");
+                }
+            }
+            let f32_order = Order::Panels(vec![cols]);
+            assert!(matmul(Weights::F32(&w), rows, cols, &x, tokens, &f32_order, 1).is_err());
+        }
     }
 }
