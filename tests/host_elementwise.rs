@@ -1,4 +1,4 @@
-//! `--host-elementwise on` (an L1 default): f32 SwiGLU, RMSNorm and residual adds on the host,
+//! `--host-elementwise on` (an L1 default): SwiGLU (f32, bf16), RMSNorm and residual adds (f32) on the host,
 //! operation for operation as MLX's CPU kernels. Checked against MLX itself (the kernels
 //! mlx-lm runs on the same libmlx):
 //! - the sigmoid alone and the whole `silu(gate) * up`, compiled (as mlx-lm's `@mx.compile`)
@@ -6,7 +6,9 @@
 //!   all 2^32 by hand, ~12 minutes);
 //! - RMSNorm against `fast::rms_norm` over widths, magnitudes and epsilons;
 //! - tiny f32 llamas give the same logits with and without it and really take it (SwiGLU in
-//!   prompts and steps, norms in steps); a bf16 model stays on MLX.
+//!   prompts and steps, norms in steps);
+//! - the bfloat16 SwiGLU against MLX's compiled and eager kernels for every gate value, and a
+//!   tiny bf16 llama with the same logits with and without the host paths.
 //!
 //! End-to-end parity with mlx-lm under the defaults is `model_parity`'s job.
 
@@ -14,8 +16,9 @@ mod common;
 
 use mlx_rs::{ops, Array, Dtype};
 use mlxb::engine::forks::Forks;
+use mlxb::engine::kernels::dense_calls;
 use mlxb::engine::kernels::elementwise;
-use mlxb::engine::models::activations::{host_swiglu_calls, swiglu};
+use mlxb::engine::models::activations::{host_swiglu_calls, swiglu, SwiGlu};
 use mlxb::engine::nn::host_norm_calls;
 use serde_json::json;
 
@@ -190,18 +193,80 @@ fn tiny_f32_llama_takes_the_host_paths_with_the_same_logits() {
     }
 }
 
+/// bfloat16 SwiGLU: the host form (MLX's own `silu` tabulated over every bfloat16 value, then
+/// one rounded multiply) equals MLX's compiled and eager kernels for every gate value, each with
+/// up values of every magnitude and both signs, infinities and NaNs included.
 #[test]
-fn a_bf16_model_stays_on_mlx() {
+fn bf16_swiglu_equals_mlx_for_every_gate_value() {
+    let gate: Vec<half::bf16> = (0..=u16::MAX).map(half::bf16::from_bits).collect();
+    let n = gate.len() as i32;
+    let gate = Array::from_slice(&gate, &[n]);
+    for compiled in [true, false] {
+        let forks = Forks {
+            compiled_activations: compiled,
+            ..Forks::default()
+        };
+        let mut host = SwiGlu::new(&forks);
+        let mut mlx = swiglu(compiled);
+        for seed in 0..4u16 {
+            // Every bit pattern as `up` too, rotated against the gate by a different amount
+            // each pass.
+            let up: Vec<half::bf16> = (0..=u16::MAX)
+                .map(|i| half::bf16::from_bits(i.wrapping_mul(40503).wrapping_add(seed * 7919)))
+                .collect();
+            let up = Array::from_slice(&up, &[n]);
+            let before = host_swiglu_calls();
+            let ours = host.apply(&gate, &up).unwrap();
+            assert_eq!(
+                host_swiglu_calls(),
+                before + 1,
+                "the bf16 SwiGLU did not take the host path (compiled {compiled})"
+            );
+            let theirs = mlx.call1(&[gate.clone(), up.clone()]).unwrap();
+            let (a, b) = (common::bits(&ours), common::bits(&theirs));
+            let differ: Vec<usize> = (0..a.len()).filter(|&i| a[i] != b[i]).collect();
+            assert!(
+                differ.is_empty(),
+                "compiled {compiled}, pass {seed}: {} of {} values differ from MLX, first at gate \
+                 bits {:#06x}",
+                differ.len(),
+                a.len(),
+                differ[0]
+            );
+        }
+    }
+}
+
+#[test]
+fn a_tiny_bf16_llama_takes_the_host_products_and_swiglu_with_the_same_logits() {
     let dir = tempfile::tempdir().unwrap();
     common::make_model(dir.path(), &common::tiny_llama(json!({})), "bf16", None);
-    let mut m = mlxb::engine::models::load(dir.path(), Forks::default())
-        .unwrap()
-        .model;
-    let mut caches = m.make_caches();
+    let off = Forks {
+        host_elementwise: false,
+        host_matvec: false,
+        ..Forks::default()
+    };
     let before = host_swiglu_calls();
-    let ids = Array::from_slice(&[1i32, 2, 3], &[1, 3]);
-    let logits = m.forward(&ids, &mut caches).unwrap();
-    assert_eq!(logits.dtype(), Dtype::Bfloat16);
-    logits.eval().unwrap();
-    assert_eq!(host_swiglu_calls(), before, "a bf16 SwiGLU ran on the host");
+    let products_before = dense_calls();
+    // A 23-token prompt (past the 16-token verify-block limit: the prompt path of the host
+    // products), then single-token steps.
+    let mut t = common::Twins::prefill(dir.path(), off, Forks::default(), 23, 5);
+    let (la, lb) = t.prefill.clone();
+    assert_eq!(la.dtype(), Dtype::Bfloat16);
+    assert_eq!(common::bits(&la), common::bits(&lb), "prefill logits");
+    let mut tok = 7;
+    for step in 0..8 {
+        let (pa, pb) = t.step(tok);
+        assert_eq!(common::bits(&pa), common::bits(&pb), "step {step} logits");
+        tok = (tok * 31 + step + 11) % 384;
+    }
+    let calls = host_swiglu_calls() - before;
+    let products = dense_calls() - products_before;
+    if elementwise::avx512_available() {
+        // 4 layers, in the prompt and in each of the 8 steps.
+        assert!(calls >= 4 * 9, "the host SwiGLU ran {calls} times");
+        assert!(products >= 4 * 7 * 9, "{products} host products");
+    } else {
+        eprintln!("no AVX-512 here: {calls} host SwiGLUs, {products} host products");
+    }
 }

@@ -12,6 +12,7 @@
 //! only, where the order does not depend on the token count) share one check, made with
 //! [`LONG_PROBE_TOKENS`] tokens.
 
+use super::elementwise::bf16_mlx;
 use super::host::{check_bits, HostSlice};
 use super::lock;
 use super::mlx_order::{self, Order, Weights, MAX_TOKENS};
@@ -121,13 +122,30 @@ impl HostDense {
 
     /// The host product of `tokens` tokens, unchecked.
     fn product(&self, x: &Array, tokens: usize) -> Result<Option<Array>> {
-        // A 16-bit token widens to f32 exactly (MLX's `simd_gemm` does the same).
-        let wide = match x.dtype() {
-            Dtype::Float32 => x.clone(),
-            _ => x.as_dtype(Dtype::Float32)?,
-        };
-        let Ok(host) = wide.try_as_slice::<f32>() else {
-            return Ok(None);
+        // A 16-bit token widens to f32 exactly (MLX's `simd_gemm` does the same); bfloat16 is
+        // widened here, so a host-resident input (a host product's or host SwiGLU's result)
+        // costs MLX no operation.
+        let widened: Vec<f32>;
+        let wide_array: Array;
+        let host: &[f32] = match x.dtype() {
+            Dtype::Float32 => match x.try_as_slice::<f32>() {
+                Ok(s) => s,
+                Err(_) => return Ok(None),
+            },
+            Dtype::Bfloat16 => match x.try_as_slice::<half::bf16>() {
+                Ok(s) => {
+                    widened = s.iter().map(|v| v.to_f32()).collect();
+                    &widened
+                }
+                Err(_) => return Ok(None),
+            },
+            _ => {
+                wide_array = x.as_dtype(Dtype::Float32)?;
+                match wide_array.try_as_slice::<f32>() {
+                    Ok(s) => s,
+                    Err(_) => return Ok(None),
+                }
+            }
         };
         let y = mlx_order::matmul(
             self.weights(),
@@ -144,11 +162,15 @@ impl HostDense {
         if let Some(last) = shape.last_mut() {
             *last = self.rows as i32;
         }
-        let y = Array::from_slice(&y, &shape);
-        // MLX rounds a 16-bit product's f32 sum to the dtype; its own cast rounds the same way.
+        // MLX rounds a 16-bit product's f32 sum to the dtype: bfloat16 here with MLX's
+        // rounding, f16 by MLX's own cast.
         Ok(Some(match x.dtype() {
-            Dtype::Float32 => y,
-            dtype => y.as_dtype(dtype)?,
+            Dtype::Float32 => Array::from_slice(&y, &shape),
+            Dtype::Bfloat16 => {
+                let y: Vec<half::bf16> = y.into_iter().map(bf16_mlx).collect();
+                Array::from_slice(&y, &shape)
+            }
+            dtype => Array::from_slice(&y, &shape).as_dtype(dtype)?,
         }))
     }
 

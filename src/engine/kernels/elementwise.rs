@@ -91,6 +91,37 @@ pub fn swiglu_scalar(gate: &[f32], up: &[f32], out: &mut [f32]) {
     }
 }
 
+/// An f32 rounded to bfloat16 the way MLX's `bfloat16_t` constructor rounds it: to nearest,
+/// ties to even, every NaN to the one quiet NaN `0x7FC0` (not `half`'s rounding, which keeps a
+/// NaN's sign and payload).
+pub fn bf16_mlx(v: f32) -> half::bf16 {
+    if v.is_nan() {
+        return half::bf16::from_bits(0x7FC0);
+    }
+    let bits = v.to_bits();
+    let rounded = bits.wrapping_add(0x7FFF + ((bits >> 16) & 1));
+    half::bf16::from_bits((rounded >> 16) as u16)
+}
+
+/// MLX's bfloat16 SwiGLU (`silu(gate) * up` with every intermediate a bfloat16) from a table of
+/// its `silu` over all 65,536 bfloat16 values (`silu_table[g.to_bits()]`, built by MLX's own
+/// kernel): the last multiply is one f32 product (exact: two 8-bit significands) rounded by
+/// [`bf16_mlx`].
+pub fn swiglu_bf16(
+    gate: &[half::bf16],
+    up: &[half::bf16],
+    silu_table: &[half::bf16],
+    out: &mut [half::bf16],
+) {
+    assert!(
+        gate.len() == up.len() && up.len() == out.len() && silu_table.len() == 1 << 16,
+        "swiglu_bf16: gate, up and out differ in length, or the table is not one per value"
+    );
+    for ((o, g), u) in out.iter_mut().zip(gate).zip(up) {
+        *o = bf16_mlx(silu_table[usize::from(g.to_bits())].to_f32() * u.to_f32());
+    }
+}
+
 /// MLX CPU's `fast::rms_norm` of each `w.len()`-wide row of `x` into `out` (same lengths as
 /// `x`): see the module docs for the order.
 pub fn rms_norm(x: &[f32], w: &[f32], eps: f32, out: &mut [f32]) {

@@ -57,6 +57,21 @@ pub fn ready_f32(a: &Array) -> Option<&[f32]> {
     a.try_as_slice::<f32>().ok()
 }
 
+/// The values of `a` when it is a bfloat16 array whose data already exists in row-major order;
+/// `None` otherwise. Never evaluates (see [`ready_f32`]).
+pub fn ready_bf16(a: &Array) -> Option<&[half::bf16]> {
+    if a.dtype() != Dtype::Bfloat16 {
+        return None;
+    }
+    let mut available = false;
+    // SAFETY: reads a flag of a live array handle.
+    let status = unsafe { mlx_sys::_mlx_array_is_available(&mut available, a.as_ptr()) };
+    if status != 0 || !available {
+        return None;
+    }
+    a.try_as_slice::<half::bf16>().ok()
+}
+
 /// An array's values widened to f32 (exact for every float dtype here), as bit patterns: what
 /// the host kernels' one-time checks compare with MLX's result.
 pub fn check_bits(a: &Array) -> Result<Vec<u32>> {

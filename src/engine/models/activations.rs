@@ -3,7 +3,7 @@
 //! per model with the same `shapeless` boundary as mlx-lm's `@mx.compile`, and reused on every
 //! call; [`CompiledOp`] is the one wrapper they share.
 
-use crate::engine::error::Result;
+use crate::engine::error::{EngineError, Result};
 use crate::engine::forks::Forks;
 use crate::engine::kernels::{self, elementwise};
 use mlx_rs::error::Exception;
@@ -133,8 +133,8 @@ pub fn softcap_graph(x: &Array, cap: f64) -> std::result::Result<Array, Exceptio
 }
 
 /// The SwiGLU activation object mlx-lm's llama-family MLPs use. Under `--host-elementwise on`
-/// f32 inputs take the host kernel ([`crate::engine::kernels::elementwise`]) once it has matched
-/// MLX's own kernel in this process.
+/// f32 and bfloat16 inputs take the host kernel ([`crate::engine::kernels::elementwise`]) once
+/// it has matched MLX's own kernel in this process.
 pub struct SwiGlu {
     op: CompiledOp,
     host: bool,
@@ -142,7 +142,7 @@ pub struct SwiGlu {
 
 impl SwiGlu {
     /// The activation as `forks` ask: compiled like mlx-lm or eager (same bits on CPU), on the
-    /// host for f32 where [`Forks::host_elem`] allows.
+    /// host for f32 and bfloat16 where [`Forks::host_elem`] allows.
     pub fn new(forks: &Forks) -> Self {
         Self {
             op: swiglu(forks.compiled_activations),
@@ -160,15 +160,16 @@ impl SwiGlu {
         self.op.call1(&[gate.clone(), x.clone()])
     }
 
-    /// The host kernel's result, or `None` for inputs it does not take (not f32, different
-    /// shapes, not contiguous) or when it differed from MLX's kernel in this process.
+    /// The host kernel's result, or `None` for inputs it does not take (not f32 or bfloat16,
+    /// different shapes, not contiguous) or when it differed from MLX's kernel in this process.
     fn host_apply(&mut self, gate: &Array, x: &Array) -> Result<Option<Array>> {
-        if gate.dtype() != Dtype::Float32
-            || x.dtype() != Dtype::Float32
-            || gate.shape() != x.shape()
-            || !self.host_matches_mlx()?
-        {
+        if gate.dtype() != x.dtype() || gate.shape() != x.shape() {
             return Ok(None);
+        }
+        match gate.dtype() {
+            Dtype::Float32 if self.host_matches_mlx()? => {}
+            Dtype::Bfloat16 => return self.host_apply_bf16(gate, x),
+            _ => return Ok(None),
         }
         eval([gate, x])?;
         let (Ok(g), Ok(u)) = (gate.try_as_slice::<f32>(), x.try_as_slice::<f32>()) else {
@@ -178,6 +179,61 @@ impl SwiGlu {
         elementwise::swiglu(g, u, &mut out);
         HOST_SWIGLU_CALLS.with(|c| c.set(c.get() + 1));
         Ok(Some(Array::from_slice(&out, gate.shape())))
+    }
+
+    /// [`SwiGlu::host_apply`] for bfloat16: MLX's kernel rounds every intermediate to
+    /// bfloat16, so `silu(gate)` is a function of the gate's 16 bits, tabulated once by MLX's
+    /// own kernel ([`SwiGlu::silu_table_bf16`]); the host then does the last multiply.
+    fn host_apply_bf16(&mut self, gate: &Array, x: &Array) -> Result<Option<Array>> {
+        let Some(table) = self.silu_table_bf16()? else {
+            return Ok(None);
+        };
+        eval([gate, x])?;
+        let (Ok(g), Ok(u)) = (
+            gate.try_as_slice::<half::bf16>(),
+            x.try_as_slice::<half::bf16>(),
+        ) else {
+            return Ok(None);
+        };
+        let mut out = vec![half::bf16::ZERO; g.len()];
+        elementwise::swiglu_bf16(g, u, table, &mut out);
+        HOST_SWIGLU_CALLS.with(|c| c.set(c.get() + 1));
+        Ok(Some(Array::from_slice(&out, gate.shape())))
+    }
+
+    /// MLX's bfloat16 `silu` of every bfloat16 value (`swiglu(g, 1)`: multiplying by one is
+    /// exact), once per process, kept only when the host SwiGLU built on it then gives MLX's
+    /// bits on a fixed probe; `None` leaves bfloat16 SwiGLUs to MLX.
+    fn silu_table_bf16(&mut self) -> Result<Option<&'static [half::bf16]>> {
+        static TABLE: OnceLock<Option<Vec<half::bf16>>> = OnceLock::new();
+        if let Some(t) = TABLE.get() {
+            return Ok(t.as_deref());
+        }
+        let every: Vec<half::bf16> = (0..=u16::MAX).map(half::bf16::from_bits).collect();
+        let n = every.len() as i32;
+        let ones = vec![half::bf16::ONE; every.len()];
+        let silu = self.op.call1(&[
+            Array::from_slice(&every, &[n]),
+            Array::from_slice(&ones, &[n]),
+        ])?;
+        let table: Vec<half::bf16> = silu
+            .try_as_slice::<half::bf16>()
+            .map_err(|e| EngineError::Runtime(format!("cannot read MLX's bfloat16 silu ({e})")))?
+            .to_vec();
+        let (gate, up) = swiglu_probe();
+        let gate: Vec<half::bf16> = gate.into_iter().map(elementwise::bf16_mlx).collect();
+        let up: Vec<half::bf16> = up.into_iter().map(elementwise::bf16_mlx).collect();
+        let mut ours = vec![half::bf16::ZERO; gate.len()];
+        elementwise::swiglu_bf16(&gate, &up, &table, &mut ours);
+        let n = gate.len() as i32;
+        let theirs = self
+            .op
+            .call1(&[Array::from_slice(&gate, &[n]), Array::from_slice(&up, &[n])])?;
+        let same = ours
+            .iter()
+            .map(|v| f32::from(*v).to_bits())
+            .eq(kernels::check_bits(&theirs)?);
+        Ok(TABLE.get_or_init(|| same.then_some(table)).as_deref())
     }
 
     /// Whether the host kernel gives MLX's bits on a fixed probe (values over every magnitude
