@@ -1,10 +1,10 @@
-//! `--host-elementwise on` (an L1 default): SwiGLU (f32, bf16), RMSNorm and residual adds (f32) on the host,
-//! operation for operation as MLX's CPU kernels. Checked against MLX itself (the kernels
+//! `--host-elementwise on` (an L1 default): SwiGLU, RMSNorm and residual adds, f32 and bf16, on
+//! the host, operation for operation as MLX's CPU kernels. Checked against MLX itself (the kernels
 //! mlx-lm runs on the same libmlx):
 //! - the sigmoid alone and the whole `silu(gate) * up`, compiled (as mlx-lm's `@mx.compile`)
 //!   and eager, over a strided sweep of every f32 bit pattern (`MLXB_SWEEP_STRIDE=1` sweeps
 //!   all 2^32 by hand, ~12 minutes);
-//! - RMSNorm against `fast::rms_norm` over widths, magnitudes and epsilons;
+//! - RMSNorm against `fast::rms_norm` over widths, magnitudes and epsilons, in f32 and bf16;
 //! - tiny f32 llamas give the same logits with and without it and really take it (SwiGLU in
 //!   prompts and steps, norms in steps);
 //! - the bfloat16 SwiGLU against MLX's compiled and eager kernels for every gate value, and a
@@ -117,7 +117,7 @@ fn swiglu_equals_mlx_compiled_and_eager_over_the_sweep() {
 }
 
 #[test]
-fn rms_norm_equals_mlx_over_widths_magnitudes_and_epsilons() {
+fn rms_norm_equals_mlx_over_widths_magnitudes_and_epsilons_in_f32_and_bf16() {
     for (i, (rows, dim)) in [(1, 576), (8, 64), (3, 2048), (5, 100), (2, 1)]
         .into_iter()
         .enumerate()
@@ -147,6 +147,27 @@ fn rms_norm_equals_mlx_over_widths_magnitudes_and_epsilons() {
                     .filter(|(a, b)| !same(**a, **b))
                     .count();
                 assert_eq!(differ, 0, "{rows}x{dim}, scale {scale}, eps {eps}");
+                // The same row and weight in bfloat16 (MLX normalises in f32, rounds, then
+                // multiplies by the weight in bfloat16).
+                let x: Vec<half::bf16> = x.into_iter().map(elementwise::bf16_mlx).collect();
+                let w: Vec<half::bf16> = w.into_iter().map(elementwise::bf16_mlx).collect();
+                let theirs = mlx_rs::fast::rms_norm(
+                    Array::from_slice(&x, &[rows as i32, dim as i32]),
+                    Some(&Array::from_slice(&w, &[dim as i32])),
+                    eps,
+                )
+                .unwrap();
+                assert_eq!(theirs.dtype(), Dtype::Bfloat16);
+                let mut ours = vec![half::bf16::ZERO; x.len()];
+                elementwise::rms_norm_bf16(&x, &w, eps, &mut ours);
+                let ours: Vec<u16> = ours.iter().map(|v| v.to_bits()).collect();
+                let theirs: Vec<u16> = theirs
+                    .as_slice::<half::bf16>()
+                    .iter()
+                    .map(|v| v.to_bits())
+                    .collect();
+                let differ = ours.iter().zip(&theirs).filter(|(a, b)| a != b).count();
+                assert_eq!(differ, 0, "bf16 {rows}x{dim}, scale {scale}, eps {eps}");
             }
         }
     }
@@ -247,6 +268,7 @@ fn a_tiny_bf16_llama_takes_the_host_products_and_swiglu_with_the_same_logits() {
         ..Forks::default()
     };
     let before = host_swiglu_calls();
+    let norms_before = host_norm_calls();
     let products_before = dense_calls();
     // A 23-token prompt (past the 16-token verify-block limit: the prompt path of the host
     // products), then single-token steps.
@@ -261,12 +283,18 @@ fn a_tiny_bf16_llama_takes_the_host_products_and_swiglu_with_the_same_logits() {
         tok = (tok * 31 + step + 11) % 384;
     }
     let calls = host_swiglu_calls() - before;
+    let norms = host_norm_calls() - norms_before;
     let products = dense_calls() - products_before;
     if elementwise::avx512_available() {
         // 4 layers, in the prompt and in each of the 8 steps.
         assert!(calls >= 4 * 9, "the host SwiGLU ran {calls} times");
         assert!(products >= 4 * 7 * 9, "{products} host products");
+        // In each step every norm but the first layer's input norm (the embedding is MLX's).
+        assert!(
+            norms >= 8 * 8,
+            "the host RMSNorm ran {norms} times in 8 steps"
+        );
     } else {
-        eprintln!("no AVX-512 here: {calls} host SwiGLUs, {products} host products");
+        eprintln!("no AVX-512 here: {calls} host SwiGLUs, {norms} norms, {products} products");
     }
 }

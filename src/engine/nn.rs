@@ -2,7 +2,7 @@
 //! forms, RMSNorm), issuing exactly the MLX ops `mlx.nn` issues so results stay bit-identical.
 
 use super::error::Result;
-use super::kernels::{elementwise, ready_f32};
+use super::kernels::{elementwise, ready_bf16, ready_f32};
 use super::kernels::{HostDense, HostDenseCell, HostQuant, HostQuantCell};
 use super::weights::{QuantSpec, WeightStore};
 use mlx_rs::{fast, ops, Array, Dtype};
@@ -458,44 +458,70 @@ impl RmsNorm {
         Ok(fast::rms_norm(x, Some(&self.weight), self.eps)?)
     }
 
-    /// The host norm of an f32 `x` already on the host, once the host form matched MLX's in
-    /// this process for this width and epsilon; `None` leaves it to MLX.
+    /// The host norm of an f32 or bfloat16 `x` already on the host, once the host form
+    /// matched MLX's in this process for this dtype, width and epsilon; `None` leaves it to
+    /// MLX.
     fn host_forward(&self, x: &Array) -> Result<Option<Array>> {
-        if !super::kernels::host_allowed() {
+        if !super::kernels::host_allowed()
+            || x.shape().last().copied() != Some(self.weight.size() as i32)
+        {
             return Ok(None);
         }
-        let (Some(xs), Some(ws)) = (ready_f32(x), ready_f32(&self.weight)) else {
-            return Ok(None);
-        };
-        if x.shape().last().copied() != Some(ws.len() as i32) || !self.host_matches_mlx(ws)? {
-            return Ok(None);
+        if let (Some(xs), Some(ws)) = (ready_f32(x), ready_f32(&self.weight)) {
+            if !self.host_matches_mlx()? {
+                return Ok(None);
+            }
+            let mut out = vec![0.0; xs.len()];
+            elementwise::rms_norm(xs, ws, self.eps, &mut out);
+            HOST_NORM_CALLS.with(|c| c.set(c.get() + 1));
+            return Ok(Some(Array::from_slice(&out, x.shape())));
         }
-        let mut out = vec![0.0; xs.len()];
-        elementwise::rms_norm(xs, ws, self.eps, &mut out);
-        HOST_NORM_CALLS.with(|c| c.set(c.get() + 1));
-        Ok(Some(Array::from_slice(&out, x.shape())))
+        if let (Some(xs), Some(ws)) = (ready_bf16(x), ready_bf16(&self.weight)) {
+            if !self.host_matches_mlx()? {
+                return Ok(None);
+            }
+            let mut out = vec![half::bf16::ZERO; xs.len()];
+            elementwise::rms_norm_bf16(xs, ws, self.eps, &mut out);
+            HOST_NORM_CALLS.with(|c| c.set(c.get() + 1));
+            return Ok(Some(Array::from_slice(&out, x.shape())));
+        }
+        Ok(None)
     }
 
     /// Whether the host norm gives MLX's bits on a fixed probe with this weight; decided once
-    /// per process for each width and epsilon.
-    fn host_matches_mlx(&self, w: &[f32]) -> Result<bool> {
-        type Verdicts = std::sync::Mutex<std::collections::HashMap<(usize, u32), bool>>;
+    /// per process for each weight dtype (f32 or bfloat16), width and epsilon.
+    fn host_matches_mlx(&self) -> Result<bool> {
+        type Verdicts = std::sync::Mutex<std::collections::HashMap<(Dtype, usize, u32), bool>>;
         static VERDICTS: std::sync::OnceLock<Verdicts> = std::sync::OnceLock::new();
-        let key = (w.len(), self.eps.to_bits());
+        let dtype = self.weight.dtype();
+        let width = self.weight.size();
+        let key = (dtype, width, self.eps.to_bits());
         let verdicts = VERDICTS.get_or_init(Default::default);
         if let Some(v) = super::kernels::lock(verdicts).get(&key) {
             return Ok(*v);
         }
         let rows = 8;
-        let probe = elementwise::probe_values(rows * w.len(), 0x5851_f42d_4c95_7f2d);
-        let mut ours = vec![0.0; probe.len()];
-        elementwise::rms_norm(&probe, w, self.eps, &mut ours);
-        let x = Array::from_slice(&probe, &[rows as i32, w.len() as i32]);
+        let probe = elementwise::probe_values(rows * width, 0x5851_f42d_4c95_7f2d);
+        let shape = [rows as i32, width as i32];
+        let (ours, x): (Vec<u32>, Array) = match (ready_f32(&self.weight), ready_bf16(&self.weight))
+        {
+            (Some(w), _) => {
+                let mut out = vec![0.0; probe.len()];
+                elementwise::rms_norm(&probe, w, self.eps, &mut out);
+                let bits = out.iter().map(|v| v.to_bits()).collect();
+                (bits, Array::from_slice(&probe, &shape))
+            }
+            (None, Some(w)) => {
+                let probe: Vec<half::bf16> = probe.into_iter().map(elementwise::bf16_mlx).collect();
+                let mut out = vec![half::bf16::ZERO; probe.len()];
+                elementwise::rms_norm_bf16(&probe, w, self.eps, &mut out);
+                let bits = out.iter().map(|v| v.to_f32().to_bits()).collect();
+                (bits, Array::from_slice(&probe, &shape))
+            }
+            (None, None) => return Ok(false),
+        };
         let theirs = fast::rms_norm(&x, Some(&self.weight), self.eps)?;
-        let same = ours
-            .iter()
-            .map(|v| v.to_bits())
-            .eq(super::kernels::check_bits(&theirs)?);
+        let same = ours == super::kernels::check_bits(&theirs)?;
         super::kernels::lock(verdicts).insert(key, same);
         Ok(same)
     }

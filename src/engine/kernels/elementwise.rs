@@ -151,6 +151,36 @@ pub fn add(a: &[f32], b: &[f32], out: &mut [f32]) {
     }
 }
 
+/// [`rms_norm`] for bfloat16 rows and weight, as MLX's fallback graph runs it for that dtype:
+/// the row widened to f32, normalised in f32 exactly as [`rms_norm`] does, rounded to bfloat16,
+/// then multiplied by the weight in bfloat16 (one exact f32 product, rounded).
+pub fn rms_norm_bf16(x: &[half::bf16], w: &[half::bf16], eps: f32, out: &mut [half::bf16]) {
+    let dim = w.len();
+    assert!(
+        dim > 0 && x.len().is_multiple_of(dim) && out.len() == x.len(),
+        "rms_norm_bf16: rows do not match the weight"
+    );
+    let inv_n = (1.0 / dim as f64) as f32;
+    for (row, o) in x.chunks_exact(dim).zip(out.chunks_exact_mut(dim)) {
+        let mut sum = 0.0f32;
+        for v in row {
+            let v = v.to_f32();
+            sum += v * v;
+        }
+        let r = 1.0 / (sum * inv_n + eps).sqrt();
+        for ((o, v), wv) in o.iter_mut().zip(row).zip(w) {
+            *o = bf16_mlx(bf16_mlx(v.to_f32() * r).to_f32() * wv.to_f32());
+        }
+    }
+}
+
+/// `a + b` in bfloat16 as MLX adds it: the f32 sum rounded by [`bf16_mlx`].
+pub fn add_bf16(a: &[half::bf16], b: &[half::bf16], out: &mut [half::bf16]) {
+    for ((o, x), y) in out.iter_mut().zip(a).zip(b) {
+        *o = bf16_mlx(x.to_f32() + y.to_f32());
+    }
+}
+
 /// `n` deterministic values over every magnitude a layer's activations meet (2^-30 .. 2^8),
 /// both signs: the input of the host paths' one-time checks against MLX.
 pub fn probe_values(n: usize, seed: u64) -> Vec<f32> {

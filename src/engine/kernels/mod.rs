@@ -25,7 +25,7 @@ pub mod vnni;
 pub use affine::{KernelPath, Prepared, QMatrix, BITS, MAX_M};
 pub use dense::{dense_calls, refused_blocks, refused_shapes, HostDense, HostDenseCell};
 pub use dispatch::{best_path, matmul, selection, Selection};
-pub use host::{check_bits, host_calls, ready_f32, HostQuant, HostQuantCell};
+pub use host::{check_bits, host_calls, ready_bf16, ready_f32, HostQuant, HostQuantCell};
 pub use step::{host_steps, HostDecoder, HostLayer, PastKv, StepOut, StepPlan};
 pub use vecops::{HeadShape, HostRope};
 pub use vnni::Int8Input;

@@ -183,7 +183,8 @@ impl<'a, P> LayerIo<'a, P> {
 pub struct PreNormLayer {
     input_layernorm: RmsNorm,
     post_attention_layernorm: RmsNorm,
-    /// `--host-elementwise`: residual adds of f32 data already on the host stay there.
+    /// `--host-elementwise`: residual adds of f32 or bfloat16 data already on the host stay
+    /// there.
     host: bool,
 }
 
@@ -225,13 +226,18 @@ impl PreNormLayer {
         self.residual(&h, &ffn(&self.post_attention_layernorm.forward(&h)?)?)
     }
 
-    /// `x + y`; on the host when both are same-shape f32 data already there (the host decode
-    /// step's case), so the next norm and products need not wait for MLX.
+    /// `x + y`; on the host when both are same-shape f32 or bfloat16 data already there (the
+    /// host decode step's case), so the next norm and products need not wait for MLX.
     fn residual(&self, x: &Array, y: &Array) -> Result<Array> {
         if self.host && kernels::host_allowed() && x.shape() == y.shape() {
             if let (Some(a), Some(b)) = (kernels::ready_f32(x), kernels::ready_f32(y)) {
                 let mut out = vec![0.0; a.len()];
                 kernels::elementwise::add(a, b, &mut out);
+                return Ok(Array::from_slice(&out, x.shape()));
+            }
+            if let (Some(a), Some(b)) = (kernels::ready_bf16(x), kernels::ready_bf16(y)) {
+                let mut out = vec![half::bf16::ZERO; a.len()];
+                kernels::elementwise::add_bf16(a, b, &mut out);
                 return Ok(Array::from_slice(&out, x.shape()));
             }
         }
