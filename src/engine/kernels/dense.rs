@@ -125,6 +125,15 @@ impl HostDense {
         // A 16-bit token widens to f32 exactly (MLX's `simd_gemm` does the same); bfloat16 is
         // widened here, so a host-resident input (a host product's or host SwiGLU's result)
         // costs MLX no operation.
+        // A strided view (a prompt's attention output, transposed back to token-major) is
+        // copied into row order first; a contiguous array is shared as it is.
+        let contiguous;
+        let x = if is_row_contiguous(x)? {
+            x
+        } else {
+            contiguous = x.contiguous()?;
+            &contiguous
+        };
         let widened: Vec<f32>;
         let wide_array: Array;
         let host: &[f32] = match x.dtype() {
@@ -203,6 +212,15 @@ impl HostDense {
         lock(verdicts()).insert(key, same);
         Ok(same)
     }
+}
+
+/// Whether `x`'s data, once evaluated, is in row-major order (what the host reads).
+fn is_row_contiguous(x: &Array) -> Result<bool> {
+    x.eval()?;
+    let mut contiguous = false;
+    // SAFETY: reads a flag of a live, evaluated array handle.
+    let status = unsafe { mlx_sys::_mlx_array_is_row_contiguous(&mut contiguous, x.as_ptr()) };
+    Ok(status == 0 && contiguous)
 }
 
 /// Tokens the check of products longer than [`MAX_TOKENS`] uses: past one of `simd_gemm`'s
