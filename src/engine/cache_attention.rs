@@ -1,10 +1,12 @@
 //! Attention over one layer's cache, with the implementation the forks select:
 //! MLX's fused SDPA (mlx-lm's default), the op-by-op reference attention (`--fused-sdpa off`),
-//! mlx-lm's quantized attention over a [`QuantizedCache`](crate::engine::cache::QuantizedCache) (`--kv-quant`), and the L3
-//! experiment `--perf-kernel on` (quantized attention in f32 with an online softmax).
+//! mlx-lm's quantized attention over a [`QuantizedCache`](crate::engine::cache::QuantizedCache) (`--kv-quant`), the L3
+//! experiment `--perf-kernel on` (quantized attention in f32 with an online softmax), and
+//! bfloat16 attention on the host under `--host-matvec on` (MLX's bits, checked).
 
 use super::cache::{causal_mask, AttentionMask, KvCache, QuantizedKv};
 use super::error::{EngineError, Result};
+use super::kernels::{self, attention::AttentionShape};
 use super::models::attention::{sdpa, softcap_attention};
 use super::nn::weak_scalar;
 use mlx_rs::ops::indexing::{Ellipsis, IndexOp};
@@ -23,6 +25,9 @@ pub struct AttentionPlan {
     pub fused_qkv: bool,
     /// `--perf-kernel on`: quantized-KV attention in f32 with an online softmax.
     pub online_f32: bool,
+    /// `--host-matvec on`: bfloat16 attention over a full-precision cache runs on the host
+    /// ([`crate::engine::kernels::attention`]) once it matched MLX's SDPA in this process.
+    pub host_bf16: bool,
 }
 
 /// Keys per chunk of the online-softmax kernel (the cache's growth step).
@@ -61,11 +66,130 @@ pub fn attend(
         };
     }
     let (k, v) = cache.update_and_fetch(k, v)?;
+    if softcap.is_none() && plan.host_bf16 {
+        if let Some(out) = host_attention(q, &k, &v, scale, mask)? {
+            return Ok(out);
+        }
+    }
     match softcap {
         Some(cap) => softcap_attention(q, &k, &v, scale, cap, mask),
         None if plan.reference_sdpa => reference_sdpa(q, &k, &v, scale, mask),
         None => sdpa(q, &k, &v, scale, mask),
     }
+}
+
+/// The host's bfloat16 attention for a batch-1 call without a mask array (none, or causal);
+/// `None` leaves it to MLX: other dtypes or masks, no host kernels here, or a head layout
+/// whose host result differed from MLX's SDPA in this process.
+pub fn host_attention(
+    q: &Array,
+    k: &Array,
+    v: &Array,
+    scale: f32,
+    mask: &AttentionMask,
+) -> Result<Option<Array>> {
+    let causal = match mask {
+        AttentionMask::None => false,
+        AttentionMask::Causal => true,
+        AttentionMask::Array(_) => return Ok(None),
+    };
+    if !kernels::host_allowed()
+        || !kernels::mlx_order::available()
+        || [q, k, v]
+            .iter()
+            .any(|a| a.dtype() != Dtype::Bfloat16 || a.ndim() != 4)
+        || q.shape()[0] != 1
+        || k.shape() != v.shape()
+        || k.shape()[0] != 1
+        || k.shape()[3] != q.shape()[3]
+    {
+        return Ok(None);
+    }
+    let shape = AttentionShape {
+        heads: q.shape()[1] as usize,
+        kv_heads: k.shape()[1] as usize,
+        queries: q.shape()[2] as usize,
+        keys: k.shape()[2] as usize,
+        dim: q.shape()[3] as usize,
+    };
+    if shape.kv_heads == 0
+        || !shape.heads.is_multiple_of(shape.kv_heads)
+        || shape.queries > shape.keys
+    {
+        return Ok(None);
+    }
+    if !host_attention_matches_mlx(shape, scale)? {
+        return Ok(None);
+    }
+    host_attention_unchecked(q, k, v, scale, causal, shape).map(Some)
+}
+
+/// [`host_attention`] without the layout checks and the comparison with MLX.
+fn host_attention_unchecked(
+    q: &Array,
+    k: &Array,
+    v: &Array,
+    scale: f32,
+    causal: bool,
+    shape: AttentionShape,
+) -> Result<Array> {
+    // The scaled queries exactly as MLX's fallback forms them (one bfloat16 multiply).
+    let qs = q.multiply(weak_scalar(scale as f64, q)?)?.contiguous()?;
+    let (kc, vc) = (k.contiguous()?, v.contiguous()?);
+    mlx_rs::transforms::eval([&qs, &kc, &vc])?;
+    let read = |a: &Array| -> Result<Vec<half::bf16>> {
+        Ok(a.try_as_slice::<half::bf16>()
+            .map_err(|e| {
+                EngineError::Runtime(format!("host attention cannot read its input ({e})"))
+            })?
+            .to_vec())
+    };
+    let (qh, kh, vh) = (read(&qs)?, read(&kc)?, read(&vc)?);
+    let mut out = vec![half::bf16::ZERO; qh.len()];
+    kernels::attention::attend_bf16(&qh, &kh, &vh, shape, causal, &mut out)
+        .map_err(|e| EngineError::Runtime(format!("host attention: {e}")))?;
+    Ok(Array::from_slice(&out, q.shape()))
+}
+
+/// Whether the host attention gives MLX's SDPA bits for this head layout and scale, on two
+/// fixed random calls (a decode step; a causal block of queries past a cached prefix);
+/// decided once per process.
+fn host_attention_matches_mlx(shape: AttentionShape, scale: f32) -> Result<bool> {
+    type Verdicts = std::sync::Mutex<std::collections::HashMap<(usize, usize, usize, u32), bool>>;
+    static VERDICTS: std::sync::OnceLock<Verdicts> = std::sync::OnceLock::new();
+    let key = (shape.heads, shape.kv_heads, shape.dim, scale.to_bits());
+    let verdicts = VERDICTS.get_or_init(Default::default);
+    if let Some(v) = kernels::lock(verdicts).get(&key) {
+        return Ok(*v);
+    }
+    let mut same = true;
+    for (i, (queries, keys, causal)) in [(1, 37, false), (7, 40, true)].into_iter().enumerate() {
+        let probe = AttentionShape {
+            queries,
+            keys,
+            ..shape
+        };
+        let random = |seed: u64, heads: usize, len: usize| -> Result<Array> {
+            let key = mlx_rs::random::key(seed)?;
+            let dims = [1, heads as i32, len as i32, shape.dim as i32];
+            Ok(mlx_rs::random::normal::<f32>(&dims[..], 0.0, 1.0, &key)?
+                .as_dtype(Dtype::Bfloat16)?)
+        };
+        let seed = 0x7f4a_7c15 + 3 * i as u64;
+        let q = random(seed, shape.heads, queries)?;
+        let k = random(seed + 1, shape.kv_heads, keys)?;
+        let v = random(seed + 2, shape.kv_heads, keys)?;
+        let mask = if causal {
+            AttentionMask::Causal
+        } else {
+            AttentionMask::None
+        };
+        let ours = host_attention_unchecked(&q, &k, &v, scale, causal, probe)?;
+        let theirs = sdpa(&q, &k, &v, scale, &mask)?;
+        same &= kernels::check_bits(&ours)? == kernels::check_bits(&theirs)?;
+    }
+    kernels::lock(verdicts).insert(key, same);
+    Ok(same)
 }
 
 /// Query heads grouped per key/value head (`[B, Hkv, rep, L, D]`) when there is more than

@@ -198,13 +198,13 @@ pub static FORKS: &[Fork] = &[
         name: "host-matvec",
         domain: Domain::Choices(ON_OFF_EXACT),
         defaults: ["on", "on", "on"],
-        help: "CPU backend: single-token products through dense f32/bf16/f16 layers run on the host (both cores, weights read in place) summed in the exact order MLX's CPU matmul sums them (OpenBLAS's order for f32, MLX's own for 16-bit), so bit-identical; each weight shape is compared with MLX at first use and stays on MLX if it differs; not under --compiled-decode",
+        help: "CPU backend: products through dense f32/bf16/f16 layers (up to 16 tokens; any number for 16-bit) and bf16 attention run on the host (both cores, weights read in place) summed in the exact order MLX's CPU backend sums them (OpenBLAS's order for f32, MLX's own for 16-bit), so bit-identical; each weight shape and head layout is compared with MLX at first use and stays on MLX if it differs; not under --compiled-decode",
     },
     Fork {
         name: "host-elementwise",
         domain: Domain::Choices(ON_OFF_EXACT),
         defaults: ["on", "on", "on"],
-        help: "CPU backend: f32 element-wise work runs on the host computing exactly what MLX's CPU kernels compute, so bit-identical: the SwiGLU of llama-family MLPs (MLX's scalar sigmoid, its polynomial exp, in AVX-512 lanes: ~1/4 of a prompt's time on MLX), and RMSNorms and residual adds whose input is already on the host (a decode step then waits for MLX once per layer, not three times); each compared with MLX once per process and left to MLX if it differs; not under --compiled-decode",
+        help: "CPU backend: f32 and bf16 element-wise work runs on the host computing exactly what MLX's CPU kernels compute, so bit-identical: the SwiGLU of llama-family MLPs (MLX's scalar sigmoid, its polynomial exp, in AVX-512 lanes: ~1/4 of a prompt's time on MLX), and RMSNorms and residual adds whose input is already on the host (a decode step then waits for MLX once per layer, not three times); each compared with MLX once per process and left to MLX if it differs; not under --compiled-decode",
     },
     Fork {
         name: "fused-decode",

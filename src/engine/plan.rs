@@ -66,6 +66,7 @@ impl ForkPlan {
                 compiled_decode: forks.compiled_decode,
                 fused_qkv: forks.fused_decode,
                 online_f32: forks.perf_kernel,
+                host_bf16: forks.host_matvec,
             },
             warnings: Vec::new(),
         }

@@ -58,6 +58,21 @@ pub fn exp_mlx(x: f32) -> f32 {
     result
 }
 
+/// [`exp_mlx`] of every value of `x`, in place (eight at a time where the CPU has AVX-512: the
+/// `floor(t + 0.5)` in f64 lanes, as the scalar form forms it).
+pub fn exp_mlx_slice(x: &mut [f32]) {
+    let mut done = 0;
+    #[cfg(target_arch = "x86_64")]
+    if avx512_available() {
+        done = x.len() / 8 * 8;
+        // SAFETY: the CPU has AVX-512F (checked); `done` is within `x`.
+        unsafe { x86::exp_slice(&mut x[..done]) };
+    }
+    for v in &mut x[done..] {
+        *v = exp_mlx(*v);
+    }
+}
+
 /// MLX CPU's `sigmoid`: `y = 1 / (1 + exp(|x|))`, then `y` for negative `x`, `1 - y` otherwise.
 pub fn sigmoid_mlx(x: f32) -> f32 {
     let y = 1.0 / (1.0 + exp_mlx(x.abs()));
@@ -242,6 +257,40 @@ mod x86 {
         _mm512_mask_mov_ps(r, small, _mm512_setzero_ps())
     }
 
+    /// [`super::exp_mlx`] eight values at a time (`x.len()` a multiple of eight), for any
+    /// sign: `floor(t + 0.5)` is formed in f64 lanes, exactly as the scalar form forms it.
+    ///
+    /// # Safety
+    /// The CPU must have AVX-512F.
+    #[target_feature(enable = "avx512f,avx,avx2,fma")]
+    pub unsafe fn exp_slice(x: &mut [f32]) {
+        for chunk in x.chunks_exact_mut(8) {
+            let v = _mm256_loadu_ps(chunk.as_ptr());
+            let t = _mm256_mul_ps(v, _mm256_set1_ps(LOG2_E));
+            let wide = _mm512_add_pd(_mm512_cvtps_pd(t), _mm512_set1_pd(0.5));
+            let ipart = _mm512_cvtpd_ps(_mm512_roundscale_pd::<
+                { _MM_FROUND_TO_NEG_INF | _MM_FROUND_NO_EXC },
+            >(wide));
+            let fpart = _mm256_sub_ps(t, ipart);
+            let mut p = _mm256_set1_ps(EXP2_POLY[0]);
+            for c in &EXP2_POLY[1..] {
+                p = _mm256_fmadd_ps(p, fpart, _mm256_set1_ps(*c));
+            }
+            let epart = _mm256_slli_epi32::<23>(_mm256_add_epi32(
+                _mm256_cvttps_epi32(ipart),
+                _mm256_set1_epi32(127),
+            ));
+            let mut r = _mm256_mul_ps(_mm256_castsi256_ps(epart), p);
+            let nan = _mm256_cmp_ps::<_CMP_UNORD_Q>(v, v);
+            r = _mm256_blendv_ps(r, v, nan);
+            let big = _mm256_cmp_ps::<_CMP_GT_OQ>(v, _mm256_set1_ps(88.0));
+            r = _mm256_blendv_ps(r, _mm256_set1_ps(f32::INFINITY), big);
+            let small = _mm256_cmp_ps::<_CMP_LT_OQ>(v, _mm256_set1_ps(-88.0));
+            r = _mm256_blendv_ps(r, _mm256_setzero_ps(), small);
+            _mm256_storeu_ps(chunk.as_mut_ptr(), r);
+        }
+    }
+
     /// 16 lanes of `(g * sigmoid(g)) * u`.
     #[target_feature(enable = "avx512f")]
     unsafe fn swiglu16(g: __m512, u: __m512) -> __m512 {
@@ -316,6 +365,24 @@ mod tests {
                 "gate {} up {}: scalar {s:e} vector {v:e}",
                 gate[i],
                 up[i]
+            );
+        }
+    }
+
+    /// [`exp_mlx_slice`] equals [`exp_mlx`] bit for bit over the sweep (both signs: the
+    /// softmax's `x - max` is never positive) and over the softmax's range in fine steps.
+    #[test]
+    fn exp_slice_equals_the_scalar_exp_bit_for_bit() {
+        let mut xs = sweep();
+        xs.extend((0..200_000).map(|i| -(i as f32) * 0.000_45));
+        xs.extend((0..5000).map(|i| -88.5 + i as f32 * 1e-4));
+        let mut vector = xs.clone();
+        exp_mlx_slice(&mut vector);
+        for (x, v) in xs.iter().zip(&vector) {
+            let s = exp_mlx(*x);
+            assert!(
+                s.to_bits() == v.to_bits() || (s.is_nan() && v.is_nan()),
+                "exp({x:e}): scalar {s:e} vector {v:e}"
             );
         }
     }

@@ -11,6 +11,7 @@
 //! and `team` run a whole llama-style decode step on the host.
 
 pub mod affine;
+pub mod attention;
 pub mod dense;
 pub mod dispatch;
 pub mod elementwise;

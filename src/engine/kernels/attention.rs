@@ -1,0 +1,160 @@
+//! bfloat16 attention on the host, computing what MLX's CPU backend computes for
+//! `fast::scaled_dot_product_attention` (`--host-matvec on`, L1). On the CPU MLX runs its SDPA
+//! as a graph of plain ops: the scaled queries times the keys per key/value head group, the
+//! causal mask as `where(mask, scores, lowest)`, a precise softmax, times the values. Its two
+//! products go to `simd_gemm`, which copies 16×16 tiles element by element on one thread: at a
+//! 256-token SmolLM2 bf16 prompt they were over a third of the time.
+//!
+//! The same steps here, in MLX's order: each score is one f32 chain over the head dimension
+//! (the host product of [`super::mlx_order`], `Sequential`), rounded to bfloat16; the softmax
+//! takes each row's maximum, sums `exp(x - max)` (MLX's CPU `exp`) left to right, multiplies
+//! each exponential by `1 / sum` and rounds; each output is one f32 chain over the keys (products
+//! of two bfloat16 values are exact, so multiply-then-add is MLX's `c += a * b`), rounded.
+//! [`super::super::cache_attention`] compares this with MLX's own SDPA once per head layout
+//! before using it.
+
+use super::elementwise::{bf16_mlx, exp_mlx_slice};
+use super::mlx_order::{self, Order, Weights};
+use half::bf16;
+use rayon::prelude::*;
+use std::sync::atomic::{AtomicUsize, Ordering};
+
+/// The bit pattern of bfloat16's lowest finite value (`finfo(bfloat16).min`, what MLX's
+/// fallback writes where the mask is false).
+const LOWEST: u16 = 0xFF7F;
+/// Work (heads × queries × keys) below which one thread does all heads.
+const PARALLEL_MIN_SCORES: usize = 1 << 14;
+
+/// Head layout of one attention call (batch 1).
+#[derive(Debug, Clone, Copy, PartialEq, Eq, Hash)]
+pub struct AttentionShape {
+    /// Query heads.
+    pub heads: usize,
+    /// Key/value heads (`heads` is a multiple).
+    pub kv_heads: usize,
+    /// Queries (the new tokens).
+    pub queries: usize,
+    /// Keys (the cache, the new tokens included).
+    pub keys: usize,
+    /// Head dimension.
+    pub dim: usize,
+}
+
+/// Attention of scaled queries `q` (`[heads, queries, dim]`) over `k` and `v`
+/// (`[kv_heads, keys, dim]`), all row-major bfloat16, into `out` (`[heads, queries, dim]`);
+/// `causal` masks key `s` from query `t` when `s > keys - queries + t`. Errors when the lengths
+/// disagree with `shape` or the CPU lacks the product kernels.
+pub fn attend_bf16(
+    q: &[bf16],
+    k: &[bf16],
+    v: &[bf16],
+    shape: AttentionShape,
+    causal: bool,
+    out: &mut [bf16],
+) -> Result<(), String> {
+    let AttentionShape {
+        heads,
+        kv_heads,
+        queries,
+        keys,
+        dim,
+    } = shape;
+    if kv_heads == 0
+        || !heads.is_multiple_of(kv_heads)
+        || queries > keys
+        || dim == 0
+        || queries == 0
+    {
+        return Err(format!(
+            "{shape:?} is not an attention layout the host takes"
+        ));
+    }
+    let (q_len, kv_len) = (heads * queries * dim, kv_heads * keys * dim);
+    if q.len() != q_len || out.len() != q_len || k.len() != kv_len || v.len() != kv_len {
+        return Err(format!("{shape:?}: array lengths disagree with the layout"));
+    }
+    let rep = heads / kv_heads;
+    CALLS.fetch_add(1, Ordering::Relaxed);
+    let head = |h: usize, out: &mut [bf16]| -> Result<(), String> {
+        let g = h / rep;
+        let kg = &k[g * keys * dim..(g + 1) * keys * dim];
+        let vg = &v[g * keys * dim..(g + 1) * keys * dim];
+        let qh: Vec<f32> = q[h * queries * dim..(h + 1) * queries * dim]
+            .iter()
+            .map(|x| x.to_f32())
+            .collect();
+        // SAFETY: `bf16` is `repr(transparent)` over `u16`.
+        let k_bits = unsafe { std::slice::from_raw_parts(kg.as_ptr().cast::<u16>(), kg.len()) };
+        let scores = mlx_order::matmul(
+            Weights::Bf16(k_bits),
+            keys,
+            dim,
+            &qh,
+            queries,
+            &Order::Sequential,
+            1,
+        )?;
+        let mut row = vec![0.0f32; keys];
+        let mut acc = vec![0.0f32; dim];
+        for t in 0..queries {
+            let visible = if causal { keys - queries + t + 1 } else { keys };
+            for (s, x) in row.iter_mut().enumerate() {
+                *x = if s < visible {
+                    bf16_mlx(scores[t * keys + s]).to_f32()
+                } else {
+                    bf16::from_bits(LOWEST).to_f32()
+                };
+            }
+            softmax_row(&mut row);
+            acc.fill(0.0);
+            for (s, p) in row.iter().enumerate() {
+                let vs = &vg[s * dim..(s + 1) * dim];
+                for (a, x) in acc.iter_mut().zip(vs) {
+                    *a += p * x.to_f32();
+                }
+            }
+            for (o, a) in out[t * dim..(t + 1) * dim].iter_mut().zip(&acc) {
+                *o = bf16_mlx(*a);
+            }
+        }
+        Ok(())
+    };
+    let per_head = queries * dim;
+    if heads * queries * keys < PARALLEL_MIN_SCORES {
+        for (h, o) in out.chunks_exact_mut(per_head).enumerate() {
+            head(h, o)?;
+        }
+        Ok(())
+    } else {
+        out.par_chunks_exact_mut(per_head)
+            .enumerate()
+            .try_for_each(|(h, o)| head(h, o))
+    }
+}
+
+/// MLX's precise softmax of one row of bfloat16 scores (given widened), in place, each result
+/// already rounded to bfloat16 (and widened back): the maximum, `exp(x - max)` summed left to
+/// right, each exponential times `1 / sum`.
+fn softmax_row(row: &mut [f32]) {
+    let max = row.iter().fold(f32::NEG_INFINITY, |m, x| m.max(*x));
+    for x in row.iter_mut() {
+        *x -= max;
+    }
+    exp_mlx_slice(row);
+    let mut sum = 0.0f32;
+    for e in row.iter() {
+        sum += e;
+    }
+    let inv = 1.0 / sum;
+    for e in row.iter_mut() {
+        *e = bf16_mlx(*e * inv).to_f32();
+    }
+}
+
+static CALLS: AtomicUsize = AtomicUsize::new(0);
+
+/// How many attention calls the host computed in this process (lets tests check that the host
+/// path really ran).
+pub fn host_attention_calls() -> usize {
+    CALLS.load(Ordering::Relaxed)
+}
