@@ -10,13 +10,14 @@
 //! version) stays on MLX for that token count for the rest of the process (a shape refused for
 //! one token is never pinned); only speed is lost. Products longer than [`MAX_TOKENS`] (16-bit
 //! only, where the order does not depend on the token count) share one check, made with
-//! [`LONG_PROBE_TOKENS`] tokens.
+//! [`LONG_PROBE_TOKENS`] tokens through the weight's first [`LONG_PROBE_ROWS`] rows.
 
 use super::elementwise::bf16_mlx;
 use super::host::{check_bits, HostSlice};
 use super::lock;
 use super::mlx_order::{self, Order, Weights, MAX_TOKENS};
 use crate::engine::error::{EngineError, Result};
+use mlx_rs::ops::indexing::IndexOp;
 use mlx_rs::{ops, Array, Dtype};
 use std::collections::HashMap;
 use std::sync::atomic::{AtomicUsize, Ordering};
@@ -83,16 +84,18 @@ impl HostDense {
     fn order(&self, tokens: usize) -> Order {
         match &self.forced {
             Some(order) if tokens == 1 => order.clone(),
-            _ => self.weights().order(self.rows, self.cols, tokens),
+            _ => self.weights(self.rows).order(self.rows, self.cols, tokens),
         }
     }
 
-    fn weights(&self) -> Weights<'_> {
+    /// The first `rows` rows of the weight.
+    fn weights(&self, rows: usize) -> Weights<'_> {
+        let n = rows * self.cols;
         match &self.pinned {
-            Pinned::F32(s) => Weights::F32(s.get()),
+            Pinned::F32(s) => Weights::F32(&s.get()[..n]),
             // SAFETY: `half::bf16` and `half::f16` are `repr(transparent)` over `u16`.
-            Pinned::Bf16(s) => Weights::Bf16(unsafe { bits_of(s.get()) }),
-            Pinned::F16(s) => Weights::F16(unsafe { bits_of(s.get()) }),
+            Pinned::Bf16(s) => Weights::Bf16(unsafe { &bits_of(s.get())[..n] }),
+            Pinned::F16(s) => Weights::F16(unsafe { &bits_of(s.get())[..n] }),
         }
     }
 
@@ -122,6 +125,12 @@ impl HostDense {
 
     /// The host product of `tokens` tokens, unchecked.
     fn product(&self, x: &Array, tokens: usize) -> Result<Option<Array>> {
+        self.product_rows(x, tokens, self.rows)
+    }
+
+    /// [`HostDense::product`] through the weight's first `rows` rows only (the outputs of the
+    /// others are summed alone and in the same order, so the check needs no more).
+    fn product_rows(&self, x: &Array, tokens: usize, rows: usize) -> Result<Option<Array>> {
         // A 16-bit token widens to f32 exactly (MLX's `simd_gemm` does the same); bfloat16 is
         // widened here, so a host-resident input (a host product's or host SwiGLU's result)
         // costs MLX no operation.
@@ -157,8 +166,8 @@ impl HostDense {
             }
         };
         let y = mlx_order::matmul(
-            self.weights(),
-            self.rows,
+            self.weights(rows),
+            rows,
             self.cols,
             host,
             tokens,
@@ -169,7 +178,7 @@ impl HostDense {
         CALLS.fetch_add(1, Ordering::Relaxed);
         let mut shape = x.shape().to_vec();
         if let Some(last) = shape.last_mut() {
-            *last = self.rows as i32;
+            *last = rows as i32;
         }
         // MLX rounds a 16-bit product's f32 sum to the dtype: bfloat16 here with MLX's
         // rounding, f16 by MLX's own cast.
@@ -197,16 +206,29 @@ impl HostDense {
         if let Some(v) = lock(verdicts()).get(&key) {
             return Ok(*v);
         }
+        // A prompt-length check runs on the first rows only: MLX's 16-bit product is slow
+        // (a vocabulary head through 35 tokens took most of a second), and which rows an output
+        // sits in does not change its sum.
+        let rows = if tokens > MAX_TOKENS {
+            self.rows.min(LONG_PROBE_ROWS)
+        } else {
+            self.rows
+        };
+        let weight = if rows < self.rows {
+            self.array.index(0..rows as i32)
+        } else {
+            self.array.clone()
+        };
         let mut same = true;
         for seed in [0x9e37_79b9_u64, 0x2545_f491] {
             let shape = [tokens as i32, self.cols as i32];
             let x = Array::from_slice(&probe(tokens * self.cols, seed), &shape).as_dtype(dtype)?;
-            let Some(ours) = self.product(&x, tokens)? else {
+            let Some(ours) = self.product_rows(&x, tokens, rows)? else {
                 return Err(EngineError::Runtime(
                     "the host product refused its own check input".into(),
                 ));
             };
-            let theirs = ops::matmul(&x, self.array.t())?;
+            let theirs = ops::matmul(&x, weight.t())?;
             same &= check_bits(&ours)? == check_bits(&theirs)?;
         }
         lock(verdicts()).insert(key, same);
@@ -226,6 +248,9 @@ fn is_row_contiguous(x: &Array) -> Result<bool> {
 /// Tokens the check of products longer than [`MAX_TOKENS`] uses: past one of `simd_gemm`'s
 /// 16-token tiles into the next, and past the host kernel's switch to packed weights.
 pub const LONG_PROBE_TOKENS: usize = 2 * MAX_TOKENS + 3;
+/// Weight rows that check uses (four of the kernels' 16-row groups, and of `simd_gemm`'s
+/// 16-column tiles).
+const LONG_PROBE_ROWS: usize = 64;
 
 /// The token count whose check decides a product of `tokens` tokens: its own up to
 /// [`MAX_TOKENS`], [`LONG_PROBE_TOKENS`] past it (only the 16-bit order goes there, and its
