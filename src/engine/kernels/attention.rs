@@ -94,6 +94,7 @@ pub fn attend_bf16(
             &Order::Sequential,
             1,
         )?;
+        let vf: Vec<f32> = vg.iter().map(|x| x.to_f32()).collect();
         let mut row = vec![0.0f32; keys];
         let mut acc = vec![0.0f32; dim];
         for t in 0..queries {
@@ -106,11 +107,17 @@ pub fn attend_bf16(
                 };
             }
             softmax_row(&mut row);
+            // A zero weight (a masked key, an exponential that underflowed) adds a signed zero
+            // to a sum that starts at +0 and so can never be -0: it changes nothing and is
+            // skipped.
             acc.fill(0.0);
-            for (s, p) in row.iter().enumerate() {
-                let vs = &vg[s * dim..(s + 1) * dim];
+            for (s, p) in row.iter().enumerate().take(visible) {
+                if *p == 0.0 {
+                    continue;
+                }
+                let vs = &vf[s * dim..(s + 1) * dim];
                 for (a, x) in acc.iter_mut().zip(vs) {
-                    *a += p * x.to_f32();
+                    *a += p * x;
                 }
             }
             for (o, a) in out[t * dim..(t + 1) * dim].iter_mut().zip(&acc) {
