@@ -41,11 +41,11 @@ impl<T: mlx_rs::ArrayElement> HostSlice<T> {
     }
 }
 
-/// The values of `a` when it is an f32 array whose data already exists in row-major order
+/// The values of `a` when it is an array of `T` whose data already exists in row-major order
 /// (evaluated, e.g. a host product's result); `None` otherwise. Never evaluates: host paths that
 /// use it save MLX a synchronisation rather than adding one.
-pub fn ready_f32(a: &Array) -> Option<&[f32]> {
-    if a.dtype() != Dtype::Float32 {
+fn ready<T: mlx_rs::ArrayElement>(a: &Array) -> Option<&[T]> {
+    if a.dtype() != T::DTYPE {
         return None;
     }
     let mut available = false;
@@ -54,22 +54,17 @@ pub fn ready_f32(a: &Array) -> Option<&[f32]> {
     if status != 0 || !available {
         return None;
     }
-    a.try_as_slice::<f32>().ok()
+    a.try_as_slice::<T>().ok()
 }
 
-/// The values of `a` when it is a bfloat16 array whose data already exists in row-major order;
-/// `None` otherwise. Never evaluates (see [`ready_f32`]).
+/// [`ready`] for an f32 array.
+pub fn ready_f32(a: &Array) -> Option<&[f32]> {
+    ready(a)
+}
+
+/// [`ready`] for a bfloat16 array.
 pub fn ready_bf16(a: &Array) -> Option<&[half::bf16]> {
-    if a.dtype() != Dtype::Bfloat16 {
-        return None;
-    }
-    let mut available = false;
-    // SAFETY: reads a flag of a live array handle.
-    let status = unsafe { mlx_sys::_mlx_array_is_available(&mut available, a.as_ptr()) };
-    if status != 0 || !available {
-        return None;
-    }
-    a.try_as_slice::<half::bf16>().ok()
+    ready(a)
 }
 
 /// An array's values widened to f32 (exact for every float dtype here), as bit patterns: what

@@ -2,8 +2,10 @@
 //! memory roofline (`--perf-kernel on`, tier L3): the affine 4-bit (and 8-bit) mat-vec for
 //! quantized linear layers in single-token (and small speculative-verify) steps.
 //!
-//! Also, at L1, the dense (f32/bf16/f16) single-token product in the summation order of MLX's
-//! own CPU matmul (`mlx_order`, MLX-facing in `dense`): bit-identical, checked per weight shape.
+//! Also, at L1, the dense (f32/bf16/f16) products of steps, verify blocks and 16-bit prompts in
+//! the summation order of MLX's own CPU matmul (`mlx_order`, MLX-facing in `dense`), bf16
+//! attention in the order of MLX's CPU SDPA (`attention`) and element-wise work
+//! (`elementwise`): bit-identical, each checked against MLX before use.
 //!
 //! `affine` is the arithmetic (AVX-512, AVX2+FMA, scalar; `vnni` the int8-input AVX-512 VNNI
 //! variant), `dispatch` picks a path at run time

@@ -225,15 +225,24 @@ impl SwiGlu {
         let up: Vec<half::bf16> = up.into_iter().map(elementwise::bf16_mlx).collect();
         let mut ours = vec![half::bf16::ZERO; gate.len()];
         elementwise::swiglu_bf16(&gate, &up, &table, &mut ours);
-        let n = gate.len() as i32;
-        let theirs = self
-            .op
-            .call1(&[Array::from_slice(&gate, &[n]), Array::from_slice(&up, &[n])])?;
-        let same = ours
-            .iter()
-            .map(|v| f32::from(*v).to_bits())
-            .eq(kernels::check_bits(&theirs)?);
+        let same = self.same_as_mlx(
+            &Array::from_slice(&gate, &[gate.len() as i32]),
+            &Array::from_slice(&up, &[up.len() as i32]),
+            ours.iter().map(|v| f32::from(*v).to_bits()),
+        )?;
         Ok(TABLE.get_or_init(|| same.then_some(table)).as_deref())
+    }
+
+    /// Whether `ours` (bit patterns of f32-widened values) is MLX's kernel's result for
+    /// `gate` and `up`.
+    fn same_as_mlx(
+        &mut self,
+        gate: &Array,
+        up: &Array,
+        ours: impl Iterator<Item = u32>,
+    ) -> Result<bool> {
+        let theirs = self.op.call1(&[gate.clone(), up.clone()])?;
+        Ok(ours.eq(kernels::check_bits(&theirs)?))
     }
 
     /// Whether the host kernel gives MLX's bits on a fixed probe (values over every magnitude
@@ -247,13 +256,11 @@ impl SwiGlu {
         let mut ours = vec![0.0; gate.len()];
         elementwise::swiglu(&gate, &up, &mut ours);
         let n = gate.len() as i32;
-        let theirs = self
-            .op
-            .call1(&[Array::from_slice(&gate, &[n]), Array::from_slice(&up, &[n])])?;
-        let same = ours
-            .iter()
-            .map(|v| v.to_bits())
-            .eq(kernels::check_bits(&theirs)?);
+        let same = self.same_as_mlx(
+            &Array::from_slice(&gate, &[n]),
+            &Array::from_slice(&up, &[n]),
+            ours.iter().map(|v| v.to_bits()),
+        )?;
         Ok(*VERDICT.get_or_init(|| same))
     }
 }
