@@ -137,16 +137,14 @@ fn host_attention_unchecked(
     let qs = q.multiply(weak_scalar(scale as f64, q)?)?.contiguous()?;
     let (kc, vc) = (k.contiguous()?, v.contiguous()?);
     mlx_rs::transforms::eval([&qs, &kc, &vc])?;
-    let read = |a: &Array| -> Result<Vec<half::bf16>> {
-        Ok(a.try_as_slice::<half::bf16>()
-            .map_err(|e| {
-                EngineError::Runtime(format!("host attention cannot read its input ({e})"))
-            })?
-            .to_vec())
-    };
+    fn read(a: &Array) -> Result<&[half::bf16]> {
+        a.try_as_slice::<half::bf16>().map_err(|e| {
+            EngineError::Runtime(format!("host attention cannot read its input ({e})"))
+        })
+    }
     let (qh, kh, vh) = (read(&qs)?, read(&kc)?, read(&vc)?);
     let mut out = vec![half::bf16::ZERO; qh.len()];
-    kernels::attention::attend_bf16(&qh, &kh, &vh, shape, causal, &mut out)
+    kernels::attention::attend_bf16(qh, kh, vh, shape, causal, &mut out)
         .map_err(|e| EngineError::Runtime(format!("host attention: {e}")))?;
     Ok(Array::from_slice(&out, q.shape()))
 }
