@@ -11,7 +11,7 @@ pub enum DtypeArg {
     F32,
     /// float16.
     F16,
-    /// bfloat16.
+    /// bfloat16: the dequantized values rounded; half the memory, and on CPU faster decoding than f32.
     Bf16,
 }
 
