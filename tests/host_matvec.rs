@@ -22,7 +22,9 @@ mod common;
 use mlx_rs::{ops, random, Array, Dtype};
 use mlxb::engine::forks::Forks;
 use mlxb::engine::kernels::mlx_order::{self, F32Kernels, Order};
-use mlxb::engine::kernels::{dense_calls, refused_blocks, refused_shapes, HostDense};
+use mlxb::engine::kernels::{
+    dense_calls, qdense_calls, refused_blocks, refused_shapes, HostDense, HostQDense,
+};
 use serde_json::json;
 
 /// Whether this CPU runs the host kernels (AVX-512 with FMA). Where it does not (AVX2-only x86,
@@ -372,4 +374,77 @@ fn prompts_through_sixteen_bit_weights_match_mlx_bit_for_bit() {
         }
     }
     assert_eq!(accepted > 0, kernels, "{accepted} prompts on the host path");
+}
+
+/// L1 4-/8-bit layers with f32 scales (`--keep-quant` imports): the host product in MLX's
+/// `quantized_matmul` order equals MLX's bit for bit for 1 to 40 tokens, on SmolLM2's shapes
+/// and group sizes 32/64/128, rows that are not whole groups of sixteen included.
+#[test]
+fn quantized_layers_with_f32_scales_match_mlx_bit_for_bit() {
+    let kernels = kernels_here();
+    let shapes = [
+        (576, 576, 4, 32),
+        (1536, 576, 4, 64),
+        (192, 576, 8, 32),
+        (576, 1536, 4, 128),
+        (37, 256, 8, 64),
+    ];
+    let mut accepted = 0;
+    for (i, (rows, cols, bits, group)) in shapes.into_iter().enumerate() {
+        let key = random::key(700 + i as u64).unwrap();
+        let w = random::normal::<f32>(&[rows, cols][..], 0.0, 0.05, &key).unwrap();
+        let (wq, scales, biases) = ops::quantize(&w, group, bits).unwrap();
+        assert_eq!(scales.dtype(), Dtype::Float32);
+        let what = format!("{rows}x{cols} {bits}-bit groups of {group}");
+        let Some(h) = HostQDense::new(&wq, &scales, &biases, bits, group).unwrap() else {
+            assert!(!kernels, "{what}: refused on a CPU with the kernels");
+            continue;
+        };
+        for tokens in [1, 2, 5, 16, 17, 40] {
+            let k = random::key(tokens as u64 * 13 + i as u64).unwrap();
+            let x = random::normal::<f32>(&[1, tokens, cols][..], 0.0, 1.0, &k).unwrap();
+            let ours = h.forward(&x).unwrap().expect("an f32 input is taken");
+            let theirs =
+                ops::quantized_matmul(&x, &wq, &scales, &biases, true, group, bits).unwrap();
+            let (a, b) = (common::bits(&ours), common::bits(&theirs));
+            let differ = a.iter().zip(&b).filter(|(p, q)| p != q).count();
+            assert_eq!(
+                differ,
+                0,
+                "{what} x{tokens}: {differ} of {} differ",
+                a.len()
+            );
+            accepted += 1;
+        }
+    }
+    assert_eq!(
+        accepted > 0,
+        kernels,
+        "{accepted} quantized products on the host"
+    );
+}
+
+/// A tiny 4-bit llama (f32 scales) gives the same logits with and without `--host-matvec`,
+/// and really takes the quantized host path.
+#[test]
+fn a_tiny_4bit_llama_takes_the_quantized_host_path_with_the_same_logits() {
+    let kernels = kernels_here();
+    let dir = tempfile::tempdir().unwrap();
+    common::make_model(dir.path(), &common::tiny_llama(json!({})), "f32", Some(4));
+    let off = Forks {
+        host_matvec: false,
+        ..Forks::default()
+    };
+    let before = qdense_calls();
+    let mut t = common::Twins::prefill(dir.path(), off, Forks::default(), 23, 5);
+    let (la, lb) = t.prefill.clone();
+    assert_eq!(common::bits(&la), common::bits(&lb), "prefill logits");
+    let mut tok = 7;
+    for step in 0..6 {
+        let (pa, pb) = t.step(tok);
+        assert_eq!(common::bits(&pa), common::bits(&pb), "step {step} logits");
+        tok = (tok * 31 + step + 11) % 384;
+    }
+    let calls = qdense_calls() - before;
+    assert_eq!(calls > 0, kernels, "{calls} quantized host products");
 }

@@ -3,7 +3,7 @@
 
 use super::error::Result;
 use super::kernels::{elementwise, ready_bf16, ready_f32};
-use super::kernels::{HostDense, HostDenseCell, HostQuant, HostQuantCell};
+use super::kernels::{HostDense, HostDenseCell, HostQDenseCell, HostQuant, HostQuantCell};
 use super::weights::{QuantSpec, WeightStore};
 use mlx_rs::{fast, ops, Array, Dtype};
 use std::rc::Rc;
@@ -98,6 +98,8 @@ pub(crate) fn load_stacked_weight(
 enum HostCell {
     Quant(HostQuantCell),
     Dense(HostDenseCell),
+    /// 4-/8-bit with f32 scales in MLX's own order (`--host-matvec on`, L1).
+    QuantExact(HostQDenseCell),
 }
 
 impl HostCell {
@@ -106,6 +108,7 @@ impl HostCell {
         match self {
             HostCell::Quant(_) => HostCell::Quant(HostQuantCell::default()),
             HostCell::Dense(_) => HostCell::Dense(HostDenseCell::default()),
+            HostCell::QuantExact(_) => HostCell::QuantExact(HostQDenseCell::default()),
         }
     }
 }
@@ -120,6 +123,11 @@ fn host_cell(w: &WeightStore, weight: &LinearWeight) -> Option<Rc<HostCell>> {
                 && weight.ndim() == 2 =>
         {
             Some(Rc::new(HostCell::Quant(HostQuantCell::default())))
+        }
+        LinearWeight::Quantized { weight, scales, .. }
+            if w.host_matvec() && scales.dtype() == Dtype::Float32 && weight.ndim() == 2 =>
+        {
+            Some(Rc::new(HostCell::QuantExact(HostQDenseCell::default())))
         }
         LinearWeight::Dense(weight)
             if w.host_matvec()
@@ -156,6 +164,20 @@ fn host_matmul(x: &Array, w: &LinearWeight, host: Option<&HostCell>) -> Result<O
             Some(h) => Ok(Some(h.forward(x)?)),
             None => Ok(None),
         },
+        (
+            Some(HostCell::QuantExact(cell)),
+            LinearWeight::Quantized {
+                weight,
+                scales,
+                biases,
+                spec,
+            },
+        ) if super::kernels::host_allowed() => {
+            match cell.get(weight, scales, biases, spec.bits, spec.group_size)? {
+                Some(h) => h.forward(x),
+                None => Ok(None),
+            }
+        }
         (Some(HostCell::Dense(cell)), LinearWeight::Dense(weight))
             if HostDense::takes(x) && super::kernels::host_allowed() =>
         {

@@ -1,0 +1,185 @@
+//! The host path of an affine-quantized 4-/8-bit linear layer with f32 scales at L1
+//! (`--host-matvec on`): the packed weight, scales and biases are read in place from MLX's
+//! evaluated buffers and multiplied by [`super::quant_order`] in the order MLX's CPU
+//! `quantized_matmul` sums them, so the result has MLX's bits.
+//!
+//! Checked, not assumed: the first time a layer shape is used with a given number of tokens (up
+//! to [`MAX_TOKENS`]; longer products share one check at [`LONG_PROBE_TOKENS`], the order not
+//! depending on the token count), the host product of two fixed inputs is compared bit for bit
+//! with MLX's `quantized_matmul` on the real weight. A shape that differs stays on MLX.
+
+use super::dense::LONG_PROBE_TOKENS;
+use super::host::{check_bits, HostSlice};
+use super::lock;
+use super::mlx_order::MAX_TOKENS;
+use super::quant_order::{qmatmul, QuantWeights};
+use crate::engine::error::{EngineError, Result};
+use mlx_rs::{ops, Array, Dtype};
+use std::collections::HashMap;
+use std::sync::atomic::{AtomicUsize, Ordering};
+use std::sync::{Mutex, OnceLock};
+
+/// A 2-D 4-/8-bit weight with f32 scales and biases, pinned in host memory.
+#[derive(Debug, Clone)]
+pub struct HostQDense {
+    arrays: [Array; 3],
+    packed: HostSlice<u32>,
+    scales: HostSlice<f32>,
+    biases: HostSlice<f32>,
+    rows: usize,
+    cols: usize,
+    bits: usize,
+    group: usize,
+}
+
+impl HostQDense {
+    /// Pins the layer when its kind is one the host reproduces and its single-token product
+    /// matched MLX's; `None` keeps it on MLX.
+    pub fn new(
+        weight: &Array,
+        scales: &Array,
+        biases: &Array,
+        bits: i32,
+        group: i32,
+    ) -> Result<Option<Self>> {
+        let (&[rows, packed_cols], &[_, groups]) = (weight.shape(), scales.shape()) else {
+            return Ok(None);
+        };
+        if !super::mlx_order::available()
+            || !matches!(bits, 4 | 8)
+            || !matches!(group, 32 | 64 | 128)
+            || rows <= 0
+            || weight.dtype() != Dtype::Uint32
+            || scales.dtype() != Dtype::Float32
+            || biases.dtype() != Dtype::Float32
+            || groups * group != packed_cols * 32 / bits
+        {
+            return Ok(None);
+        }
+        for a in [weight, scales, biases] {
+            a.eval()?;
+        }
+        let me = Self {
+            arrays: [weight.clone(), scales.clone(), biases.clone()],
+            packed: HostSlice::of(weight, "packed weight")?,
+            scales: HostSlice::of(scales, "scales")?,
+            biases: HostSlice::of(biases, "biases")?,
+            rows: rows as usize,
+            cols: (packed_cols * 32 / bits) as usize,
+            bits: bits as usize,
+            group: group as usize,
+        };
+        Ok(me.matches_mlx(1)?.then_some(me))
+    }
+
+    fn weights(&self) -> QuantWeights<'_> {
+        QuantWeights {
+            packed: self.packed.get(),
+            scales: self.scales.get(),
+            biases: self.biases.get(),
+            rows: self.rows,
+            cols: self.cols,
+            bits: self.bits,
+            group: self.group,
+        }
+    }
+
+    /// `x · Wᵀ` for f32 tokens (`[..., cols]`); `None` when `x` is not such an input in a buffer
+    /// the host can read, or when MLX sums this product otherwise (the caller then asks MLX).
+    pub fn forward(&self, x: &Array) -> Result<Option<Array>> {
+        if x.dtype() != Dtype::Float32 || x.size() == 0 || !x.size().is_multiple_of(self.cols) {
+            return Ok(None);
+        }
+        let tokens = x.size() / self.cols;
+        let checked = if tokens > MAX_TOKENS {
+            LONG_PROBE_TOKENS
+        } else {
+            tokens
+        };
+        if !self.matches_mlx(checked)? {
+            return Ok(None);
+        }
+        self.product(x, tokens)
+    }
+
+    fn product(&self, x: &Array, tokens: usize) -> Result<Option<Array>> {
+        let contiguous = x.contiguous()?;
+        let Ok(host) = contiguous.try_as_slice::<f32>() else {
+            return Ok(None);
+        };
+        let y = qmatmul(&self.weights(), host, tokens, rayon::current_num_threads())
+            .map_err(|e| EngineError::Runtime(format!("host quantized product: {e}")))?;
+        CALLS.fetch_add(1, Ordering::Relaxed);
+        let mut shape = x.shape().to_vec();
+        if let Some(last) = shape.last_mut() {
+            *last = self.rows as i32;
+        }
+        Ok(Some(Array::from_slice(&y, &shape)))
+    }
+
+    /// Compares the host product of `tokens` tokens with MLX's on two fixed inputs, once per
+    /// layer shape, bits, group size and token count.
+    fn matches_mlx(&self, tokens: usize) -> Result<bool> {
+        let key = (self.rows, self.cols, self.bits, self.group, tokens);
+        if let Some(v) = lock(verdicts()).get(&key) {
+            return Ok(*v);
+        }
+        let mut same = true;
+        for seed in [0x2545_f491_u64, 0x9e37_79b9] {
+            let x = super::elementwise::probe_values(tokens * self.cols, seed)
+                .into_iter()
+                .map(|v| v.clamp(-8.0, 8.0))
+                .collect::<Vec<f32>>();
+            let x = Array::from_slice(&x, &[tokens as i32, self.cols as i32]);
+            let Some(ours) = self.product(&x, tokens)? else {
+                return Err(EngineError::Runtime(
+                    "the host quantized product refused its own check input".into(),
+                ));
+            };
+            let [w, s, b] = &self.arrays;
+            let theirs =
+                ops::quantized_matmul(&x, w, s, b, true, self.group as i32, self.bits as i32)?;
+            same &= check_bits(&ours)? == check_bits(&theirs)?;
+        }
+        lock(verdicts()).insert(key, same);
+        Ok(same)
+    }
+}
+
+/// What one check decides: (rows, cols, bits, group size, tokens).
+type Verdicts = Mutex<HashMap<(usize, usize, usize, usize, usize), bool>>;
+
+/// The check's verdicts for this process.
+fn verdicts() -> &'static Verdicts {
+    static V: OnceLock<Verdicts> = OnceLock::new();
+    V.get_or_init(Default::default)
+}
+
+static CALLS: AtomicUsize = AtomicUsize::new(0);
+
+/// How many products the quantized host path computed in this process.
+pub fn qdense_calls() -> usize {
+    CALLS.load(Ordering::Relaxed)
+}
+
+/// A layer's [`HostQDense`], decided on first use (the weights may still be lazy at load).
+#[derive(Debug, Default)]
+pub struct HostQDenseCell(OnceLock<Option<HostQDense>>);
+
+impl HostQDenseCell {
+    /// The pinned layer, or `None` when it stays on MLX.
+    pub fn get(
+        &self,
+        weight: &Array,
+        scales: &Array,
+        biases: &Array,
+        bits: i32,
+        group: i32,
+    ) -> Result<Option<&HostQDense>> {
+        if let Some(h) = self.0.get() {
+            return Ok(h.as_ref());
+        }
+        let h = HostQDense::new(weight, scales, biases, bits, group)?;
+        Ok(self.0.get_or_init(|| h).as_ref())
+    }
+}

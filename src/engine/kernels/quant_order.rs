@@ -1,0 +1,301 @@
+//! Products through MLX's affine-quantized 4-/8-bit layers (f32 scales and biases) summed in
+//! exactly the order MLX's CPU `quantized_matmul` sums them, so that L1 decoding of such a model
+//! keeps MLX's bits without MLX's kernel (`--host-matvec on`).
+//!
+//! Why: MLX's CPU kernel for a transposed quantized weight (`_qmm_t`) is one scalar loop per
+//! output on one thread (SmolLM2 4-bit decodes at ~6 tokens/s on it, 2 % of the roofline).
+//!
+//! The order (MLX 0.32's `_qmm_t` for `float`, whose SIMD variant needs vectors of at least 8
+//! lanes, which MLX's x86 CPU build does not have): per output and token one f32 sum from zero
+//! over the depth in order, each term `x · (scale · q + bias)` with the group's scale and bias and
+//! every operation rounded on its own (no fused multiply-add). Each output is summed alone, so
+//! the number of tokens and the split over threads change no bit. [`super::dense`]-style checks
+//! against MLX's own `quantized_matmul` guard the claim at run time ([`super::qdense`]).
+
+use super::pair;
+
+/// Rows a chunk of the product holds (the vector kernel's group of sixteen, times four).
+const CHUNK_ROWS: usize = 64;
+/// Tokens the vector kernel runs past one pass over a group of rows.
+const TOKEN_BLOCK: usize = 8;
+
+/// An affine-quantized `rows × cols` weight as MLX stores it: `packed` holds `cols · bits / 32`
+/// words per row (element `e` of a word is `(word >> bits · e) & mask`), `scales` and `biases`
+/// one value per row and group of `group` inputs.
+#[derive(Debug, Clone, Copy)]
+pub struct QuantWeights<'a> {
+    /// Packed values, row-major.
+    pub packed: &'a [u32],
+    /// Per row and group.
+    pub scales: &'a [f32],
+    /// Per row and group.
+    pub biases: &'a [f32],
+    /// Outputs.
+    pub rows: usize,
+    /// Inputs.
+    pub cols: usize,
+    /// 4 or 8.
+    pub bits: usize,
+    /// Inputs per scale and bias (32, 64 or 128).
+    pub group: usize,
+}
+
+impl QuantWeights<'_> {
+    fn words_per_row(&self) -> usize {
+        self.cols * self.bits / 32
+    }
+
+    fn groups(&self) -> usize {
+        self.cols / self.group
+    }
+
+    /// Whether the buffers and sizes describe a weight this module reads.
+    fn check(&self) -> Result<(), String> {
+        let ok = matches!(self.bits, 4 | 8)
+            && matches!(self.group, 32 | 64 | 128)
+            && self.cols > 0
+            && self.cols.is_multiple_of(self.group)
+            && self.packed.len() == self.rows * self.words_per_row()
+            && self.scales.len() == self.rows * self.groups()
+            && self.biases.len() == self.rows * self.groups();
+        if ok {
+            Ok(())
+        } else {
+            Err(format!(
+                "a {}x{} weight of {} bits in groups of {} does not match its buffers ({} words, {} scales, {} biases)",
+                self.rows,
+                self.cols,
+                self.bits,
+                self.group,
+                self.packed.len(),
+                self.scales.len(),
+                self.biases.len()
+            ))
+        }
+    }
+
+    /// Value `k` of row `r`, unscaled.
+    fn q(&self, r: usize, k: usize) -> f32 {
+        let at = r * self.words_per_row() + k * self.bits / 32;
+        let shift = (k * self.bits) % 32;
+        ((self.packed[at] >> shift) & ((1 << self.bits) - 1)) as f32
+    }
+}
+
+/// MLX's sum for output `r` of one token `x` (the reference order; also the path for rows past
+/// the last group of sixteen and for CPUs without AVX-512).
+pub fn output_scalar(w: &QuantWeights<'_>, r: usize, x: &[f32]) -> f32 {
+    let groups = w.groups();
+    let mut sum = 0.0f32;
+    for (k, xk) in x.iter().enumerate().take(w.cols) {
+        let g = r * groups + k / w.group;
+        let (scale, bias) = (w.scales[g], w.biases[g]);
+        sum += xk * (scale * w.q(r, k) + bias);
+    }
+    sum
+}
+
+/// `Y = X · Wᵀ` for `tokens` f32 tokens (`x` is `tokens × cols`, the result `tokens × rows`),
+/// in MLX's order; `threads` ≥ 2 shares chunks of rows with the [`pair`] helper.
+pub fn qmatmul(
+    w: &QuantWeights<'_>,
+    x: &[f32],
+    tokens: usize,
+    threads: usize,
+) -> Result<Vec<f32>, String> {
+    w.check()?;
+    if tokens == 0 || x.len() != tokens * w.cols {
+        return Err(format!(
+            "{} input values for {tokens} tokens of depth {}",
+            x.len(),
+            w.cols
+        ));
+    }
+    let chunks = if threads < 2 {
+        1
+    } else {
+        w.rows.div_ceil(CHUNK_ROWS)
+    };
+    let chunk_rows = w.rows.div_ceil(chunks.max(1)).div_ceil(16) * 16;
+    let parts: Vec<std::sync::Mutex<Vec<f32>>> = (0..w.rows.div_ceil(chunk_rows.max(1)))
+        .map(|_| std::sync::Mutex::new(Vec::new()))
+        .collect();
+    pair::share(parts.len(), &|i| {
+        let start = i * chunk_rows;
+        let end = (start + chunk_rows).min(w.rows);
+        let mut out = vec![0.0f32; tokens * (end - start)];
+        rows_into(w, x, tokens, start..end, &mut out);
+        *super::lock(&parts[i]) = out;
+    });
+    let mut y = vec![0.0f32; tokens * w.rows];
+    for (i, part) in parts.into_iter().enumerate() {
+        let out = part.into_inner().unwrap_or_else(|p| p.into_inner());
+        let start = i * chunk_rows;
+        let len = out.len() / tokens;
+        for (t, row) in out.chunks_exact(len.max(1)).enumerate().take(tokens) {
+            y[t * w.rows + start..t * w.rows + start + len].copy_from_slice(row);
+        }
+    }
+    Ok(y)
+}
+
+/// Outputs `range` of every token into `out` (`tokens × range.len()`).
+fn rows_into(
+    w: &QuantWeights<'_>,
+    x: &[f32],
+    tokens: usize,
+    range: std::ops::Range<usize>,
+    out: &mut [f32],
+) {
+    let len = range.len();
+    let mut r = range.start;
+    #[cfg(target_arch = "x86_64")]
+    if super::mlx_order::available() {
+        while r + 16 <= range.end {
+            let mut t0 = 0;
+            while t0 < tokens {
+                let n = (tokens - t0).min(TOKEN_BLOCK);
+                // SAFETY: AVX-512 is available (checked); `w` was checked against its buffers
+                // and `r + 16 <= rows`.
+                let sums = unsafe { x86::group16(w, r, &x[t0 * w.cols..(t0 + n) * w.cols], n) };
+                for (t, s) in sums.iter().enumerate().take(n) {
+                    out[(t0 + t) * len + r - range.start..][..16].copy_from_slice(s);
+                }
+                t0 += n;
+            }
+            r += 16;
+        }
+    }
+    for r in r..range.end {
+        for t in 0..tokens {
+            out[t * len + r - range.start] = output_scalar(w, r, &x[t * w.cols..(t + 1) * w.cols]);
+        }
+    }
+}
+
+#[cfg(target_arch = "x86_64")]
+mod x86 {
+    use super::{QuantWeights, TOKEN_BLOCK};
+    use std::arch::x86_64::*;
+
+    /// Rows `r..r + 16` for `n` (≤ [`TOKEN_BLOCK`]) tokens `x`: the sixteen rows side by side in
+    /// the lanes, each word of the sixteen gathered once, each dequantized value
+    /// `scale · q + bias` formed once and met by every token.
+    #[target_feature(enable = "avx512f")]
+    pub(super) unsafe fn group16(
+        w: &QuantWeights<'_>,
+        r: usize,
+        x: &[f32],
+        n: usize,
+    ) -> [[f32; 16]; TOKEN_BLOCK] {
+        let (wpr, groups) = (w.words_per_row(), w.groups());
+        let lanes = _mm512_setr_epi32(0, 1, 2, 3, 4, 5, 6, 7, 8, 9, 10, 11, 12, 13, 14, 15);
+        let word_index = _mm512_mullo_epi32(lanes, _mm512_set1_epi32(wpr as i32));
+        let group_index = _mm512_mullo_epi32(lanes, _mm512_set1_epi32(groups as i32));
+        let mask = _mm512_set1_epi32((1 << w.bits) - 1);
+        let per_word = 32 / w.bits;
+        let mut acc = [_mm512_setzero_ps(); TOKEN_BLOCK];
+        let words = w.packed.as_ptr().add(r * wpr);
+        for g in 0..groups {
+            let at = r * groups + g;
+            let scale = _mm512_i32gather_ps::<4>(group_index, w.scales.as_ptr().add(at).cast());
+            let bias = _mm512_i32gather_ps::<4>(group_index, w.biases.as_ptr().add(at).cast());
+            let first = g * w.group * w.bits / 32;
+            for word in first..first + w.group * w.bits / 32 {
+                let v = _mm512_i32gather_epi32::<4>(word_index, words.add(word).cast());
+                for e in 0..per_word {
+                    let shifted = _mm512_srlv_epi32(v, _mm512_set1_epi32((w.bits * e) as i32));
+                    let q = _mm512_cvtepi32_ps(_mm512_and_si512(shifted, mask));
+                    let value = _mm512_add_ps(_mm512_mul_ps(scale, q), bias);
+                    let k = word * per_word + e;
+                    for (t, a) in acc.iter_mut().enumerate().take(n) {
+                        let xv = _mm512_set1_ps(*x.get_unchecked(t * w.cols + k));
+                        *a = _mm512_add_ps(*a, _mm512_mul_ps(xv, value));
+                    }
+                }
+            }
+        }
+        let mut out = [[0.0f32; 16]; TOKEN_BLOCK];
+        for (o, a) in out.iter_mut().zip(&acc).take(n) {
+            _mm512_storeu_ps(o.as_mut_ptr(), *a);
+        }
+        out
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    /// A weight with every quantized value and awkward f32 scales and biases.
+    fn weight(
+        rows: usize,
+        cols: usize,
+        bits: usize,
+        group: usize,
+    ) -> (Vec<u32>, Vec<f32>, Vec<f32>) {
+        let mut s = 0x9e37_79b9_u32;
+        let mut next = move || {
+            s ^= s << 13;
+            s ^= s >> 17;
+            s ^= s << 5;
+            s
+        };
+        let packed = (0..rows * cols * bits / 32).map(|_| next()).collect();
+        let groups = rows * cols / group;
+        let scales = (0..groups)
+            .map(|_| (next() % 1000) as f32 / 7919.0 + 1e-3)
+            .collect();
+        let biases = (0..groups)
+            .map(|_| -((next() % 1000) as f32) / 3571.0)
+            .collect();
+        (packed, scales, biases)
+    }
+
+    /// The vector kernel and the thread split give the scalar reference's bits for every
+    /// output of every token, on rows that are and are not whole groups of sixteen.
+    #[test]
+    fn every_path_equals_the_scalar_order() {
+        for (rows, cols, bits, group) in [(40, 128, 4, 64), (130, 256, 8, 32), (16, 384, 4, 128)] {
+            let (packed, scales, biases) = weight(rows, cols, bits, group);
+            let w = QuantWeights {
+                packed: &packed,
+                scales: &scales,
+                biases: &biases,
+                rows,
+                cols,
+                bits,
+                group,
+            };
+            for tokens in [1, 3, 9] {
+                let x: Vec<f32> = (0..tokens * cols)
+                    .map(|i| ((i * 37 % 101) as f32 - 50.0) / 33.0)
+                    .collect();
+                for threads in [1, 2] {
+                    let y = qmatmul(&w, &x, tokens, threads).unwrap();
+                    for t in 0..tokens {
+                        for r in 0..rows {
+                            let want = output_scalar(&w, r, &x[t * cols..(t + 1) * cols]);
+                            assert_eq!(
+                                y[t * rows + r].to_bits(),
+                                want.to_bits(),
+                                "{rows}x{cols} {bits}-bit, x{tokens}, token {t} row {r}"
+                            );
+                        }
+                    }
+                }
+            }
+        }
+        let f = [0u32; 4];
+        let w = QuantWeights {
+            packed: &f,
+            scales: &[1.0],
+            biases: &[0.0],
+            rows: 1,
+            cols: 32,
+            bits: 3,
+            group: 32,
+        };
+        assert!(qmatmul(&w, &[0.0; 32], 1, 1).is_err());
+    }
+}
