@@ -395,6 +395,12 @@ fn quantized_layers_with_f32_scales_match_mlx_bit_for_bit() {
         let w = random::normal::<f32>(&[rows, cols][..], 0.0, 0.05, &key).unwrap();
         let (wq, scales, biases) = ops::quantize(&w, group, bits).unwrap();
         assert_eq!(scales.dtype(), Dtype::Float32);
+        let bf = |a: &Array| a.as_dtype(Dtype::Bfloat16).unwrap();
+        let (scales, biases) = if i % 2 == 1 {
+            (bf(&scales), bf(&biases))
+        } else {
+            (scales, biases)
+        };
         let what = format!("{rows}x{cols} {bits}-bit groups of {group}");
         let Some(h) = HostQDense::new(&wq, &scales, &biases, bits, group).unwrap() else {
             assert!(!kernels, "{what}: refused on a CPU with the kernels");
@@ -402,8 +408,14 @@ fn quantized_layers_with_f32_scales_match_mlx_bit_for_bit() {
         };
         for tokens in [1, 2, 5, 16, 17, 40] {
             let k = random::key(tokens as u64 * 13 + i as u64).unwrap();
-            let x = random::normal::<f32>(&[1, tokens, cols][..], 0.0, 1.0, &k).unwrap();
-            let ours = h.forward(&x).unwrap().expect("an f32 input is taken");
+            let x = random::normal::<f32>(&[1, tokens, cols][..], 0.0, 1.0, &k)
+                .unwrap()
+                .as_dtype(scales.dtype())
+                .unwrap();
+            let ours = h
+                .forward(&x)
+                .unwrap()
+                .expect("an input of the layer's dtype is taken");
             let theirs =
                 ops::quantized_matmul(&x, &wq, &scales, &biases, true, group, bits).unwrap();
             let (a, b) = (common::bits(&ours), common::bits(&theirs));

@@ -98,7 +98,7 @@ pub(crate) fn load_stacked_weight(
 enum HostCell {
     Quant(HostQuantCell),
     Dense(HostDenseCell),
-    /// 4-/8-bit with f32 scales in MLX's own order (`--host-matvec on`, L1).
+    /// 4-/8-bit with f32 or bf16 scales in MLX's own order (`--host-matvec on`, L1).
     QuantExact(HostQDenseCell),
 }
 
@@ -114,7 +114,8 @@ impl HostCell {
 }
 
 /// The host kernel cell for a layer, or `None` to keep it on MLX's own kernels: 2-D 4-/8-bit
-/// weights under `--perf-kernel on`; 2-D f32/bf16/f16 weights under `--host-matvec on`.
+/// weights under `--perf-kernel on`; 2-D f32/bf16/f16 weights, and 4-/8-bit ones with f32 or
+/// bf16 scales, under `--host-matvec on`.
 fn host_cell(w: &WeightStore, weight: &LinearWeight) -> Option<Rc<HostCell>> {
     match weight {
         LinearWeight::Quantized { weight, spec, .. }
@@ -125,7 +126,9 @@ fn host_cell(w: &WeightStore, weight: &LinearWeight) -> Option<Rc<HostCell>> {
             Some(Rc::new(HostCell::Quant(HostQuantCell::default())))
         }
         LinearWeight::Quantized { weight, scales, .. }
-            if w.host_matvec() && scales.dtype() == Dtype::Float32 && weight.ndim() == 2 =>
+            if w.host_matvec()
+                && [Dtype::Float32, Dtype::Bfloat16].contains(&scales.dtype())
+                && weight.ndim() == 2 =>
         {
             Some(Rc::new(HostCell::QuantExact(HostQDenseCell::default())))
         }

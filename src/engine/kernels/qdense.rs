@@ -1,7 +1,7 @@
-//! The host path of an affine-quantized 4-/8-bit linear layer with f32 scales at L1
-//! (`--host-matvec on`): the packed weight, scales and biases are read in place from MLX's
-//! evaluated buffers and multiplied by [`super::quant_order`] in the order MLX's CPU
-//! `quantized_matmul` sums them, so the result has MLX's bits.
+//! The host path of an affine-quantized 4-/8-bit linear layer with f32 or bfloat16 scales at L1
+//! (`--host-matvec on`): the packed weight is read in place from MLX's evaluated buffer (scales
+//! and biases are kept widened to f32 beside it) and multiplied by [`super::quant_order`] in the
+//! order MLX's CPU `quantized_matmul` sums them, so the result has MLX's bits.
 //!
 //! Checked, not assumed: the first time a layer shape is used with a given number of tokens (up
 //! to [`MAX_TOKENS`]; longer products share one check at [`LONG_PROBE_TOKENS`], the order not
@@ -19,13 +19,17 @@ use std::collections::HashMap;
 use std::sync::atomic::{AtomicUsize, Ordering};
 use std::sync::{Mutex, OnceLock};
 
-/// A 2-D 4-/8-bit weight with f32 scales and biases, pinned in host memory.
+/// A 2-D 4-/8-bit weight with f32 or bfloat16 scales and biases, pinned in host memory.
 #[derive(Debug, Clone)]
 pub struct HostQDense {
     arrays: [Array; 3],
     packed: HostSlice<u32>,
-    scales: HostSlice<f32>,
-    biases: HostSlice<f32>,
+    /// The scales widened to f32 (exact).
+    scales: Vec<f32>,
+    /// The biases widened to f32 (exact).
+    biases: Vec<f32>,
+    /// The layer's dtype (that of its scales and of its inputs): f32 or bfloat16.
+    dtype: Dtype,
     rows: usize,
     cols: usize,
     bits: usize,
@@ -50,8 +54,8 @@ impl HostQDense {
             || !matches!(group, 32 | 64 | 128)
             || rows <= 0
             || weight.dtype() != Dtype::Uint32
-            || scales.dtype() != Dtype::Float32
-            || biases.dtype() != Dtype::Float32
+            || ![Dtype::Float32, Dtype::Bfloat16].contains(&scales.dtype())
+            || biases.dtype() != scales.dtype()
             || groups * group != packed_cols * 32 / bits
         {
             return Ok(None);
@@ -62,8 +66,9 @@ impl HostQDense {
         let me = Self {
             arrays: [weight.clone(), scales.clone(), biases.clone()],
             packed: HostSlice::of(weight, "packed weight")?,
-            scales: HostSlice::of(scales, "scales")?,
-            biases: HostSlice::of(biases, "biases")?,
+            scales: widened(scales)?,
+            biases: widened(biases)?,
+            dtype: scales.dtype(),
             rows: rows as usize,
             cols: (packed_cols * 32 / bits) as usize,
             bits: bits as usize,
@@ -75,19 +80,21 @@ impl HostQDense {
     fn weights(&self) -> QuantWeights<'_> {
         QuantWeights {
             packed: self.packed.get(),
-            scales: self.scales.get(),
-            biases: self.biases.get(),
+            scales: &self.scales,
+            biases: &self.biases,
             rows: self.rows,
             cols: self.cols,
             bits: self.bits,
             group: self.group,
+            bf16: self.dtype == Dtype::Bfloat16,
         }
     }
 
-    /// `x · Wᵀ` for f32 tokens (`[..., cols]`); `None` when `x` is not such an input in a buffer
-    /// the host can read, or when MLX sums this product otherwise (the caller then asks MLX).
+    /// `x · Wᵀ` for tokens of the layer's dtype (`[..., cols]`); `None` when `x` is not such an
+    /// input in a buffer the host can read, or when MLX sums this product otherwise (the caller
+    /// then asks MLX).
     pub fn forward(&self, x: &Array) -> Result<Option<Array>> {
-        if x.dtype() != Dtype::Float32 || x.size() == 0 || !x.size().is_multiple_of(self.cols) {
+        if x.dtype() != self.dtype || x.size() == 0 || !x.size().is_multiple_of(self.cols) {
             return Ok(None);
         }
         let tokens = x.size() / self.cols;
@@ -103,24 +110,29 @@ impl HostQDense {
     }
 
     fn product(&self, x: &Array, tokens: usize) -> Result<Option<Array>> {
-        let contiguous = x.contiguous()?;
-        let Ok(host) = contiguous.try_as_slice::<f32>() else {
-            return Ok(None);
-        };
-        let y = qmatmul(&self.weights(), host, tokens, rayon::current_num_threads())
+        let host = widened(&x.contiguous()?)?;
+        let y = qmatmul(&self.weights(), &host, tokens, rayon::current_num_threads())
             .map_err(|e| EngineError::Runtime(format!("host quantized product: {e}")))?;
         CALLS.fetch_add(1, Ordering::Relaxed);
         let mut shape = x.shape().to_vec();
         if let Some(last) = shape.last_mut() {
             *last = self.rows as i32;
         }
-        Ok(Some(Array::from_slice(&y, &shape)))
+        // A bfloat16 layer's sums are bfloat16 values already (MLX rounds each step).
+        Ok(Some(if self.dtype == Dtype::Bfloat16 {
+            let y: Vec<half::bf16> = y.into_iter().map(half::bf16::from_f32).collect();
+            Array::from_slice(&y, &shape)
+        } else {
+            Array::from_slice(&y, &shape)
+        }))
     }
 
     /// Compares the host product of `tokens` tokens with MLX's on two fixed inputs, once per
     /// layer shape, bits, group size and token count.
     fn matches_mlx(&self, tokens: usize) -> Result<bool> {
-        let key = (self.rows, self.cols, self.bits, self.group, tokens);
+        let key = (
+            self.rows, self.cols, self.bits, self.group, self.dtype, tokens,
+        );
         if let Some(v) = lock(verdicts()).get(&key) {
             return Ok(*v);
         }
@@ -130,7 +142,8 @@ impl HostQDense {
                 .into_iter()
                 .map(|v| v.clamp(-8.0, 8.0))
                 .collect::<Vec<f32>>();
-            let x = Array::from_slice(&x, &[tokens as i32, self.cols as i32]);
+            let x =
+                Array::from_slice(&x, &[tokens as i32, self.cols as i32]).as_dtype(self.dtype)?;
             let Some(ours) = self.product(&x, tokens)? else {
                 return Err(EngineError::Runtime(
                     "the host quantized product refused its own check input".into(),
@@ -146,8 +159,26 @@ impl HostQDense {
     }
 }
 
-/// What one check decides: (rows, cols, bits, group size, tokens).
-type Verdicts = Mutex<HashMap<(usize, usize, usize, usize, usize), bool>>;
+/// An f32 or bfloat16 array's values as f32 (exact).
+fn widened(a: &Array) -> Result<Vec<f32>> {
+    let unreadable = |e| {
+        EngineError::Runtime(format!(
+            "the quantized host path cannot read an input ({e})"
+        ))
+    };
+    Ok(match a.dtype() {
+        Dtype::Bfloat16 => a
+            .try_as_slice::<half::bf16>()
+            .map_err(unreadable)?
+            .iter()
+            .map(|v| v.to_f32())
+            .collect(),
+        _ => a.try_as_slice::<f32>().map_err(unreadable)?.to_vec(),
+    })
+}
+
+/// What one check decides: (rows, cols, bits, group size, dtype, tokens).
+type Verdicts = Mutex<HashMap<(usize, usize, usize, usize, Dtype, usize), bool>>;
 
 /// The check's verdicts for this process.
 fn verdicts() -> &'static Verdicts {

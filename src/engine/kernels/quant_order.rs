@@ -1,4 +1,4 @@
-//! Products through MLX's affine-quantized 4-/8-bit layers (f32 scales and biases) summed in
+//! Products through MLX's affine-quantized 4-/8-bit layers (f32 or bf16 scales and biases) summed in
 //! exactly the order MLX's CPU `quantized_matmul` sums them, so that L1 decoding of such a model
 //! keeps MLX's bits without MLX's kernel (`--host-matvec on`).
 //!
@@ -9,9 +9,11 @@
 //! lanes, which MLX's x86 CPU build does not have): per output and token one f32 sum from zero
 //! over the depth in order, each term `x · (scale · q + bias)` with the group's scale and bias and
 //! every operation rounded on its own (no fused multiply-add). Each output is summed alone, so
-//! the number of tokens and the split over threads change no bit. [`super::dense`]-style checks
+//! the number of tokens and the split over threads change no bit. With bf16 scales MLX computes in
+//! bf16: every operation, the running sum included, is rounded to bf16 as MLX rounds it. [`super::dense`]-style checks
 //! against MLX's own `quantized_matmul` guard the claim at run time ([`super::qdense`]).
 
+use super::elementwise::bf16_mlx;
 use super::pair;
 
 /// Rows a chunk of the product holds (the vector kernel's group of sixteen, times four).
@@ -38,6 +40,9 @@ pub struct QuantWeights<'a> {
     pub bits: usize,
     /// Inputs per scale and bias (32, 64 or 128).
     pub group: usize,
+    /// bfloat16 layers (scales, biases and inputs bf16, given widened): MLX then rounds every
+    /// operation's result to bfloat16, the running sum included.
+    pub bf16: bool,
 }
 
 impl QuantWeights<'_> {
@@ -90,7 +95,13 @@ pub fn output_scalar(w: &QuantWeights<'_>, r: usize, x: &[f32]) -> f32 {
     for (k, xk) in x.iter().enumerate().take(w.cols) {
         let g = r * groups + k / w.group;
         let (scale, bias) = (w.scales[g], w.biases[g]);
-        sum += xk * (scale * w.q(r, k) + bias);
+        if w.bf16 {
+            let round = |v: f32| bf16_mlx(v).to_f32();
+            let value = round(round(scale * w.q(r, k)) + bias);
+            sum = round(sum + round(xk * value));
+        } else {
+            sum += xk * (scale * w.q(r, k) + bias);
+        }
     }
     sum
 }
@@ -178,6 +189,20 @@ mod x86 {
     use super::{QuantWeights, TOKEN_BLOCK};
     use std::arch::x86_64::*;
 
+    /// Sixteen f32 values rounded to bfloat16 (and widened back) as MLX's `bfloat16_t` rounds:
+    /// to nearest, ties to even, every NaN to `0x7FC0`.
+    #[inline]
+    #[target_feature(enable = "avx512f")]
+    unsafe fn round(v: __m512) -> __m512 {
+        let bits = _mm512_castps_si512(v);
+        let lsb = _mm512_and_si512(_mm512_srli_epi32::<16>(bits), _mm512_set1_epi32(1));
+        let biased = _mm512_add_epi32(bits, _mm512_add_epi32(_mm512_set1_epi32(0x7FFF), lsb));
+        let rounded = _mm512_and_si512(biased, _mm512_set1_epi32(0xFFFF_0000_u32 as i32));
+        let nan = _mm512_cmp_ps_mask::<_CMP_UNORD_Q>(v, v);
+        let rounded = _mm512_mask_mov_epi32(rounded, nan, _mm512_set1_epi32(0x7FC0_0000));
+        _mm512_castsi512_ps(rounded)
+    }
+
     /// Rows `r..r + 16` for `n` (≤ [`TOKEN_BLOCK`]) tokens `x`: the sixteen rows side by side in
     /// the lanes, each word of the sixteen gathered once, each dequantized value
     /// `scale · q + bias` formed once and met by every token.
@@ -206,11 +231,19 @@ mod x86 {
                 for e in 0..per_word {
                     let shifted = _mm512_srlv_epi32(v, _mm512_set1_epi32((w.bits * e) as i32));
                     let q = _mm512_cvtepi32_ps(_mm512_and_si512(shifted, mask));
-                    let value = _mm512_add_ps(_mm512_mul_ps(scale, q), bias);
                     let k = word * per_word + e;
-                    for (t, a) in acc.iter_mut().enumerate().take(n) {
-                        let xv = _mm512_set1_ps(*x.get_unchecked(t * w.cols + k));
-                        *a = _mm512_add_ps(*a, _mm512_mul_ps(xv, value));
+                    if w.bf16 {
+                        let value = round(_mm512_add_ps(round(_mm512_mul_ps(scale, q)), bias));
+                        for (t, a) in acc.iter_mut().enumerate().take(n) {
+                            let xv = _mm512_set1_ps(*x.get_unchecked(t * w.cols + k));
+                            *a = round(_mm512_add_ps(*a, round(_mm512_mul_ps(xv, value))));
+                        }
+                    } else {
+                        let value = _mm512_add_ps(_mm512_mul_ps(scale, q), bias);
+                        for (t, a) in acc.iter_mut().enumerate().take(n) {
+                            let xv = _mm512_set1_ps(*x.get_unchecked(t * w.cols + k));
+                            *a = _mm512_add_ps(*a, _mm512_mul_ps(xv, value));
+                        }
                     }
                 }
             }
@@ -256,8 +289,20 @@ mod tests {
     /// output of every token, on rows that are and are not whole groups of sixteen.
     #[test]
     fn every_path_equals_the_scalar_order() {
-        for (rows, cols, bits, group) in [(40, 128, 4, 64), (130, 256, 8, 32), (16, 384, 4, 128)] {
+        for (rows, cols, bits, group, bf16) in [
+            (40, 128, 4, 64, false),
+            (130, 256, 8, 32, false),
+            (16, 384, 4, 128, false),
+            (40, 128, 4, 64, true),
+            (130, 256, 8, 32, true),
+        ] {
             let (packed, scales, biases) = weight(rows, cols, bits, group);
+            let round = |v: Vec<f32>| -> Vec<f32> {
+                v.into_iter()
+                    .map(|x| if bf16 { bf16_mlx(x).to_f32() } else { x })
+                    .collect()
+            };
+            let (scales, biases) = (round(scales), round(biases));
             let w = QuantWeights {
                 packed: &packed,
                 scales: &scales,
@@ -266,11 +311,14 @@ mod tests {
                 cols,
                 bits,
                 group,
+                bf16,
             };
             for tokens in [1, 3, 9] {
-                let x: Vec<f32> = (0..tokens * cols)
-                    .map(|i| ((i * 37 % 101) as f32 - 50.0) / 33.0)
-                    .collect();
+                let x: Vec<f32> = round(
+                    (0..tokens * cols)
+                        .map(|i| ((i * 37 % 101) as f32 - 50.0) / 33.0)
+                        .collect(),
+                );
                 for threads in [1, 2] {
                     let y = qmatmul(&w, &x, tokens, threads).unwrap();
                     for t in 0..tokens {
@@ -295,6 +343,7 @@ mod tests {
             cols: 32,
             bits: 3,
             group: 32,
+            bf16: false,
         };
         assert!(qmatmul(&w, &[0.0; 32], 1, 1).is_err());
     }
