@@ -376,11 +376,12 @@ fn prompts_through_sixteen_bit_weights_match_mlx_bit_for_bit() {
     assert_eq!(accepted > 0, kernels, "{accepted} prompts on the host path");
 }
 
-/// L1 4-/8-bit layers with f32 scales (`--keep-quant` imports): the host product in MLX's
-/// `quantized_matmul` order equals MLX's bit for bit for 1 to 40 tokens, on SmolLM2's shapes
-/// and group sizes 32/64/128, rows that are not whole groups of sixteen included.
+/// L1 quantized layers with f32 or bf16 scales (`--keep-quant` imports): the host product in MLX's
+/// `quantized_matmul` order equals MLX's bit for bit for 1 to 40 tokens, on SmolLM2's and
+/// Qwen2.5-0.5B's shapes, every MLX width (2, 3, 4, 5, 6, 8 bits) and group sizes 32/64/128,
+/// rows that are not whole groups of sixteen included.
 #[test]
-fn quantized_layers_with_f32_scales_match_mlx_bit_for_bit() {
+fn quantized_layers_of_every_width_match_mlx_bit_for_bit() {
     let kernels = kernels_here();
     let shapes = [
         (576, 576, 4, 32),
@@ -388,6 +389,12 @@ fn quantized_layers_with_f32_scales_match_mlx_bit_for_bit() {
         (192, 576, 8, 32),
         (576, 1536, 4, 128),
         (37, 256, 8, 64),
+        (896, 896, 5, 32),
+        (130, 384, 6, 64),
+        (64, 256, 3, 32),
+        (48, 256, 2, 128),
+        (4864, 896, 5, 32),
+        (33, 192, 6, 32),
     ];
     let mut accepted = 0;
     for (i, (rows, cols, bits, group)) in shapes.into_iter().enumerate() {

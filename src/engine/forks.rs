@@ -198,7 +198,7 @@ pub static FORKS: &[Fork] = &[
         name: "host-matvec",
         domain: Domain::Choices(ON_OFF_EXACT),
         defaults: ["on", "on", "on"],
-        help: "CPU backend: products through dense f32/bf16/f16 layers (up to 16 tokens; any number for 16-bit) and 4-/8-bit layers with f32 or bf16 scales, and bf16 attention, run on the host (both cores, weights read in place) summed in the exact order MLX's CPU backend sums them (OpenBLAS's order for f32, MLX's own for 16-bit and quantized), so bit-identical; each weight shape and head layout is compared with MLX at first use and stays on MLX if it differs; not under --compiled-decode",
+        help: "CPU backend: products through dense f32/bf16/f16 layers (up to 16 tokens; any number for 16-bit) and 2- to 8-bit layers with f32 or bf16 scales, and bf16 attention, run on the host (both cores, weights read in place) summed in the exact order MLX's CPU backend sums them (OpenBLAS's order for f32, MLX's own for 16-bit and quantized), so bit-identical; each weight shape and head layout is compared with MLX at first use and stays on MLX if it differs; not under --compiled-decode",
     },
     Fork {
         name: "host-elementwise",

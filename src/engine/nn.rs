@@ -98,7 +98,7 @@ pub(crate) fn load_stacked_weight(
 enum HostCell {
     Quant(HostQuantCell),
     Dense(HostDenseCell),
-    /// 4-/8-bit with f32 or bf16 scales in MLX's own order (`--host-matvec on`, L1).
+    /// 2- to 8-bit with f32 or bf16 scales in MLX's own order (`--host-matvec on`, L1).
     QuantExact(HostQDenseCell),
 }
 
@@ -114,7 +114,7 @@ impl HostCell {
 }
 
 /// The host kernel cell for a layer, or `None` to keep it on MLX's own kernels: 2-D 4-/8-bit
-/// weights under `--perf-kernel on`; 2-D f32/bf16/f16 weights, and 4-/8-bit ones with f32 or
+/// weights under `--perf-kernel on`; 2-D f32/bf16/f16 weights, and 2- to 8-bit ones with f32 or
 /// bf16 scales, under `--host-matvec on`.
 fn host_cell(w: &WeightStore, weight: &LinearWeight) -> Option<Rc<HostCell>> {
     match weight {

@@ -1,4 +1,4 @@
-//! The host path of an affine-quantized 4-/8-bit linear layer with f32 or bfloat16 scales at L1
+//! The host path of an affine-quantized (2- to 8-bit) linear layer with f32 or bfloat16 scales at L1
 //! (`--host-matvec on`): the packed weight is read in place from MLX's evaluated buffer (scales
 //! and biases are kept widened to f32 beside it) and multiplied by [`super::quant_order`] in the
 //! order MLX's CPU `quantized_matmul` sums them, so the result has MLX's bits.
@@ -6,27 +6,31 @@
 //! Checked, not assumed: the first time a layer shape is used with a given number of tokens (up
 //! to [`MAX_TOKENS`]; longer products share one check at [`LONG_PROBE_TOKENS`], the order not
 //! depending on the token count), the host product of two fixed inputs is compared bit for bit
-//! with MLX's `quantized_matmul` on the real weight. A shape that differs stays on MLX.
+//! with MLX's `quantized_matmul` on the real weight's first and last rows ([`probe_windows`]:
+//! every output is its own sum, so the rows between take the same path; MLX's one-lane kernel
+//! over a whole 150k-row vocabulary head would cost seconds per token count). A shape that
+//! differs stays on MLX.
 
 use super::dense::LONG_PROBE_TOKENS;
 use super::host::{check_bits, HostSlice};
 use super::lock;
 use super::mlx_order::MAX_TOKENS;
-use super::quant_order::{qmatmul, QuantWeights};
+use super::quant_order::{blocked, qmatmul, QuantWeights};
 use crate::engine::error::{EngineError, Result};
+use mlx_rs::ops::indexing::IndexOp;
 use mlx_rs::{ops, Array, Dtype};
 use std::collections::HashMap;
 use std::sync::atomic::{AtomicUsize, Ordering};
 use std::sync::{Mutex, OnceLock};
 
-/// A 2-D 4-/8-bit weight with f32 or bfloat16 scales and biases, pinned in host memory.
+/// A 2-D 2- to 8-bit weight with f32 or bfloat16 scales and biases, pinned in host memory.
 #[derive(Debug, Clone)]
 pub struct HostQDense {
     arrays: [Array; 3],
     packed: HostSlice<u32>,
-    /// The scales widened to f32 (exact).
+    /// The scales widened to f32 (exact), in the kernel's [`blocked`] layout.
     scales: Vec<f32>,
-    /// The biases widened to f32 (exact).
+    /// The biases widened to f32 (exact), in the kernel's [`blocked`] layout.
     biases: Vec<f32>,
     /// The layer's dtype (that of its scales and of its inputs): f32 or bfloat16.
     dtype: Dtype,
@@ -50,7 +54,7 @@ impl HostQDense {
             return Ok(None);
         };
         if !super::mlx_order::available()
-            || !matches!(bits, 4 | 8)
+            || !matches!(bits, 2 | 3 | 4 | 5 | 6 | 8)
             || !matches!(group, 32 | 64 | 128)
             || rows <= 0
             || weight.dtype() != Dtype::Uint32
@@ -66,8 +70,8 @@ impl HostQDense {
         let me = Self {
             arrays: [weight.clone(), scales.clone(), biases.clone()],
             packed: HostSlice::of(weight, "packed weight")?,
-            scales: widened(scales)?,
-            biases: widened(biases)?,
+            scales: blocked(&widened(scales)?, rows as usize, groups as usize),
+            biases: blocked(&widened(biases)?, rows as usize, groups as usize),
             dtype: scales.dtype(),
             rows: rows as usize,
             cols: (packed_cols * 32 / bits) as usize,
@@ -110,21 +114,42 @@ impl HostQDense {
     }
 
     fn product(&self, x: &Array, tokens: usize) -> Result<Option<Array>> {
-        let host = widened(&x.contiguous()?)?;
-        let y = qmatmul(&self.weights(), &host, tokens, rayon::current_num_threads())
-            .map_err(|e| EngineError::Runtime(format!("host quantized product: {e}")))?;
+        let y = self.rows_product(0..self.rows, x, tokens)?;
         CALLS.fetch_add(1, Ordering::Relaxed);
         let mut shape = x.shape().to_vec();
         if let Some(last) = shape.last_mut() {
             *last = self.rows as i32;
         }
+        Ok(Some(y.reshape(&shape)?))
+    }
+
+    /// Outputs `rows` of `x · Wᵀ` as a `tokens × rows.len()` array of the layer's dtype.
+    fn rows_product(
+        &self,
+        rows: std::ops::Range<usize>,
+        x: &Array,
+        tokens: usize,
+    ) -> Result<Array> {
+        let all = self.weights();
+        let (words, groups) = (all.packed.len() / self.rows, all.scales.len() / self.rows);
+        let part = QuantWeights {
+            packed: &all.packed[rows.start * words..rows.end * words],
+            scales: &all.scales[rows.start * groups..rows.end * groups],
+            biases: &all.biases[rows.start * groups..rows.end * groups],
+            rows: rows.len(),
+            ..all
+        };
+        let host = widened(&x.contiguous()?)?;
+        let y = qmatmul(&part, &host, tokens, rayon::current_num_threads())
+            .map_err(|e| EngineError::Runtime(format!("host quantized product: {e}")))?;
+        let shape = [tokens as i32, rows.len() as i32];
         // A bfloat16 layer's sums are bfloat16 values already (MLX rounds each step).
-        Ok(Some(if self.dtype == Dtype::Bfloat16 {
+        Ok(if self.dtype == Dtype::Bfloat16 {
             let y: Vec<half::bf16> = y.into_iter().map(half::bf16::from_f32).collect();
             Array::from_slice(&y, &shape)
         } else {
             Array::from_slice(&y, &shape)
-        }))
+        })
     }
 
     /// Compares the host product of `tokens` tokens with MLX's on two fixed inputs, once per
@@ -144,19 +169,31 @@ impl HostQDense {
                 .collect::<Vec<f32>>();
             let x =
                 Array::from_slice(&x, &[tokens as i32, self.cols as i32]).as_dtype(self.dtype)?;
-            let Some(ours) = self.product(&x, tokens)? else {
-                return Err(EngineError::Runtime(
-                    "the host quantized product refused its own check input".into(),
-                ));
-            };
-            let [w, s, b] = &self.arrays;
-            let theirs =
-                ops::quantized_matmul(&x, w, s, b, true, self.group as i32, self.bits as i32)?;
-            same &= check_bits(&ours)? == check_bits(&theirs)?;
+            for rows in probe_windows(self.rows) {
+                let ours = self.rows_product(rows.clone(), &x, tokens)?;
+                let window = rows.start as i32..rows.end as i32;
+                let [w, s, b] = self.arrays.each_ref().map(|a| a.index(window.clone()));
+                let (group, bits) = (self.group as i32, self.bits as i32);
+                let theirs = ops::quantized_matmul(&x, &w, &s, &b, true, group, bits)?;
+                same &= check_bits(&ours)? == check_bits(&theirs)?;
+            }
         }
         lock(verdicts()).insert(key, same);
         Ok(same)
     }
+}
+
+/// Rows the check compares: all of a small layer; else the first 64 and the last 48 to 63
+/// (the last whole groups of sixteen, which the vector kernel takes, and the rows past them,
+/// which the scalar order takes), each window starting on a multiple of sixteen as the
+/// product's own chunks do.
+fn probe_windows(rows: usize) -> Vec<std::ops::Range<usize>> {
+    const HEAD: usize = 64;
+    if rows <= 2 * HEAD {
+        return std::iter::once(0..rows).collect();
+    }
+    let tail_start = (rows / 16 * 16).saturating_sub(48);
+    vec![0..HEAD, tail_start..rows]
 }
 
 /// An f32 or bfloat16 array's values as f32 (exact).
@@ -212,5 +249,26 @@ impl HostQDenseCell {
         }
         let h = HostQDense::new(weight, scales, biases, bits, group)?;
         Ok(self.0.get_or_init(|| h).as_ref())
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::probe_windows;
+
+    /// Small layers are checked whole; larger ones on their first 64 rows and on windows that
+    /// start on a group of sixteen and reach the last row.
+    #[test]
+    fn probe_windows_cover_both_ends_on_group_boundaries() {
+        assert_eq!(probe_windows(37), vec![0..37]);
+        assert_eq!(probe_windows(128), vec![0..128]);
+        assert_eq!(probe_windows(151_936), vec![0..64, 151_888..151_936]);
+        assert_eq!(probe_windows(4_870), vec![0..64, 4_816..4_870]);
+        for rows in 129..400 {
+            let w = probe_windows(rows);
+            assert_eq!(w[1].start % 16, 0);
+            assert_eq!(w[1].end, rows);
+            assert!(w[1].len() >= 48 && w[1].len() < 64, "{rows}: {:?}", w[1]);
+        }
     }
 }

@@ -20,23 +20,27 @@ use super::pair;
 const CHUNK_ROWS: usize = 64;
 /// Tokens the vector kernel runs past one pass over a group of rows.
 const TOKEN_BLOCK: usize = 8;
+/// How far ahead of the words being read each row's words are fetched.
+const PREFETCH_WORDS: usize = 64;
 
 /// An affine-quantized `rows × cols` weight as MLX stores it: `packed` holds `cols · bits / 32`
-/// words per row (element `e` of a word is `(word >> bits · e) & mask`), `scales` and `biases`
-/// one value per row and group of `group` inputs.
+/// words per row, value `k` of a row at bits `k · bits ..` of the row read as one little-endian
+/// bit string (MLX's packs of 3, 5 or 3 bytes for 3-, 5- and 6-bit values are that string too),
+/// `scales` and `biases` one value per row and group of `group` inputs, laid out by
+/// [`blocked`].
 #[derive(Debug, Clone, Copy)]
 pub struct QuantWeights<'a> {
     /// Packed values, row-major.
     pub packed: &'a [u32],
-    /// Per row and group.
+    /// Per row and group ([`blocked`] layout).
     pub scales: &'a [f32],
-    /// Per row and group.
+    /// Per row and group ([`blocked`] layout).
     pub biases: &'a [f32],
     /// Outputs.
     pub rows: usize,
     /// Inputs.
     pub cols: usize,
-    /// 4 or 8.
+    /// 2, 3, 4, 5, 6 or 8 (MLX's widths).
     pub bits: usize,
     /// Inputs per scale and bias (32, 64 or 128).
     pub group: usize,
@@ -56,7 +60,7 @@ impl QuantWeights<'_> {
 
     /// Whether the buffers and sizes describe a weight this module reads.
     fn check(&self) -> Result<(), String> {
-        let ok = matches!(self.bits, 4 | 8)
+        let ok = matches!(self.bits, 2 | 3 | 4 | 5 | 6 | 8)
             && matches!(self.group, 32 | 64 | 128)
             && self.cols > 0
             && self.cols.is_multiple_of(self.group)
@@ -79,21 +83,67 @@ impl QuantWeights<'_> {
         }
     }
 
+    /// Where row `r`'s scale and bias of group `g` sit.
+    fn group_at(&self, r: usize, g: usize) -> usize {
+        blocked_index(self.rows, self.groups(), r, g)
+    }
+
     /// Value `k` of row `r`, unscaled.
     fn q(&self, r: usize, k: usize) -> f32 {
         let at = r * self.words_per_row() + k * self.bits / 32;
         let shift = (k * self.bits) % 32;
-        ((self.packed[at] >> shift) & ((1 << self.bits) - 1)) as f32
+        let mut v = self.packed[at] >> shift;
+        if shift + self.bits > 32 {
+            v |= self.packed[at + 1] << (32 - shift);
+        }
+        (v & ((1 << self.bits) - 1)) as f32
+    }
+}
+
+/// Per-row, per-group values (`rows × groups`, row-major, as MLX stores scales and biases)
+/// reordered so that each whole group of sixteen rows holds its sixteen values of a group side
+/// by side (one vector load in the kernel instead of a gather over sixteen rows); rows past the
+/// last whole group of sixteen stay row-major at the end. A range of rows that starts on a
+/// multiple of sixteen is a contiguous run of the result, laid out the same way.
+pub fn blocked(plain: &[f32], rows: usize, groups: usize) -> Vec<f32> {
+    let mut out = vec![0.0; plain.len()];
+    for r in 0..rows {
+        for g in 0..groups {
+            out[blocked_index(rows, groups, r, g)] = plain[r * groups + g];
+        }
+    }
+    out
+}
+
+fn blocked_index(rows: usize, groups: usize, r: usize, g: usize) -> usize {
+    if r < rows / 16 * 16 {
+        ((r / 16) * groups + g) * 16 + r % 16
+    } else {
+        r * groups + g
+    }
+}
+
+/// Words that hold a whole number of `bits`-bit values, and how many: one word for 2, 4 and 8
+/// bits; three words (16 values) for 6 bits; `bits` words (32 values) for 3 and 5 bits.
+const fn unit(bits: usize) -> (usize, usize) {
+    let common = gcd(bits, 32);
+    (bits / common, 32 / common)
+}
+
+const fn gcd(a: usize, b: usize) -> usize {
+    if b == 0 {
+        a
+    } else {
+        gcd(b, a % b)
     }
 }
 
 /// MLX's sum for output `r` of one token `x` (the reference order; also the path for rows past
 /// the last group of sixteen and for CPUs without AVX-512).
 pub fn output_scalar(w: &QuantWeights<'_>, r: usize, x: &[f32]) -> f32 {
-    let groups = w.groups();
     let mut sum = 0.0f32;
     for (k, xk) in x.iter().enumerate().take(w.cols) {
-        let g = r * groups + k / w.group;
+        let g = w.group_at(r, k / w.group);
         let (scale, bias) = (w.scales[g], w.biases[g]);
         if w.bf16 {
             let round = |v: f32| bf16_mlx(v).to_f32();
@@ -166,9 +216,19 @@ fn rows_into(
             let mut t0 = 0;
             while t0 < tokens {
                 let n = (tokens - t0).min(TOKEN_BLOCK);
+                let block = &x[t0 * w.cols..(t0 + n) * w.cols];
                 // SAFETY: AVX-512 is available (checked); `w` was checked against its buffers
-                // and `r + 16 <= rows`.
-                let sums = unsafe { x86::group16(w, r, &x[t0 * w.cols..(t0 + n) * w.cols], n) };
+                // (so its width is one of these) and `r + 16 <= rows`.
+                let sums = unsafe {
+                    match w.bits {
+                        2 => x86::group16::<2>(w, r, block, n),
+                        3 => x86::group16::<3>(w, r, block, n),
+                        4 => x86::group16::<4>(w, r, block, n),
+                        5 => x86::group16::<5>(w, r, block, n),
+                        6 => x86::group16::<6>(w, r, block, n),
+                        _ => x86::group16::<8>(w, r, block, n),
+                    }
+                };
                 for (t, s) in sums.iter().enumerate().take(n) {
                     out[(t0 + t) * len + r - range.start..][..16].copy_from_slice(s);
                 }
@@ -186,7 +246,7 @@ fn rows_into(
 
 #[cfg(target_arch = "x86_64")]
 mod x86 {
-    use super::{QuantWeights, TOKEN_BLOCK};
+    use super::{QuantWeights, PREFETCH_WORDS, TOKEN_BLOCK};
     use std::arch::x86_64::*;
 
     /// Sixteen f32 values rounded to bfloat16 (and widened back) as MLX's `bfloat16_t` rounds:
@@ -204,10 +264,12 @@ mod x86 {
     }
 
     /// Rows `r..r + 16` for `n` (≤ [`TOKEN_BLOCK`]) tokens `x`: the sixteen rows side by side in
-    /// the lanes, each word of the sixteen gathered once, each dequantized value
-    /// `scale · q + bias` formed once and met by every token.
+    /// the lanes, each word of the sixteen gathered once (a unit of whole values at a time, so
+    /// a value that straddles two words is joined from both), each dequantized value
+    /// `scale · q + bias` formed once and met by every token. `BITS` is a constant so that each
+    /// unit's shifts unroll and its words stay in registers.
     #[target_feature(enable = "avx512f")]
-    pub(super) unsafe fn group16(
+    pub(super) unsafe fn group16<const BITS: usize>(
         w: &QuantWeights<'_>,
         r: usize,
         x: &[f32],
@@ -216,22 +278,38 @@ mod x86 {
         let (wpr, groups) = (w.words_per_row(), w.groups());
         let lanes = _mm512_setr_epi32(0, 1, 2, 3, 4, 5, 6, 7, 8, 9, 10, 11, 12, 13, 14, 15);
         let word_index = _mm512_mullo_epi32(lanes, _mm512_set1_epi32(wpr as i32));
-        let group_index = _mm512_mullo_epi32(lanes, _mm512_set1_epi32(groups as i32));
-        let mask = _mm512_set1_epi32((1 << w.bits) - 1);
-        let per_word = 32 / w.bits;
+        let mask = _mm512_set1_epi32((1 << BITS) - 1);
+        let (unit_words, unit_values) = super::unit(BITS);
         let mut acc = [_mm512_setzero_ps(); TOKEN_BLOCK];
         let words = w.packed.as_ptr().add(r * wpr);
         for g in 0..groups {
-            let at = r * groups + g;
-            let scale = _mm512_i32gather_ps::<4>(group_index, w.scales.as_ptr().add(at).cast());
-            let bias = _mm512_i32gather_ps::<4>(group_index, w.biases.as_ptr().add(at).cast());
-            let first = g * w.group * w.bits / 32;
-            for word in first..first + w.group * w.bits / 32 {
-                let v = _mm512_i32gather_epi32::<4>(word_index, words.add(word).cast());
-                for e in 0..per_word {
-                    let shifted = _mm512_srlv_epi32(v, _mm512_set1_epi32((w.bits * e) as i32));
-                    let q = _mm512_cvtepi32_ps(_mm512_and_si512(shifted, mask));
-                    let k = word * per_word + e;
+            let at = w.group_at(r, g);
+            let scale = _mm512_loadu_ps(w.scales.as_ptr().add(at));
+            let bias = _mm512_loadu_ps(w.biases.as_ptr().add(at));
+            let first = g * w.group / unit_values;
+            // Sixteen rows are sixteen streams, more than the hardware prefetcher follows:
+            // fetch each row's words a few lines ahead, once per group. Past a row's end the address falls in the next row, and past the sixteenth row's
+            // in the next group of sixteen: words read soon either way (a prefetch never faults).
+            let ahead = g * w.group * BITS / 32 + PREFETCH_WORDS;
+            for lane in 0..16 {
+                _mm_prefetch::<_MM_HINT_T0>(words.wrapping_add(lane * wpr + ahead).cast());
+            }
+            for unit in first..first + w.group / unit_values {
+                let mut v = [_mm512_setzero_si512(); 5];
+                for (i, vi) in v.iter_mut().enumerate().take(unit_words) {
+                    let at = words.add(unit * unit_words + i);
+                    *vi = _mm512_i32gather_epi32::<4>(word_index, at.cast());
+                }
+                for e in 0..unit_values {
+                    let (i, shift) = (e * BITS / 32, (e * BITS % 32) as u32);
+                    let mut joined = _mm512_srlv_epi32(v[i], _mm512_set1_epi32(shift as i32));
+                    if shift as usize + BITS > 32 {
+                        let high =
+                            _mm512_sllv_epi32(v[i + 1], _mm512_set1_epi32(32 - shift as i32));
+                        joined = _mm512_or_si512(joined, high);
+                    }
+                    let q = _mm512_cvtepi32_ps(_mm512_and_si512(joined, mask));
+                    let k = unit * unit_values + e;
                     if w.bf16 {
                         let value = round(_mm512_add_ps(round(_mm512_mul_ps(scale, q)), bias));
                         for (t, a) in acc.iter_mut().enumerate().take(n) {
@@ -285,6 +363,32 @@ mod tests {
         (packed, scales, biases)
     }
 
+    /// A window of rows that starts on a multiple of sixteen is the same run of the blocked
+    /// layout as the blocked layout of the window alone (the host check multiplies such windows).
+    #[test]
+    fn blocked_windows_are_runs_of_the_whole() {
+        let (rows, groups) = (53, 3);
+        let plain: Vec<f32> = (0..rows * groups).map(|i| i as f32).collect();
+        let whole = blocked(&plain, rows, groups);
+        for start in [0, 16, 32, 48] {
+            for end in (start + 1)..=rows {
+                if end % 16 != 0 && end != rows {
+                    continue;
+                }
+                let alone = blocked(&plain[start * groups..end * groups], end - start, groups);
+                assert_eq!(
+                    &whole[start * groups..end * groups],
+                    &alone[..],
+                    "{start}..{end}"
+                );
+            }
+        }
+        assert_eq!(
+            whole[blocked_index(rows, groups, 17, 2)],
+            plain[17 * groups + 2]
+        );
+    }
+
     /// The vector kernel and the thread split give the scalar reference's bits for every
     /// output of every token, on rows that are and are not whole groups of sixteen.
     #[test]
@@ -295,6 +399,12 @@ mod tests {
             (16, 384, 4, 128, false),
             (40, 128, 4, 64, true),
             (130, 256, 8, 32, true),
+            (24, 64, 2, 32, false),
+            (40, 96, 3, 32, false),
+            (40, 160, 5, 32, false),
+            (33, 192, 6, 64, false),
+            (40, 160, 5, 32, true),
+            (33, 192, 6, 64, true),
         ] {
             let (packed, scales, biases) = weight(rows, cols, bits, group);
             let round = |v: Vec<f32>| -> Vec<f32> {
@@ -341,10 +451,11 @@ mod tests {
             biases: &[0.0],
             rows: 1,
             cols: 32,
-            bits: 3,
+            bits: 7,
             group: 32,
             bf16: false,
         };
         assert!(qmatmul(&w, &[0.0; 32], 1, 1).is_err());
+        assert!(qmatmul(&QuantWeights { bits: 3, ..w }, &[0.0; 32], 1, 1).is_err());
     }
 }
