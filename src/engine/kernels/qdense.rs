@@ -15,7 +15,7 @@ use super::dense::LONG_PROBE_TOKENS;
 use super::host::{check_bits, HostSlice};
 use super::lock;
 use super::mlx_order::MAX_TOKENS;
-use super::quant_order::{blocked, qmatmul, QuantWeights};
+use super::quant_order::{blocked, qmatmul, Path, QuantWeights};
 use crate::engine::error::{EngineError, Result};
 use mlx_rs::ops::indexing::IndexOp;
 use mlx_rs::{ops, Array, Dtype};
@@ -53,7 +53,7 @@ impl HostQDense {
         let (&[rows, packed_cols], &[_, groups]) = (weight.shape(), scales.shape()) else {
             return Ok(None);
         };
-        if !super::mlx_order::available()
+        if Path::best() == Path::Scalar
             || !matches!(bits, 2 | 3 | 4 | 5 | 6 | 8)
             || !matches!(group, 32 | 64 | 128)
             || rows <= 0

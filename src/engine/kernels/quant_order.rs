@@ -156,15 +156,94 @@ pub fn output_scalar(w: &QuantWeights<'_>, r: usize, x: &[f32]) -> f32 {
     sum
 }
 
+/// The kernel a product runs on: every path sums each output in the same order (the lanes hold
+/// different rows), so they differ only in speed.
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub enum Path {
+    /// Sixteen rows per vector (AVX-512F/BW with FMA and F16C, as the other host kernels).
+    Avx512,
+    /// Eight rows per vector, twice per group of sixteen (AVX2).
+    Avx2,
+    /// One output at a time.
+    Scalar,
+}
+
+impl Path {
+    /// The path products take: the fastest this CPU runs, or the one `MLXB_QUANT_KERNEL`
+    /// (`avx512`, `avx2`, `scalar`) names when this CPU runs it (to compare paths' speed).
+    pub fn best() -> Path {
+        static CHOSEN: std::sync::OnceLock<Path> = std::sync::OnceLock::new();
+        *CHOSEN.get_or_init(|| {
+            let fastest = Path::fastest();
+            let Ok(asked) = std::env::var("MLXB_QUANT_KERNEL") else {
+                return fastest;
+            };
+            let forced = match asked.as_str() {
+                "avx512" => Path::Avx512,
+                "avx2" => Path::Avx2,
+                "scalar" => Path::Scalar,
+                _ => {
+                    eprintln!(
+                        "mlxb: MLXB_QUANT_KERNEL={asked:?} is not a path (avx512, avx2 or scalar); using {fastest:?}"
+                    );
+                    return fastest;
+                }
+            };
+            if !forced.runs_here() {
+                eprintln!("mlxb: this CPU cannot run MLXB_QUANT_KERNEL={asked}; using {fastest:?}");
+                return fastest;
+            }
+            forced
+        })
+    }
+
+    fn fastest() -> Path {
+        #[cfg(target_arch = "x86_64")]
+        {
+            if super::mlx_order::available() {
+                return Path::Avx512;
+            }
+            if std::arch::is_x86_feature_detected!("avx2") {
+                return Path::Avx2;
+            }
+        }
+        Path::Scalar
+    }
+
+    /// Whether this CPU can run the path.
+    pub fn runs_here(self) -> bool {
+        match (self, Path::fastest()) {
+            (Path::Scalar, _) | (_, Path::Avx512) => true,
+            (Path::Avx2, fastest) => fastest == Path::Avx2,
+            (Path::Avx512, _) => false,
+        }
+    }
+}
+
 /// `Y = X · Wᵀ` for `tokens` f32 tokens (`x` is `tokens × cols`, the result `tokens × rows`),
-/// in MLX's order; `threads` ≥ 2 shares chunks of rows with the [`pair`] helper.
+/// in MLX's order, on the fastest [`Path`]; `threads` ≥ 2 shares chunks of rows with the
+/// [`pair`] helper.
 pub fn qmatmul(
     w: &QuantWeights<'_>,
     x: &[f32],
     tokens: usize,
     threads: usize,
 ) -> Result<Vec<f32>, String> {
+    qmatmul_on(Path::best(), w, x, tokens, threads)
+}
+
+/// [`qmatmul`] on a given path (refused when this CPU cannot run it).
+pub fn qmatmul_on(
+    path: Path,
+    w: &QuantWeights<'_>,
+    x: &[f32],
+    tokens: usize,
+    threads: usize,
+) -> Result<Vec<f32>, String> {
     w.check()?;
+    if !path.runs_here() {
+        return Err(format!("this CPU cannot run the {path:?} path"));
+    }
     if tokens == 0 || x.len() != tokens * w.cols {
         return Err(format!(
             "{} input values for {tokens} tokens of depth {}",
@@ -185,7 +264,7 @@ pub fn qmatmul(
         let start = i * chunk_rows;
         let end = (start + chunk_rows).min(w.rows);
         let mut out = vec![0.0f32; tokens * (end - start)];
-        rows_into(w, x, tokens, start..end, &mut out);
+        rows_into(path, w, x, tokens, start..end, &mut out);
         *super::lock(&parts[i]) = out;
     });
     let mut y = vec![0.0f32; tokens * w.rows];
@@ -202,6 +281,7 @@ pub fn qmatmul(
 
 /// Outputs `range` of every token into `out` (`tokens × range.len()`).
 fn rows_into(
+    path: Path,
     w: &QuantWeights<'_>,
     x: &[f32],
     tokens: usize,
@@ -210,23 +290,31 @@ fn rows_into(
 ) {
     let len = range.len();
     let mut r = range.start;
+    #[cfg(not(target_arch = "x86_64"))]
+    let _ = path;
     #[cfg(target_arch = "x86_64")]
-    if super::mlx_order::available() {
+    if path != Path::Scalar {
         while r + 16 <= range.end {
             let mut t0 = 0;
             while t0 < tokens {
                 let n = (tokens - t0).min(TOKEN_BLOCK);
                 let block = &x[t0 * w.cols..(t0 + n) * w.cols];
-                // SAFETY: AVX-512 is available (checked); `w` was checked against its buffers
-                // (so its width is one of these) and `r + 16 <= rows`.
+                // SAFETY: the path runs on this CPU (checked by `qmatmul_on`); `w` was checked
+                // against its buffers (so its width is one of these) and `r + 16 <= rows`.
                 let sums = unsafe {
-                    match w.bits {
-                        2 => x86::group16::<2>(w, r, block, n),
-                        3 => x86::group16::<3>(w, r, block, n),
-                        4 => x86::group16::<4>(w, r, block, n),
-                        5 => x86::group16::<5>(w, r, block, n),
-                        6 => x86::group16::<6>(w, r, block, n),
-                        _ => x86::group16::<8>(w, r, block, n),
+                    match (path, w.bits) {
+                        (Path::Avx512, 2) => x86::group16::<2>(w, r, block, n),
+                        (Path::Avx512, 3) => x86::group16::<3>(w, r, block, n),
+                        (Path::Avx512, 4) => x86::group16::<4>(w, r, block, n),
+                        (Path::Avx512, 5) => x86::group16::<5>(w, r, block, n),
+                        (Path::Avx512, 6) => x86::group16::<6>(w, r, block, n),
+                        (Path::Avx512, _) => x86::group16::<8>(w, r, block, n),
+                        (_, 2) => x86_avx2::group16::<2>(w, r, block, n),
+                        (_, 3) => x86_avx2::group16::<3>(w, r, block, n),
+                        (_, 4) => x86_avx2::group16::<4>(w, r, block, n),
+                        (_, 5) => x86_avx2::group16::<5>(w, r, block, n),
+                        (_, 6) => x86_avx2::group16::<6>(w, r, block, n),
+                        (_, _) => x86_avx2::group16::<8>(w, r, block, n),
                     }
                 };
                 for (t, s) in sums.iter().enumerate().take(n) {
@@ -334,6 +422,108 @@ mod x86 {
     }
 }
 
+/// The AVX2 form of [`x86`]'s kernel: the same steps on eight rows per vector, run on the two
+/// halves of each group of sixteen (whose scales and biases sit side by side in the
+/// [`blocked`] layout, eight and eight).
+#[cfg(target_arch = "x86_64")]
+mod x86_avx2 {
+    use super::{QuantWeights, PREFETCH_WORDS, TOKEN_BLOCK};
+    use std::arch::x86_64::*;
+
+    /// Eight f32 values rounded to bfloat16 (and widened back) as MLX's `bfloat16_t` rounds:
+    /// to nearest, ties to even, every NaN to `0x7FC0`.
+    #[inline]
+    #[target_feature(enable = "avx2")]
+    unsafe fn round(v: __m256) -> __m256 {
+        let bits = _mm256_castps_si256(v);
+        let lsb = _mm256_and_si256(_mm256_srli_epi32::<16>(bits), _mm256_set1_epi32(1));
+        let biased = _mm256_add_epi32(bits, _mm256_add_epi32(_mm256_set1_epi32(0x7FFF), lsb));
+        let rounded = _mm256_and_si256(biased, _mm256_set1_epi32(0xFFFF_0000_u32 as i32));
+        let nan = _mm256_cmp_ps::<_CMP_UNORD_Q>(v, v);
+        let quiet = _mm256_castsi256_ps(_mm256_set1_epi32(0x7FC0_0000));
+        _mm256_blendv_ps(_mm256_castsi256_ps(rounded), quiet, nan)
+    }
+
+    /// Rows `r..r + 16` for `n` (≤ [`TOKEN_BLOCK`]) tokens, eight rows at a time.
+    #[target_feature(enable = "avx2")]
+    pub(super) unsafe fn group16<const BITS: usize>(
+        w: &QuantWeights<'_>,
+        r: usize,
+        x: &[f32],
+        n: usize,
+    ) -> [[f32; 16]; TOKEN_BLOCK] {
+        let mut out = [[0.0f32; 16]; TOKEN_BLOCK];
+        for half in 0..2 {
+            let sums = group8::<BITS>(w, r + 8 * half, x, n);
+            for (o, s) in out.iter_mut().zip(&sums).take(n) {
+                o[8 * half..8 * half + 8].copy_from_slice(s);
+            }
+        }
+        out
+    }
+
+    #[target_feature(enable = "avx2")]
+    unsafe fn group8<const BITS: usize>(
+        w: &QuantWeights<'_>,
+        r: usize,
+        x: &[f32],
+        n: usize,
+    ) -> [[f32; 8]; TOKEN_BLOCK] {
+        let (wpr, groups) = (w.words_per_row(), w.groups());
+        let lanes = _mm256_setr_epi32(0, 1, 2, 3, 4, 5, 6, 7);
+        let word_index = _mm256_mullo_epi32(lanes, _mm256_set1_epi32(wpr as i32));
+        let mask = _mm256_set1_epi32((1 << BITS) - 1);
+        let (unit_words, unit_values) = super::unit(BITS);
+        let mut acc = [_mm256_setzero_ps(); TOKEN_BLOCK];
+        let words = w.packed.as_ptr().add(r * wpr);
+        for g in 0..groups {
+            let at = w.group_at(r, g);
+            let scale = _mm256_loadu_ps(w.scales.as_ptr().add(at));
+            let bias = _mm256_loadu_ps(w.biases.as_ptr().add(at));
+            let first = g * w.group / unit_values;
+            let ahead = g * w.group * BITS / 32 + PREFETCH_WORDS;
+            for lane in 0..8 {
+                _mm_prefetch::<_MM_HINT_T0>(words.wrapping_add(lane * wpr + ahead).cast());
+            }
+            for unit in first..first + w.group / unit_values {
+                let mut v = [_mm256_setzero_si256(); 5];
+                for (i, vi) in v.iter_mut().enumerate().take(unit_words) {
+                    let at = words.add(unit * unit_words + i);
+                    *vi = _mm256_i32gather_epi32::<4>(at.cast(), word_index);
+                }
+                for e in 0..unit_values {
+                    let (i, shift) = (e * BITS / 32, (e * BITS % 32) as i32);
+                    let mut joined = _mm256_srlv_epi32(v[i], _mm256_set1_epi32(shift));
+                    if shift as usize + BITS > 32 {
+                        let high = _mm256_sllv_epi32(v[i + 1], _mm256_set1_epi32(32 - shift));
+                        joined = _mm256_or_si256(joined, high);
+                    }
+                    let q = _mm256_cvtepi32_ps(_mm256_and_si256(joined, mask));
+                    let k = unit * unit_values + e;
+                    if w.bf16 {
+                        let value = round(_mm256_add_ps(round(_mm256_mul_ps(scale, q)), bias));
+                        for (t, a) in acc.iter_mut().enumerate().take(n) {
+                            let xv = _mm256_set1_ps(*x.get_unchecked(t * w.cols + k));
+                            *a = round(_mm256_add_ps(*a, round(_mm256_mul_ps(xv, value))));
+                        }
+                    } else {
+                        let value = _mm256_add_ps(_mm256_mul_ps(scale, q), bias);
+                        for (t, a) in acc.iter_mut().enumerate().take(n) {
+                            let xv = _mm256_set1_ps(*x.get_unchecked(t * w.cols + k));
+                            *a = _mm256_add_ps(*a, _mm256_mul_ps(xv, value));
+                        }
+                    }
+                }
+            }
+        }
+        let mut out = [[0.0f32; 8]; TOKEN_BLOCK];
+        for (o, a) in out.iter_mut().zip(&acc).take(n) {
+            _mm256_storeu_ps(o.as_mut_ptr(), *a);
+        }
+        out
+    }
+}
+
 #[cfg(test)]
 mod tests {
     use super::*;
@@ -389,7 +579,7 @@ mod tests {
         );
     }
 
-    /// The vector kernel and the thread split give the scalar reference's bits for every
+    /// Every path this CPU runs, on one thread and two, gives the scalar reference's bits for every
     /// output of every token, on rows that are and are not whole groups of sixteen.
     #[test]
     fn every_path_equals_the_scalar_order() {
@@ -429,15 +619,19 @@ mod tests {
                         .map(|i| ((i * 37 % 101) as f32 - 50.0) / 33.0)
                         .collect(),
                 );
-                for threads in [1, 2] {
-                    let y = qmatmul(&w, &x, tokens, threads).unwrap();
+                for (path, threads) in [Path::Avx512, Path::Avx2, Path::Scalar]
+                    .into_iter()
+                    .filter(|p| p.runs_here())
+                    .flat_map(|p| [(p, 1), (p, 2)])
+                {
+                    let y = qmatmul_on(path, &w, &x, tokens, threads).unwrap();
                     for t in 0..tokens {
                         for r in 0..rows {
                             let want = output_scalar(&w, r, &x[t * cols..(t + 1) * cols]);
                             assert_eq!(
                                 y[t * rows + r].to_bits(),
                                 want.to_bits(),
-                                "{rows}x{cols} {bits}-bit, x{tokens}, token {t} row {r}"
+                                "{rows}x{cols} {bits}-bit, x{tokens}, {path:?}, token {t} row {r}"
                             );
                         }
                     }
