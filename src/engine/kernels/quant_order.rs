@@ -299,22 +299,17 @@ fn rows_into(
             while t0 < tokens {
                 let n = (tokens - t0).min(TOKEN_BLOCK);
                 let block = &x[t0 * w.cols..(t0 + n) * w.cols];
+                let avx512 = path == Path::Avx512;
                 // SAFETY: the path runs on this CPU (checked by `qmatmul_on`); `w` was checked
                 // against its buffers (so its width is one of these) and `r + 16 <= rows`.
                 let sums = unsafe {
-                    match (path, w.bits) {
-                        (Path::Avx512, 2) => x86::group16::<2>(w, r, block, n),
-                        (Path::Avx512, 3) => x86::group16::<3>(w, r, block, n),
-                        (Path::Avx512, 4) => x86::group16::<4>(w, r, block, n),
-                        (Path::Avx512, 5) => x86::group16::<5>(w, r, block, n),
-                        (Path::Avx512, 6) => x86::group16::<6>(w, r, block, n),
-                        (Path::Avx512, _) => x86::group16::<8>(w, r, block, n),
-                        (_, 2) => x86_avx2::group16::<2>(w, r, block, n),
-                        (_, 3) => x86_avx2::group16::<3>(w, r, block, n),
-                        (_, 4) => x86_avx2::group16::<4>(w, r, block, n),
-                        (_, 5) => x86_avx2::group16::<5>(w, r, block, n),
-                        (_, 6) => x86_avx2::group16::<6>(w, r, block, n),
-                        (_, _) => x86_avx2::group16::<8>(w, r, block, n),
+                    match w.bits {
+                        2 => x86::group16::<2>(avx512, w, r, block, n),
+                        3 => x86::group16::<3>(avx512, w, r, block, n),
+                        4 => x86::group16::<4>(avx512, w, r, block, n),
+                        5 => x86::group16::<5>(avx512, w, r, block, n),
+                        6 => x86::group16::<6>(avx512, w, r, block, n),
+                        _ => x86::group16::<8>(avx512, w, r, block, n),
                     }
                 };
                 for (t, s) in sums.iter().enumerate().take(n) {
@@ -332,193 +327,284 @@ fn rows_into(
     }
 }
 
+/// The vector kernel, written once ([`group_kernel`]) over a few lane operations with the same
+/// names for sixteen lanes ([`lanes16`], AVX-512F) and eight ([`lanes8`], AVX2). Every form sums
+/// each output in the same order (the lanes hold different rows), so they differ only in speed.
 #[cfg(target_arch = "x86_64")]
 mod x86 {
     use super::{QuantWeights, PREFETCH_WORDS, TOKEN_BLOCK};
-    use std::arch::x86_64::*;
 
-    /// Sixteen f32 values rounded to bfloat16 (and widened back) as MLX's `bfloat16_t` rounds:
-    /// to nearest, ties to even, every NaN to `0x7FC0`.
-    #[inline]
-    #[target_feature(enable = "avx512f")]
-    unsafe fn round(v: __m512) -> __m512 {
-        let bits = _mm512_castps_si512(v);
-        let lsb = _mm512_and_si512(_mm512_srli_epi32::<16>(bits), _mm512_set1_epi32(1));
-        let biased = _mm512_add_epi32(bits, _mm512_add_epi32(_mm512_set1_epi32(0x7FFF), lsb));
-        let rounded = _mm512_and_si512(biased, _mm512_set1_epi32(0xFFFF_0000_u32 as i32));
-        let nan = _mm512_cmp_ps_mask::<_CMP_UNORD_Q>(v, v);
-        let rounded = _mm512_mask_mov_epi32(rounded, nan, _mm512_set1_epi32(0x7FC0_0000));
-        _mm512_castsi512_ps(rounded)
+    /// Sixteen f32 lanes. The operations are plain functions inlined into the kernel, which
+    /// carries the instruction set's `target_feature`.
+    #[allow(clippy::missing_safety_doc)]
+    pub(super) mod lanes16 {
+        use std::arch::x86_64::*;
+        pub type F = __m512;
+        pub type I = __m512i;
+        pub const N: usize = 16;
+        #[inline(always)]
+        pub unsafe fn gather(base: *const u32, index: I) -> I {
+            _mm512_i32gather_epi32::<4>(index, base.cast())
+        }
+        #[inline(always)]
+        pub unsafe fn shr(v: I, by: i32) -> I {
+            _mm512_srlv_epi32(v, _mm512_set1_epi32(by))
+        }
+        #[inline(always)]
+        pub unsafe fn shl(v: I, by: i32) -> I {
+            _mm512_sllv_epi32(v, _mm512_set1_epi32(by))
+        }
+        #[inline(always)]
+        pub unsafe fn or(a: I, b: I) -> I {
+            _mm512_or_si512(a, b)
+        }
+        #[inline(always)]
+        pub unsafe fn and(a: I, b: I) -> I {
+            _mm512_and_si512(a, b)
+        }
+        #[inline(always)]
+        pub unsafe fn splat_i(v: i32) -> I {
+            _mm512_set1_epi32(v)
+        }
+        #[inline(always)]
+        pub unsafe fn zero_i() -> I {
+            _mm512_setzero_si512()
+        }
+        #[inline(always)]
+        pub unsafe fn to_f32(v: I) -> F {
+            _mm512_cvtepi32_ps(v)
+        }
+        #[inline(always)]
+        pub unsafe fn splat(v: f32) -> F {
+            _mm512_set1_ps(v)
+        }
+        #[inline(always)]
+        pub unsafe fn zero() -> F {
+            _mm512_setzero_ps()
+        }
+        #[inline(always)]
+        pub unsafe fn load(p: *const f32) -> F {
+            _mm512_loadu_ps(p)
+        }
+        #[inline(always)]
+        pub unsafe fn store(p: *mut f32, v: F) {
+            _mm512_storeu_ps(p, v)
+        }
+        #[inline(always)]
+        pub unsafe fn mul(a: F, b: F) -> F {
+            _mm512_mul_ps(a, b)
+        }
+        #[inline(always)]
+        pub unsafe fn add(a: F, b: F) -> F {
+            _mm512_add_ps(a, b)
+        }
+        /// Lane `l` holds `l · stride`.
+        #[inline(always)]
+        pub unsafe fn strided(stride: i32) -> I {
+            _mm512_mullo_epi32(
+                _mm512_setr_epi32(0, 1, 2, 3, 4, 5, 6, 7, 8, 9, 10, 11, 12, 13, 14, 15),
+                _mm512_set1_epi32(stride),
+            )
+        }
+        /// Each lane rounded to bfloat16 (and widened back) as MLX's `bfloat16_t` rounds: to
+        /// nearest, ties to even, every NaN to `0x7FC0`.
+        #[inline(always)]
+        pub unsafe fn round(v: F) -> F {
+            let bits = _mm512_castps_si512(v);
+            let lsb = _mm512_and_si512(_mm512_srli_epi32::<16>(bits), _mm512_set1_epi32(1));
+            let biased = _mm512_add_epi32(bits, _mm512_add_epi32(_mm512_set1_epi32(0x7FFF), lsb));
+            let rounded = _mm512_and_si512(biased, _mm512_set1_epi32(0xFFFF_0000_u32 as i32));
+            let nan = _mm512_cmp_ps_mask::<_CMP_UNORD_Q>(v, v);
+            let rounded = _mm512_mask_mov_epi32(rounded, nan, _mm512_set1_epi32(0x7FC0_0000));
+            _mm512_castsi512_ps(rounded)
+        }
     }
 
-    /// Rows `r..r + 16` for `n` (≤ [`TOKEN_BLOCK`]) tokens `x`: the sixteen rows side by side in
-    /// the lanes, each word of the sixteen gathered once (a unit of whole values at a time, so
-    /// a value that straddles two words is joined from both), each dequantized value
-    /// `scale · q + bias` formed once and met by every token. `BITS` is a constant so that each
-    /// unit's shifts unroll and its words stay in registers.
-    #[target_feature(enable = "avx512f")]
+    /// Eight f32 lanes, the same operations.
+    #[allow(clippy::missing_safety_doc)]
+    pub(super) mod lanes8 {
+        use std::arch::x86_64::*;
+        pub type F = __m256;
+        pub type I = __m256i;
+        pub const N: usize = 8;
+        #[inline(always)]
+        pub unsafe fn gather(base: *const u32, index: I) -> I {
+            _mm256_i32gather_epi32::<4>(base.cast(), index)
+        }
+        #[inline(always)]
+        pub unsafe fn shr(v: I, by: i32) -> I {
+            _mm256_srlv_epi32(v, _mm256_set1_epi32(by))
+        }
+        #[inline(always)]
+        pub unsafe fn shl(v: I, by: i32) -> I {
+            _mm256_sllv_epi32(v, _mm256_set1_epi32(by))
+        }
+        #[inline(always)]
+        pub unsafe fn or(a: I, b: I) -> I {
+            _mm256_or_si256(a, b)
+        }
+        #[inline(always)]
+        pub unsafe fn and(a: I, b: I) -> I {
+            _mm256_and_si256(a, b)
+        }
+        #[inline(always)]
+        pub unsafe fn splat_i(v: i32) -> I {
+            _mm256_set1_epi32(v)
+        }
+        #[inline(always)]
+        pub unsafe fn zero_i() -> I {
+            _mm256_setzero_si256()
+        }
+        #[inline(always)]
+        pub unsafe fn to_f32(v: I) -> F {
+            _mm256_cvtepi32_ps(v)
+        }
+        #[inline(always)]
+        pub unsafe fn splat(v: f32) -> F {
+            _mm256_set1_ps(v)
+        }
+        #[inline(always)]
+        pub unsafe fn zero() -> F {
+            _mm256_setzero_ps()
+        }
+        #[inline(always)]
+        pub unsafe fn load(p: *const f32) -> F {
+            _mm256_loadu_ps(p)
+        }
+        #[inline(always)]
+        pub unsafe fn store(p: *mut f32, v: F) {
+            _mm256_storeu_ps(p, v)
+        }
+        #[inline(always)]
+        pub unsafe fn mul(a: F, b: F) -> F {
+            _mm256_mul_ps(a, b)
+        }
+        #[inline(always)]
+        pub unsafe fn add(a: F, b: F) -> F {
+            _mm256_add_ps(a, b)
+        }
+        /// Lane `l` holds `l · stride`.
+        #[inline(always)]
+        pub unsafe fn strided(stride: i32) -> I {
+            _mm256_mullo_epi32(
+                _mm256_setr_epi32(0, 1, 2, 3, 4, 5, 6, 7),
+                _mm256_set1_epi32(stride),
+            )
+        }
+        /// As [`super::lanes16::round`].
+        #[inline(always)]
+        pub unsafe fn round(v: F) -> F {
+            let bits = _mm256_castps_si256(v);
+            let lsb = _mm256_and_si256(_mm256_srli_epi32::<16>(bits), _mm256_set1_epi32(1));
+            let biased = _mm256_add_epi32(bits, _mm256_add_epi32(_mm256_set1_epi32(0x7FFF), lsb));
+            let rounded = _mm256_and_si256(biased, _mm256_set1_epi32(0xFFFF_0000_u32 as i32));
+            let nan = _mm256_cmp_ps::<_CMP_UNORD_Q>(v, v);
+            let quiet = _mm256_castsi256_ps(_mm256_set1_epi32(0x7FC0_0000));
+            _mm256_blendv_ps(_mm256_castsi256_ps(rounded), quiet, nan)
+        }
+    }
+
+    /// Defines `$name::<BITS>(w, r, x, n)`: rows `r..r + N` for `n` (≤ [`TOKEN_BLOCK`]) tokens
+    /// `x`, the rows side by side in the lanes of `$v`, each word of the rows gathered once (a
+    /// unit of whole values at a time, so a value that straddles two words is joined from both),
+    /// each dequantized value `scale · q + bias` formed once and met by every token. `BITS` is a
+    /// constant so that each unit's shifts are known when it is compiled.
+    macro_rules! group_kernel {
+        ($name:ident, $feature:literal, $v:ident) => {
+            #[target_feature(enable = $feature)]
+            unsafe fn $name<const BITS: usize>(
+                w: &QuantWeights<'_>,
+                r: usize,
+                x: &[f32],
+                n: usize,
+            ) -> [[f32; $v::N]; TOKEN_BLOCK] {
+                let (wpr, groups) = (w.words_per_row(), w.groups());
+                let word_index = $v::strided(wpr as i32);
+                let mask = $v::splat_i((1 << BITS) - 1);
+                let (unit_words, unit_values) = super::unit(BITS);
+                let mut acc = [$v::zero(); TOKEN_BLOCK];
+                let words = w.packed.as_ptr().add(r * wpr);
+                for g in 0..groups {
+                    let at = w.group_at(r, g);
+                    let scale = $v::load(w.scales.as_ptr().add(at));
+                    let bias = $v::load(w.biases.as_ptr().add(at));
+                    let first = g * w.group / unit_values;
+                    // The rows are more streams than the hardware prefetcher follows: fetch each
+                    // row's words a few lines ahead, once per group. Past a row's end the address
+                    // falls in the next row, and past the last row's in the next rows of the
+                    // product: words read soon either way (a prefetch never faults).
+                    let ahead = g * w.group * BITS / 32 + PREFETCH_WORDS;
+                    for lane in 0..$v::N {
+                        let line = words.wrapping_add(lane * wpr + ahead);
+                        std::arch::x86_64::_mm_prefetch::<{ std::arch::x86_64::_MM_HINT_T0 }>(
+                            line.cast(),
+                        );
+                    }
+                    for unit in first..first + w.group / unit_values {
+                        let mut v = [$v::zero_i(); 5];
+                        for (i, vi) in v.iter_mut().enumerate().take(unit_words) {
+                            *vi = $v::gather(words.add(unit * unit_words + i), word_index);
+                        }
+                        for e in 0..unit_values {
+                            let (i, shift) = (e * BITS / 32, (e * BITS % 32) as i32);
+                            let mut joined = $v::shr(v[i], shift);
+                            if shift as usize + BITS > 32 {
+                                joined = $v::or(joined, $v::shl(v[i + 1], 32 - shift));
+                            }
+                            let q = $v::to_f32($v::and(joined, mask));
+                            let k = unit * unit_values + e;
+                            if w.bf16 {
+                                let scaled = $v::round($v::mul(scale, q));
+                                let value = $v::round($v::add(scaled, bias));
+                                for (t, a) in acc.iter_mut().enumerate().take(n) {
+                                    let xv = $v::splat(*x.get_unchecked(t * w.cols + k));
+                                    *a = $v::round($v::add(*a, $v::round($v::mul(xv, value))));
+                                }
+                            } else {
+                                let value = $v::add($v::mul(scale, q), bias);
+                                for (t, a) in acc.iter_mut().enumerate().take(n) {
+                                    let xv = $v::splat(*x.get_unchecked(t * w.cols + k));
+                                    *a = $v::add(*a, $v::mul(xv, value));
+                                }
+                            }
+                        }
+                    }
+                }
+                let mut out = [[0.0f32; $v::N]; TOKEN_BLOCK];
+                for (o, a) in out.iter_mut().zip(&acc).take(n) {
+                    $v::store(o.as_mut_ptr(), *a);
+                }
+                out
+            }
+        };
+    }
+
+    group_kernel!(rows16, "avx512f", lanes16);
+    group_kernel!(rows8, "avx2", lanes8);
+
+    /// Rows `r..r + 16` for `n` tokens: one AVX-512 pass, or two AVX2 passes of eight rows
+    /// (whose scales and biases sit side by side in the [`super::blocked`] layout, eight and
+    /// eight).
+    ///
+    /// # Safety
+    /// The CPU runs the chosen instruction set; `w` was checked against its buffers and
+    /// `r + 16 <= w.rows`.
     pub(super) unsafe fn group16<const BITS: usize>(
+        avx512: bool,
         w: &QuantWeights<'_>,
         r: usize,
         x: &[f32],
         n: usize,
     ) -> [[f32; 16]; TOKEN_BLOCK] {
-        let (wpr, groups) = (w.words_per_row(), w.groups());
-        let lanes = _mm512_setr_epi32(0, 1, 2, 3, 4, 5, 6, 7, 8, 9, 10, 11, 12, 13, 14, 15);
-        let word_index = _mm512_mullo_epi32(lanes, _mm512_set1_epi32(wpr as i32));
-        let mask = _mm512_set1_epi32((1 << BITS) - 1);
-        let (unit_words, unit_values) = super::unit(BITS);
-        let mut acc = [_mm512_setzero_ps(); TOKEN_BLOCK];
-        let words = w.packed.as_ptr().add(r * wpr);
-        for g in 0..groups {
-            let at = w.group_at(r, g);
-            let scale = _mm512_loadu_ps(w.scales.as_ptr().add(at));
-            let bias = _mm512_loadu_ps(w.biases.as_ptr().add(at));
-            let first = g * w.group / unit_values;
-            // Sixteen rows are sixteen streams, more than the hardware prefetcher follows:
-            // fetch each row's words a few lines ahead, once per group. Past a row's end the address falls in the next row, and past the sixteenth row's
-            // in the next group of sixteen: words read soon either way (a prefetch never faults).
-            let ahead = g * w.group * BITS / 32 + PREFETCH_WORDS;
-            for lane in 0..16 {
-                _mm_prefetch::<_MM_HINT_T0>(words.wrapping_add(lane * wpr + ahead).cast());
-            }
-            for unit in first..first + w.group / unit_values {
-                let mut v = [_mm512_setzero_si512(); 5];
-                for (i, vi) in v.iter_mut().enumerate().take(unit_words) {
-                    let at = words.add(unit * unit_words + i);
-                    *vi = _mm512_i32gather_epi32::<4>(word_index, at.cast());
-                }
-                for e in 0..unit_values {
-                    let (i, shift) = (e * BITS / 32, (e * BITS % 32) as u32);
-                    let mut joined = _mm512_srlv_epi32(v[i], _mm512_set1_epi32(shift as i32));
-                    if shift as usize + BITS > 32 {
-                        let high =
-                            _mm512_sllv_epi32(v[i + 1], _mm512_set1_epi32(32 - shift as i32));
-                        joined = _mm512_or_si512(joined, high);
-                    }
-                    let q = _mm512_cvtepi32_ps(_mm512_and_si512(joined, mask));
-                    let k = unit * unit_values + e;
-                    if w.bf16 {
-                        let value = round(_mm512_add_ps(round(_mm512_mul_ps(scale, q)), bias));
-                        for (t, a) in acc.iter_mut().enumerate().take(n) {
-                            let xv = _mm512_set1_ps(*x.get_unchecked(t * w.cols + k));
-                            *a = round(_mm512_add_ps(*a, round(_mm512_mul_ps(xv, value))));
-                        }
-                    } else {
-                        let value = _mm512_add_ps(_mm512_mul_ps(scale, q), bias);
-                        for (t, a) in acc.iter_mut().enumerate().take(n) {
-                            let xv = _mm512_set1_ps(*x.get_unchecked(t * w.cols + k));
-                            *a = _mm512_add_ps(*a, _mm512_mul_ps(xv, value));
-                        }
-                    }
-                }
-            }
+        if avx512 {
+            return rows16::<BITS>(w, r, x, n);
         }
-        let mut out = [[0.0f32; 16]; TOKEN_BLOCK];
-        for (o, a) in out.iter_mut().zip(&acc).take(n) {
-            _mm512_storeu_ps(o.as_mut_ptr(), *a);
-        }
-        out
-    }
-}
-
-/// The AVX2 form of [`x86`]'s kernel: the same steps on eight rows per vector, run on the two
-/// halves of each group of sixteen (whose scales and biases sit side by side in the
-/// [`blocked`] layout, eight and eight).
-#[cfg(target_arch = "x86_64")]
-mod x86_avx2 {
-    use super::{QuantWeights, PREFETCH_WORDS, TOKEN_BLOCK};
-    use std::arch::x86_64::*;
-
-    /// Eight f32 values rounded to bfloat16 (and widened back) as MLX's `bfloat16_t` rounds:
-    /// to nearest, ties to even, every NaN to `0x7FC0`.
-    #[inline]
-    #[target_feature(enable = "avx2")]
-    unsafe fn round(v: __m256) -> __m256 {
-        let bits = _mm256_castps_si256(v);
-        let lsb = _mm256_and_si256(_mm256_srli_epi32::<16>(bits), _mm256_set1_epi32(1));
-        let biased = _mm256_add_epi32(bits, _mm256_add_epi32(_mm256_set1_epi32(0x7FFF), lsb));
-        let rounded = _mm256_and_si256(biased, _mm256_set1_epi32(0xFFFF_0000_u32 as i32));
-        let nan = _mm256_cmp_ps::<_CMP_UNORD_Q>(v, v);
-        let quiet = _mm256_castsi256_ps(_mm256_set1_epi32(0x7FC0_0000));
-        _mm256_blendv_ps(_mm256_castsi256_ps(rounded), quiet, nan)
-    }
-
-    /// Rows `r..r + 16` for `n` (≤ [`TOKEN_BLOCK`]) tokens, eight rows at a time.
-    #[target_feature(enable = "avx2")]
-    pub(super) unsafe fn group16<const BITS: usize>(
-        w: &QuantWeights<'_>,
-        r: usize,
-        x: &[f32],
-        n: usize,
-    ) -> [[f32; 16]; TOKEN_BLOCK] {
         let mut out = [[0.0f32; 16]; TOKEN_BLOCK];
         for half in 0..2 {
-            let sums = group8::<BITS>(w, r + 8 * half, x, n);
+            let sums = rows8::<BITS>(w, r + 8 * half, x, n);
             for (o, s) in out.iter_mut().zip(&sums).take(n) {
                 o[8 * half..8 * half + 8].copy_from_slice(s);
             }
-        }
-        out
-    }
-
-    #[target_feature(enable = "avx2")]
-    unsafe fn group8<const BITS: usize>(
-        w: &QuantWeights<'_>,
-        r: usize,
-        x: &[f32],
-        n: usize,
-    ) -> [[f32; 8]; TOKEN_BLOCK] {
-        let (wpr, groups) = (w.words_per_row(), w.groups());
-        let lanes = _mm256_setr_epi32(0, 1, 2, 3, 4, 5, 6, 7);
-        let word_index = _mm256_mullo_epi32(lanes, _mm256_set1_epi32(wpr as i32));
-        let mask = _mm256_set1_epi32((1 << BITS) - 1);
-        let (unit_words, unit_values) = super::unit(BITS);
-        let mut acc = [_mm256_setzero_ps(); TOKEN_BLOCK];
-        let words = w.packed.as_ptr().add(r * wpr);
-        for g in 0..groups {
-            let at = w.group_at(r, g);
-            let scale = _mm256_loadu_ps(w.scales.as_ptr().add(at));
-            let bias = _mm256_loadu_ps(w.biases.as_ptr().add(at));
-            let first = g * w.group / unit_values;
-            let ahead = g * w.group * BITS / 32 + PREFETCH_WORDS;
-            for lane in 0..8 {
-                _mm_prefetch::<_MM_HINT_T0>(words.wrapping_add(lane * wpr + ahead).cast());
-            }
-            for unit in first..first + w.group / unit_values {
-                let mut v = [_mm256_setzero_si256(); 5];
-                for (i, vi) in v.iter_mut().enumerate().take(unit_words) {
-                    let at = words.add(unit * unit_words + i);
-                    *vi = _mm256_i32gather_epi32::<4>(at.cast(), word_index);
-                }
-                for e in 0..unit_values {
-                    let (i, shift) = (e * BITS / 32, (e * BITS % 32) as i32);
-                    let mut joined = _mm256_srlv_epi32(v[i], _mm256_set1_epi32(shift));
-                    if shift as usize + BITS > 32 {
-                        let high = _mm256_sllv_epi32(v[i + 1], _mm256_set1_epi32(32 - shift));
-                        joined = _mm256_or_si256(joined, high);
-                    }
-                    let q = _mm256_cvtepi32_ps(_mm256_and_si256(joined, mask));
-                    let k = unit * unit_values + e;
-                    if w.bf16 {
-                        let value = round(_mm256_add_ps(round(_mm256_mul_ps(scale, q)), bias));
-                        for (t, a) in acc.iter_mut().enumerate().take(n) {
-                            let xv = _mm256_set1_ps(*x.get_unchecked(t * w.cols + k));
-                            *a = round(_mm256_add_ps(*a, round(_mm256_mul_ps(xv, value))));
-                        }
-                    } else {
-                        let value = _mm256_add_ps(_mm256_mul_ps(scale, q), bias);
-                        for (t, a) in acc.iter_mut().enumerate().take(n) {
-                            let xv = _mm256_set1_ps(*x.get_unchecked(t * w.cols + k));
-                            *a = _mm256_add_ps(*a, _mm256_mul_ps(xv, value));
-                        }
-                    }
-                }
-            }
-        }
-        let mut out = [[0.0f32; 8]; TOKEN_BLOCK];
-        for (o, a) in out.iter_mut().zip(&acc).take(n) {
-            _mm256_storeu_ps(o.as_mut_ptr(), *a);
         }
         out
     }
