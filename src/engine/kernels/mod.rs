@@ -3,7 +3,9 @@
 //! quantized linear layers in single-token (and small speculative-verify) steps.
 //!
 //! Also, at L1, the dense (f32/bf16/f16) products of steps, verify blocks and 16-bit prompts in
-//! the summation order of MLX's own CPU matmul (`mlx_order`, MLX-facing in `dense`), bf16
+//! the summation order of MLX's own CPU matmul (`mlx_order`, MLX-facing in `dense`), the
+//! products of 2- to 8-bit layers in the order of MLX's CPU `quantized_matmul` (`quant_order`,
+//! MLX-facing in `qdense`), bf16
 //! attention in the order of MLX's CPU SDPA (`attention`) and element-wise work
 //! (`elementwise`): bit-identical, each checked against MLX before use.
 //!
