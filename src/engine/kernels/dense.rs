@@ -10,7 +10,11 @@
 //! version) stays on MLX for that token count for the rest of the process (a shape refused for
 //! one token is never pinned); only speed is lost. Products longer than [`MAX_TOKENS`] (16-bit
 //! only, where the order does not depend on the token count) share one check, made with
-//! [`LONG_PROBE_TOKENS`] tokens through the weight's first [`LONG_PROBE_ROWS`] rows.
+//! [`LONG_PROBE_TOKENS`] tokens. A 16-bit check runs through the rows of [`probe_windows`] only:
+//! MLX's `simd_gemm` sums each output alone, in an order that does not depend on which rows sit
+//! beside it, and over a whole vocabulary head it is slow (each new verify-block width of a bf16
+//! model cost up to a second). An f32 check keeps every row: OpenBLAS picks its kernels by the
+//! matrix's size.
 
 use super::elementwise::bf16_mlx;
 use super::host::{check_bits, HostSlice};
@@ -20,6 +24,7 @@ use crate::engine::error::{EngineError, Result};
 use mlx_rs::ops::indexing::IndexOp;
 use mlx_rs::{ops, Array, Dtype};
 use std::collections::HashMap;
+use std::ops::Range;
 use std::sync::atomic::{AtomicUsize, Ordering};
 use std::sync::{Mutex, OnceLock};
 
@@ -84,18 +89,20 @@ impl HostDense {
     fn order(&self, tokens: usize) -> Order {
         match &self.forced {
             Some(order) if tokens == 1 => order.clone(),
-            _ => self.weights(self.rows).order(self.rows, self.cols, tokens),
+            _ => self
+                .weights(0..self.rows)
+                .order(self.rows, self.cols, tokens),
         }
     }
 
     /// The first `rows` rows of the weight.
-    fn weights(&self, rows: usize) -> Weights<'_> {
-        let n = rows * self.cols;
+    fn weights(&self, rows: Range<usize>) -> Weights<'_> {
+        let n = rows.start * self.cols..rows.end * self.cols;
         match &self.pinned {
-            Pinned::F32(s) => Weights::F32(&s.get()[..n]),
+            Pinned::F32(s) => Weights::F32(&s.get()[n]),
             // SAFETY: `half::bf16` and `half::f16` are `repr(transparent)` over `u16`.
-            Pinned::Bf16(s) => Weights::Bf16(unsafe { &bits_of(s.get())[..n] }),
-            Pinned::F16(s) => Weights::F16(unsafe { &bits_of(s.get())[..n] }),
+            Pinned::Bf16(s) => Weights::Bf16(unsafe { &bits_of(s.get())[n] }),
+            Pinned::F16(s) => Weights::F16(unsafe { &bits_of(s.get())[n] }),
         }
     }
 
@@ -125,12 +132,12 @@ impl HostDense {
 
     /// The host product of `tokens` tokens, unchecked.
     fn product(&self, x: &Array, tokens: usize) -> Result<Option<Array>> {
-        self.product_rows(x, tokens, self.rows)
+        self.product_rows(x, tokens, 0..self.rows)
     }
 
     /// [`HostDense::product`] through the weight's first `rows` rows only (the outputs of the
     /// others are summed alone and in the same order, so the check needs no more).
-    fn product_rows(&self, x: &Array, tokens: usize, rows: usize) -> Result<Option<Array>> {
+    fn product_rows(&self, x: &Array, tokens: usize, rows: Range<usize>) -> Result<Option<Array>> {
         // A 16-bit token widens to f32 exactly (MLX's `simd_gemm` does the same); bfloat16 is
         // widened here, so a host-resident input (a host product's or host SwiGLU's result)
         // costs MLX no operation.
@@ -166,8 +173,8 @@ impl HostDense {
             }
         };
         let y = mlx_order::matmul(
-            self.weights(rows),
-            rows,
+            self.weights(rows.clone()),
+            rows.len(),
             self.cols,
             host,
             tokens,
@@ -178,7 +185,7 @@ impl HostDense {
         CALLS.fetch_add(1, Ordering::Relaxed);
         let mut shape = x.shape().to_vec();
         if let Some(last) = shape.last_mut() {
-            *last = rows as i32;
+            *last = rows.len() as i32;
         }
         // MLX rounds a 16-bit product's f32 sum to the dtype: bfloat16 here with MLX's
         // rounding, f16 by MLX's own cast.
@@ -206,30 +213,30 @@ impl HostDense {
         if let Some(v) = lock(verdicts()).get(&key) {
             return Ok(*v);
         }
-        // A prompt-length check runs on the first rows only: MLX's 16-bit product is slow
-        // (a vocabulary head through 35 tokens took most of a second), and which rows an output
-        // sits in does not change its sum.
-        let rows = if tokens > MAX_TOKENS {
-            self.rows.min(LONG_PROBE_ROWS)
+        // A 16-bit check runs on a few rows only (see the module's documentation).
+        let windows = if dtype == Dtype::Float32 {
+            std::iter::once(0..self.rows).collect()
         } else {
-            self.rows
-        };
-        let weight = if rows < self.rows {
-            self.array.index(0..rows as i32)
-        } else {
-            self.array.clone()
+            probe_windows(self.rows)
         };
         let mut same = true;
         for seed in [0x9e37_79b9_u64, 0x2545_f491] {
             let shape = [tokens as i32, self.cols as i32];
             let x = Array::from_slice(&probe(tokens * self.cols, seed), &shape).as_dtype(dtype)?;
-            let Some(ours) = self.product_rows(&x, tokens, rows)? else {
-                return Err(EngineError::Runtime(
-                    "the host product refused its own check input".into(),
-                ));
-            };
-            let theirs = ops::matmul(&x, weight.t())?;
-            same &= check_bits(&ours)? == check_bits(&theirs)?;
+            for rows in &windows {
+                let Some(ours) = self.product_rows(&x, tokens, rows.clone())? else {
+                    return Err(EngineError::Runtime(
+                        "the host product refused its own check input".into(),
+                    ));
+                };
+                let weight = if rows.len() < self.rows {
+                    self.array.index(rows.start as i32..rows.end as i32)
+                } else {
+                    self.array.clone()
+                };
+                let theirs = ops::matmul(&x, weight.t())?;
+                same &= check_bits(&ours)? == check_bits(&theirs)?;
+            }
         }
         lock(verdicts()).insert(key, same);
         Ok(same)
@@ -248,9 +255,19 @@ fn is_row_contiguous(x: &Array) -> Result<bool> {
 /// Tokens the check of products longer than [`MAX_TOKENS`] uses: past one of `simd_gemm`'s
 /// 16-token tiles into the next, and past the host kernel's switch to packed weights.
 pub const LONG_PROBE_TOKENS: usize = 2 * MAX_TOKENS + 3;
-/// Weight rows that check uses (four of the kernels' 16-row groups, and of `simd_gemm`'s
-/// 16-column tiles).
-const LONG_PROBE_ROWS: usize = 64;
+
+/// Rows a check compares on a large layer: all of a small one; else the first 64 (four of the
+/// kernels' 16-row groups, and of `simd_gemm`'s 16-column tiles) and the last 48 to 63 (the last
+/// whole groups of sixteen and the rows past them, which the kernels' tail code takes), each
+/// window starting on a multiple of sixteen as the products' own chunks do.
+pub(super) fn probe_windows(rows: usize) -> Vec<Range<usize>> {
+    const HEAD: usize = 64;
+    if rows <= 2 * HEAD {
+        return std::iter::once(0..rows).collect();
+    }
+    let tail_start = (rows / 16 * 16).saturating_sub(48);
+    vec![0..HEAD, tail_start..rows]
+}
 
 /// The token count whose check decides a product of `tokens` tokens: its own up to
 /// [`MAX_TOKENS`], [`LONG_PROBE_TOKENS`] past it (only the 16-bit order goes there, and its
@@ -350,5 +367,26 @@ impl HostDenseCell {
         }
         let h = HostDense::new(weight)?;
         Ok(self.0.get_or_init(|| h).as_ref())
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::probe_windows;
+
+    /// Small layers are checked whole; larger ones on their first 64 rows and on windows that
+    /// start on a group of sixteen and reach the last row.
+    #[test]
+    fn probe_windows_cover_both_ends_on_group_boundaries() {
+        assert_eq!(probe_windows(37), vec![0..37]);
+        assert_eq!(probe_windows(128), vec![0..128]);
+        assert_eq!(probe_windows(151_936), vec![0..64, 151_888..151_936]);
+        assert_eq!(probe_windows(4_870), vec![0..64, 4_816..4_870]);
+        for rows in 129..400 {
+            let w = probe_windows(rows);
+            assert_eq!(w[1].start % 16, 0);
+            assert_eq!(w[1].end, rows);
+            assert!(w[1].len() >= 48 && w[1].len() < 64, "{rows}: {:?}", w[1]);
+        }
     }
 }

@@ -11,7 +11,7 @@
 //! over a whole 150k-row vocabulary head would cost seconds per token count). A shape that
 //! differs stays on MLX.
 
-use super::dense::LONG_PROBE_TOKENS;
+use super::dense::{probe_windows, LONG_PROBE_TOKENS};
 use super::host::{check_bits, HostSlice};
 use super::lock;
 use super::mlx_order::MAX_TOKENS;
@@ -183,19 +183,6 @@ impl HostQDense {
     }
 }
 
-/// Rows the check compares: all of a small layer; else the first 64 and the last 48 to 63
-/// (the last whole groups of sixteen, which the vector kernel takes, and the rows past them,
-/// which the scalar order takes), each window starting on a multiple of sixteen as the
-/// product's own chunks do.
-fn probe_windows(rows: usize) -> Vec<std::ops::Range<usize>> {
-    const HEAD: usize = 64;
-    if rows <= 2 * HEAD {
-        return std::iter::once(0..rows).collect();
-    }
-    let tail_start = (rows / 16 * 16).saturating_sub(48);
-    vec![0..HEAD, tail_start..rows]
-}
-
 /// An f32 or bfloat16 array's values as f32 (exact).
 fn widened(a: &Array) -> Result<Vec<f32>> {
     let unreadable = |e| {
@@ -249,26 +236,5 @@ impl HostQDenseCell {
         }
         let h = HostQDense::new(weight, scales, biases, bits, group)?;
         Ok(self.0.get_or_init(|| h).as_ref())
-    }
-}
-
-#[cfg(test)]
-mod tests {
-    use super::probe_windows;
-
-    /// Small layers are checked whole; larger ones on their first 64 rows and on windows that
-    /// start on a group of sixteen and reach the last row.
-    #[test]
-    fn probe_windows_cover_both_ends_on_group_boundaries() {
-        assert_eq!(probe_windows(37), vec![0..37]);
-        assert_eq!(probe_windows(128), vec![0..128]);
-        assert_eq!(probe_windows(151_936), vec![0..64, 151_888..151_936]);
-        assert_eq!(probe_windows(4_870), vec![0..64, 4_816..4_870]);
-        for rows in 129..400 {
-            let w = probe_windows(rows);
-            assert_eq!(w[1].start % 16, 0);
-            assert_eq!(w[1].end, rows);
-            assert!(w[1].len() >= 48 && w[1].len() < 64, "{rows}: {:?}", w[1]);
-        }
     }
 }
