@@ -29,7 +29,14 @@ fn host_attention_equals_mlx_sdpa_bit_for_bit() {
     if !here {
         eprintln!("this CPU lacks AVX-512/FMA: the host attention must decline every call");
     }
-    let layouts = [(9, 3, 64), (4, 4, 128), (8, 2, 64), (2, 1, 32), (14, 2, 64), (12, 2, 128)];
+    let layouts = [
+        (9, 3, 64),
+        (4, 4, 128),
+        (8, 2, 64),
+        (2, 1, 32),
+        (14, 2, 64),
+        (12, 2, 128),
+    ];
     let calls = [
         (1, 1, false),
         (1, 300, false),

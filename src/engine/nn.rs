@@ -193,6 +193,25 @@ fn host_matmul(x: &Array, w: &LinearWeight, host: Option<&HostCell>) -> Result<O
     }
 }
 
+/// `b + x @ W.T` on the host when this layer's dense host product takes `x` and reproduces
+/// MLX's `addmm` ([`HostDense::forward_biased`]); `None` leaves it to MLX.
+fn host_addmm(
+    x: &Array,
+    weight: &Array,
+    bias: &Array,
+    host: Option<&HostCell>,
+) -> Result<Option<Array>> {
+    match host {
+        Some(HostCell::Dense(cell)) if HostDense::takes(x) && super::kernels::host_allowed() => {
+            match cell.get(weight)? {
+                Some(h) => h.forward_biased(x, bias),
+                None => Ok(None),
+            }
+        }
+        _ => Ok(None),
+    }
+}
+
 fn matmul_transposed(x: &Array, w: &LinearWeight, host: Option<&HostCell>) -> Result<Array> {
     if let Some(y) = host_matmul(x, w, host)? {
         return Ok(y);
@@ -357,7 +376,12 @@ impl Linear {
     /// `x @ W.T (+ b)`, with `addmm` for the dense biased case as mlx does.
     pub fn forward(&self, x: &Array) -> Result<Array> {
         match (&self.weight, &self.bias) {
-            (LinearWeight::Dense(weight), Some(b)) => Ok(ops::addmm(b, x, weight.t(), None, None)?),
+            (LinearWeight::Dense(weight), Some(b)) => {
+                if let Some(y) = host_addmm(x, weight, b, self.host.as_deref())? {
+                    return Ok(y);
+                }
+                Ok(ops::addmm(b, x, weight.t(), None, None)?)
+            }
             (_, Some(b)) => Ok(self.matmul(x)?.add(b)?),
             (_, None) => self.matmul(x),
         }

@@ -82,7 +82,7 @@ impl HostDense {
             cols: cols as usize,
             forced: order,
         };
-        Ok(me.matches_mlx(1)?.then_some(me))
+        Ok(me.matches_mlx(1, None)?.then_some(me))
     }
 
     /// The order of a product of `tokens` tokens.
@@ -118,26 +118,46 @@ impl HostDense {
     /// ([`mlx_order::takes_tokens`]); `None` when `x` is not such a product in a buffer the host
     /// can read, or when MLX sums it otherwise (the caller then asks MLX).
     pub fn forward(&self, x: &Array) -> Result<Option<Array>> {
+        self.forward_with(x, None)
+    }
+
+    /// `bias + x · Wᵀ` as MLX's `addmm` computes it for a 16-bit layer (`simd_gemm` adds the
+    /// widened bias to each output's f32 sum and rounds once): qwen2's q/k/v projections.
+    /// `None` leaves it to MLX: f32 layers (OpenBLAS adds the bias its own way), a bias of
+    /// another dtype or shape, or an order that differs.
+    pub fn forward_biased(&self, x: &Array, bias: &Array) -> Result<Option<Array>> {
+        if self.array.dtype() == Dtype::Float32
+            || bias.dtype() != self.array.dtype()
+            || bias.shape() != [self.rows as i32]
+        {
+            return Ok(None);
+        }
+        self.forward_with(x, Some(bias))
+    }
+
+    fn forward_with(&self, x: &Array, bias: Option<&Array>) -> Result<Option<Array>> {
         if x.dtype() != self.array.dtype() || !x.size().is_multiple_of(self.cols) {
             return Ok(None);
         }
         let tokens = x.size() / self.cols;
         if !mlx_order::takes_tokens(&self.order(tokens), tokens)
-            || !self.matches_mlx(checked_tokens(tokens))?
+            || !self.matches_mlx(checked_tokens(tokens), bias)?
         {
             return Ok(None);
         }
-        self.product(x, tokens)
-    }
-
-    /// The host product of `tokens` tokens, unchecked.
-    fn product(&self, x: &Array, tokens: usize) -> Result<Option<Array>> {
-        self.product_rows(x, tokens, 0..self.rows)
+        let bias = bias.map(widened_bias).transpose()?;
+        self.product_rows(x, tokens, 0..self.rows, bias.as_deref())
     }
 
     /// [`HostDense::product`] through the weight's first `rows` rows only (the outputs of the
     /// others are summed alone and in the same order, so the check needs no more).
-    fn product_rows(&self, x: &Array, tokens: usize, rows: Range<usize>) -> Result<Option<Array>> {
+    fn product_rows(
+        &self,
+        x: &Array,
+        tokens: usize,
+        rows: Range<usize>,
+        bias: Option<&[f32]>,
+    ) -> Result<Option<Array>> {
         // A 16-bit token widens to f32 exactly (MLX's `simd_gemm` does the same); bfloat16 is
         // widened here, so a host-resident input (a host product's or host SwiGLU's result)
         // costs MLX no operation.
@@ -172,7 +192,7 @@ impl HostDense {
                 }
             }
         };
-        let y = mlx_order::matmul(
+        let mut y = mlx_order::matmul(
             self.weights(rows.clone()),
             rows.len(),
             self.cols,
@@ -182,6 +202,13 @@ impl HostDense {
             rayon::current_num_threads(),
         )
         .map_err(|e| EngineError::Runtime(format!("host product: {e}")))?;
+        if let Some(bias) = bias {
+            for out in y.chunks_exact_mut(rows.len()) {
+                for (o, b) in out.iter_mut().zip(&bias[rows.clone()]) {
+                    *o += b;
+                }
+            }
+        }
         CALLS.fetch_add(1, Ordering::Relaxed);
         let mut shape = x.shape().to_vec();
         if let Some(last) = shape.last_mut() {
@@ -201,7 +228,7 @@ impl HostDense {
 
     /// Compares the host product of `tokens` tokens with MLX's on two fixed inputs, once per
     /// weight shape, dtype, order and token count.
-    fn matches_mlx(&self, tokens: usize) -> Result<bool> {
+    fn matches_mlx(&self, tokens: usize, bias: Option<&Array>) -> Result<bool> {
         let dtype = self.array.dtype();
         let key = Verdict {
             rows: self.rows,
@@ -209,6 +236,7 @@ impl HostDense {
             dtype,
             order: self.order(tokens),
             tokens,
+            biased: bias.is_some(),
         };
         if let Some(v) = lock(verdicts()).get(&key) {
             return Ok(*v);
@@ -223,24 +251,31 @@ impl HostDense {
         for seed in [0x9e37_79b9_u64, 0x2545_f491] {
             let shape = [tokens as i32, self.cols as i32];
             let x = Array::from_slice(&probe(tokens * self.cols, seed), &shape).as_dtype(dtype)?;
+            let widened = bias.map(widened_bias).transpose()?;
             for rows in &windows {
-                let Some(ours) = self.product_rows(&x, tokens, rows.clone())? else {
+                let ours = self.product_rows(&x, tokens, rows.clone(), widened.as_deref())?;
+                let Some(ours) = ours else {
                     return Err(EngineError::Runtime(
                         "the host product refused its own check input".into(),
                     ));
                 };
-                let weight = if rows.len() < self.rows {
-                    self.array.index(rows.start as i32..rows.end as i32)
-                } else {
-                    self.array.clone()
+                let window = rows.start as i32..rows.end as i32;
+                let weight = self.array.index(window.clone());
+                let theirs = match bias {
+                    Some(b) => ops::addmm(b.index(window), &x, weight.t(), None, None)?,
+                    None => ops::matmul(&x, weight.t())?,
                 };
-                let theirs = ops::matmul(&x, weight.t())?;
                 same &= check_bits(&ours)? == check_bits(&theirs)?;
             }
         }
         lock(verdicts()).insert(key, same);
         Ok(same)
     }
+}
+
+/// A 16-bit bias widened to f32 (exact).
+fn widened_bias(bias: &Array) -> Result<Vec<f32>> {
+    Ok(check_bits(bias)?.into_iter().map(f32::from_bits).collect())
 }
 
 /// Whether `x`'s data, once evaluated, is in row-major order (what the host reads).
@@ -296,6 +331,8 @@ struct Verdict {
     dtype: Dtype,
     order: Order,
     tokens: usize,
+    /// `addmm` with a bias, not a plain product.
+    biased: bool,
 }
 
 /// The check's verdicts, for this process.
