@@ -440,14 +440,7 @@ fn quantized_layers_of_every_width_match_mlx_bit_for_bit() {
                 .expect("an input of the layer's dtype is taken");
             let theirs =
                 ops::quantized_matmul(&x, &wq, &scales, &biases, true, group, bits).unwrap();
-            let (a, b) = (common::bits(&ours), common::bits(&theirs));
-            let differ = a.iter().zip(&b).filter(|(p, q)| p != q).count();
-            assert_eq!(
-                differ,
-                0,
-                "{what} x{tokens}: {differ} of {} differ",
-                a.len()
-            );
+            assert_bits_equal(&format!("{what} x{tokens}"), &ours, &theirs);
             accepted += 1;
         }
     }
@@ -520,14 +513,7 @@ fn biased_16bit_layers_match_mlx_addmm_bit_for_bit() {
                 .unwrap()
                 .unwrap_or_else(|| panic!("{what} x{tokens}: refused"));
             let theirs = ops::addmm(&bias, &x, w.t(), None, None).unwrap();
-            let (a, b) = (common::bits(&ours), common::bits(&theirs));
-            let differ = a.iter().zip(&b).filter(|(p, q)| p != q).count();
-            assert_eq!(
-                differ,
-                0,
-                "{what} x{tokens}: {differ} of {} differ",
-                a.len()
-            );
+            assert_bits_equal(&format!("{what} x{tokens}"), &ours, &theirs);
             accepted += 1;
         }
         let plain = h
@@ -559,4 +545,11 @@ fn x_of(cols: i32) -> Array {
         .unwrap()
         .as_dtype(Dtype::Bfloat16)
         .unwrap()
+}
+
+/// `ours` and `theirs` hold the same bits, or the test fails naming how many differ.
+fn assert_bits_equal(what: &str, ours: &Array, theirs: &Array) {
+    let (a, b) = (common::bits(ours), common::bits(theirs));
+    let differ = a.iter().zip(&b).filter(|(p, q)| p != q).count();
+    assert_eq!(differ, 0, "{what}: {differ} of {} differ", a.len());
 }
