@@ -189,7 +189,7 @@ fn tiny_f32_llama_takes_the_host_paths_with_the_same_logits() {
     let before = host_swiglu_calls();
     let norms_before = host_norm_calls();
     let mut t = common::Twins::prefill(dir.path(), off, on, 23, 5);
-    assert_twins_agree(&mut t);
+    t.assert_agree(8);
     // 4 layers, in the prompt and in each of the 8 steps.
     let calls = host_swiglu_calls() - before;
     assert!(calls >= 4 * 9, "the host SwiGLU ran {calls} times");
@@ -267,7 +267,7 @@ fn a_tiny_bf16_llama_takes_the_host_products_and_swiglu_with_the_same_logits() {
     // products), then single-token steps.
     let mut t = common::Twins::prefill(dir.path(), off, Forks::default(), 23, 5);
     assert_eq!(t.prefill.0.dtype(), Dtype::Bfloat16);
-    assert_twins_agree(&mut t);
+    t.assert_agree(8);
     let calls = host_swiglu_calls() - before;
     let norms = host_norm_calls() - norms_before;
     let products = dense_calls() - products_before;
@@ -282,17 +282,5 @@ fn a_tiny_bf16_llama_takes_the_host_products_and_swiglu_with_the_same_logits() {
         );
     } else {
         eprintln!("no AVX-512 here: {calls} host SwiGLUs, {norms} norms, {products} products");
-    }
-}
-
-/// The twins' prompt logits, then those of 8 single-token steps, are the same bits.
-fn assert_twins_agree(t: &mut common::Twins) {
-    let (la, lb) = t.prefill.clone();
-    assert_eq!(common::bits(&la), common::bits(&lb), "prefill logits");
-    let mut tok = 7;
-    for step in 0..8 {
-        let (pa, pb) = t.step(tok);
-        assert_eq!(common::bits(&pa), common::bits(&pb), "step {step} logits");
-        tok = (tok * 31 + step + 11) % 384;
     }
 }

@@ -181,13 +181,25 @@ fn host_matmul(x: &Array, w: &LinearWeight, host: Option<&HostCell>) -> Result<O
                 None => Ok(None),
             }
         }
-        (Some(HostCell::Dense(cell)), LinearWeight::Dense(weight))
-            if HostDense::takes(x) && super::kernels::host_allowed() =>
-        {
-            match cell.get(weight)? {
+        (Some(HostCell::Dense(_)), LinearWeight::Dense(weight)) => {
+            match host_dense(x, weight, host)? {
                 Some(h) => h.forward(x),
                 None => Ok(None),
             }
+        }
+        _ => Ok(None),
+    }
+}
+
+/// The pinned dense host product of this layer when it may take `x`; `None` leaves `x` to MLX.
+fn host_dense<'a>(
+    x: &Array,
+    weight: &Array,
+    host: Option<&'a HostCell>,
+) -> Result<Option<&'a HostDense>> {
+    match host {
+        Some(HostCell::Dense(cell)) if HostDense::takes(x) && super::kernels::host_allowed() => {
+            cell.get(weight)
         }
         _ => Ok(None),
     }
@@ -201,14 +213,9 @@ fn host_addmm(
     bias: &Array,
     host: Option<&HostCell>,
 ) -> Result<Option<Array>> {
-    match host {
-        Some(HostCell::Dense(cell)) if HostDense::takes(x) && super::kernels::host_allowed() => {
-            match cell.get(weight)? {
-                Some(h) => h.forward_biased(x, bias),
-                None => Ok(None),
-            }
-        }
-        _ => Ok(None),
+    match host_dense(x, weight, host)? {
+        Some(h) => h.forward_biased(x, bias),
+        None => Ok(None),
     }
 }
 

@@ -437,6 +437,19 @@ impl Twins {
             self.b.forward(&x, &mut self.cb).unwrap(),
         )
     }
+
+    /// The prompt logits, then those of `steps` single-token steps, are the same bits.
+    #[allow(dead_code)]
+    pub fn assert_agree(&mut self, steps: i32) {
+        let (la, lb) = self.prefill.clone();
+        assert_eq!(bits(&la), bits(&lb), "prefill logits");
+        let mut tok = 7;
+        for step in 0..steps {
+            let (pa, pb) = self.step(tok);
+            assert_eq!(bits(&pa), bits(&pb), "step {step} logits");
+            tok = (tok * 31 + step + 11) % 384;
+        }
+    }
 }
 
 /// Whether this machine's f32 products must take the `--host-matvec` path. That path sums in

@@ -17,7 +17,7 @@
 //! matrix's size.
 
 use super::elementwise::bf16_mlx;
-use super::host::{check_bits, HostSlice};
+use super::host::{check_bits, widened, HostSlice};
 use super::lock;
 use super::mlx_order::{self, Order, Weights, MAX_TOKENS};
 use crate::engine::error::{EngineError, Result};
@@ -145,7 +145,7 @@ impl HostDense {
         {
             return Ok(None);
         }
-        let bias = bias.map(widened_bias).transpose()?;
+        let bias = bias.map(widened).transpose()?;
         self.product_rows(x, tokens, 0..self.rows, bias.as_deref())
     }
 
@@ -251,7 +251,7 @@ impl HostDense {
         for seed in [0x9e37_79b9_u64, 0x2545_f491] {
             let shape = [tokens as i32, self.cols as i32];
             let x = Array::from_slice(&probe(tokens * self.cols, seed), &shape).as_dtype(dtype)?;
-            let widened = bias.map(widened_bias).transpose()?;
+            let widened = bias.map(widened).transpose()?;
             for rows in &windows {
                 let ours = self.product_rows(&x, tokens, rows.clone(), widened.as_deref())?;
                 let Some(ours) = ours else {
@@ -271,11 +271,6 @@ impl HostDense {
         lock(verdicts()).insert(key, same);
         Ok(same)
     }
-}
-
-/// A 16-bit bias widened to f32 (exact).
-fn widened_bias(bias: &Array) -> Result<Vec<f32>> {
-    Ok(check_bits(bias)?.into_iter().map(f32::from_bits).collect())
 }
 
 /// Whether `x`'s data, once evaluated, is in row-major order (what the host reads).

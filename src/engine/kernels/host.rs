@@ -77,6 +77,27 @@ pub fn check_bits(a: &Array) -> Result<Vec<u32>> {
     Ok(s.iter().map(|v| v.to_bits()).collect())
 }
 
+/// An evaluated f32, bfloat16 or f16 array's values as f32 (exact), read on the host with no
+/// MLX operation.
+pub fn widened(a: &Array) -> Result<Vec<f32>> {
+    let unreadable = |e| EngineError::Runtime(format!("a host path cannot read an input ({e})"));
+    Ok(match a.dtype() {
+        Dtype::Bfloat16 => a
+            .try_as_slice::<half::bf16>()
+            .map_err(unreadable)?
+            .iter()
+            .map(|v| v.to_f32())
+            .collect(),
+        Dtype::Float16 => a
+            .try_as_slice::<half::f16>()
+            .map_err(unreadable)?
+            .iter()
+            .map(|v| v.to_f32())
+            .collect(),
+        _ => a.try_as_slice::<f32>().map_err(unreadable)?.to_vec(),
+    })
+}
+
 /// A 2-D affine-quantized weight (`[rows, cols * bits / 32]` uint32, f32 `[rows, cols/group]`
 /// scales and biases) pinned in host memory for the kernel. Cloning shares the pinned buffers.
 #[derive(Debug, Clone)]

@@ -12,7 +12,7 @@
 //! differs stays on MLX.
 
 use super::dense::{probe_windows, LONG_PROBE_TOKENS};
-use super::host::{check_bits, HostSlice};
+use super::host::{check_bits, widened, HostSlice};
 use super::lock;
 use super::mlx_order::MAX_TOKENS;
 use super::quant_order::{blocked, qmatmul, Path, QuantWeights};
@@ -181,24 +181,6 @@ impl HostQDense {
         lock(verdicts()).insert(key, same);
         Ok(same)
     }
-}
-
-/// An f32 or bfloat16 array's values as f32 (exact).
-fn widened(a: &Array) -> Result<Vec<f32>> {
-    let unreadable = |e| {
-        EngineError::Runtime(format!(
-            "the quantized host path cannot read an input ({e})"
-        ))
-    };
-    Ok(match a.dtype() {
-        Dtype::Bfloat16 => a
-            .try_as_slice::<half::bf16>()
-            .map_err(unreadable)?
-            .iter()
-            .map(|v| v.to_f32())
-            .collect(),
-        _ => a.try_as_slice::<f32>().map_err(unreadable)?.to_vec(),
-    })
 }
 
 /// What one check decides: (rows, cols, bits, group size, dtype, tokens).
