@@ -192,7 +192,7 @@ pub static FORKS: &[Fork] = &[
             keep("on", Tier::L3, Output::Changes),
         ]),
         defaults: ["off", "off", "on"],
-        help: "Host CPU kernels: a llama-family model with every linear layer 4-/8-bit runs each step on the host (SIMD mat-vec on the packed weights, AVX-512/AVX2/scalar, prompts in 8-token blocks, KV read in place from the MLX cache); other quantized models run their 4-/8-bit layers' single-token and <= 8-token verify products there; not under --compiled-decode; with --kv-quant attention runs in f32 with an online softmax over 256-position chunks",
+        help: "Host CPU kernels: a quantized llama-family or qwen2 model runs each step on the host (SIMD mat-vec on the packed weights of every width, AVX-512/AVX2/scalar, dense f32 layers and biases beside them, prompts in 8-token blocks, KV read in place from the MLX cache); other quantized models run their 4-/8-bit layers' single-token and <= 8-token verify products there; not under --compiled-decode; with --kv-quant attention runs in f32 with an online softmax over 256-position chunks",
     },
     Fork {
         name: "host-matvec",

@@ -3,7 +3,10 @@
 
 use super::error::Result;
 use super::kernels::{elementwise, ready_bf16, ready_f32};
-use super::kernels::{HostDense, HostDenseCell, HostQDenseCell, HostQuant, HostQuantCell};
+use super::kernels::{
+    HostDense, HostDenseCell, HostQDense, HostQDenseCell, HostQuant, HostQuantCell,
+};
+use super::kernels::{HostF32, HostProj, ProjWeight};
 use super::weights::{QuantSpec, WeightStore};
 use mlx_rs::{fast, ops, Array, Dtype};
 use std::rc::Rc;
@@ -157,6 +160,25 @@ fn pinned<'a>(w: &LinearWeight, host: Option<&'a HostCell>) -> Result<Option<&'a
         ) => Ok(Some(cell.get(weight, scales, biases, *spec)?)),
         _ => Ok(None),
     }
+}
+
+/// A 2-D weight as the host decode step takes it: 4-/8-bit layers on their pinned affine
+/// kernel, other widths on the MLX-order kernel, dense f32 as it is; `None` for anything else
+/// (bf16/f16 dense layers, stacked experts).
+fn host_proj_weight(w: &LinearWeight, host: Option<&HostCell>) -> Result<Option<ProjWeight>> {
+    if let Some(h) = pinned(w, host)? {
+        return Ok(Some(ProjWeight::Affine(h.clone())));
+    }
+    Ok(match w {
+        LinearWeight::Quantized {
+            weight,
+            scales,
+            biases,
+            spec,
+        } => HostQDense::pinned(weight, scales, biases, spec.bits, spec.group_size)?
+            .map(ProjWeight::Packed),
+        LinearWeight::Dense(weight) => HostF32::new(weight)?.map(ProjWeight::Dense),
+    })
 }
 
 /// The host product of `x @ W.T` when this layer's host kernel takes `x`; `None` leaves it
@@ -362,13 +384,16 @@ impl Linear {
         matmul_transposed(x, &self.weight, self.host.as_deref())
     }
 
-    /// The weight pinned for the host decode step (`--perf-kernel on`), when this is an
-    /// unbiased quantized layer the host kernel takes; `None` otherwise.
-    pub fn host_quant(&self) -> Result<Option<HostQuant>> {
-        if self.bias.is_some() {
+    /// The layer pinned for the host decode step (`--perf-kernel on`), bias included, when its
+    /// weight is one the step multiplies by ([`HostProj`]); `None` otherwise.
+    pub fn host_proj(&self) -> Result<Option<HostProj>> {
+        if self.bias.as_ref().is_some_and(|b| b.ndim() != 1) {
             return Ok(None);
         }
-        Ok(pinned(&self.weight, self.host.as_deref())?.cloned())
+        match host_proj_weight(&self.weight, self.host.as_deref())? {
+            Some(w) => Ok(Some(HostProj::new(w, self.bias.as_ref())?)),
+            None => Ok(None),
+        }
     }
 
     /// The weight's rows `[n, in]` for output ids `[n]` (dequantized when quantized), or `None`
@@ -395,11 +420,11 @@ impl Linear {
     }
 }
 
-/// Every layer's [`Linear::host_quant`], or `None` when any one has none.
-pub fn host_quants<const N: usize>(layers: [&Linear; N]) -> Result<Option<[HostQuant; N]>> {
+/// Every layer's [`Linear::host_proj`], or `None` when any one has none.
+pub fn host_projs<const N: usize>(layers: [&Linear; N]) -> Result<Option<[HostProj; N]>> {
     let mut pinned = Vec::with_capacity(N);
     for l in layers {
-        match l.host_quant()? {
+        match l.host_proj()? {
             Some(h) => pinned.push(h),
             None => return Ok(None),
         }
@@ -429,8 +454,11 @@ impl Embedding {
 
     /// The table pinned for the host decode step (`--perf-kernel on`) when it is quantized
     /// with a width the host kernel takes; `None` otherwise.
-    pub fn host_quant(&self) -> Result<Option<HostQuant>> {
-        Ok(pinned(&self.weight, self.host.as_deref())?.cloned())
+    pub fn host_proj(&self) -> Result<Option<HostProj>> {
+        match host_proj_weight(&self.weight, self.host.as_deref())? {
+            Some(w) => Ok(Some(HostProj::new(w, None)?)),
+            None => Ok(None),
+        }
     }
 
     /// The tied LM head: `x @ weight.T`.

@@ -67,6 +67,13 @@ def main():
         help="with --quant-bits: per-layer bits as mlx_lm.convert's quant_predicate gives them "
         "(odd decoder layers at 8 bits, the rest at --quant-bits)",
     )
+    ap.add_argument(
+        "--kept-mix",
+        action="store_true",
+        help="with --quant-bits: the mix a GGUF import with --keep-quant gives (odd layers' "
+        "v_proj/down_proj and the untied head dense, their other projections at 5 bits, even "
+        "layers' o_proj at 8 bits, the rest at --quant-bits)",
+    )
     ap.add_argument("--seed", type=int, default=0)
     ap.add_argument("--no-tokenizer", action="store_true", help="weights only (tiny vocabularies)")
     a = ap.parse_args()
@@ -118,6 +125,22 @@ def main():
                     return False
                 m = re.search(r"layers\.(\d+)\.", path)
                 if m and int(m.group(1)) % 2 == 1:
+                    return {"group_size": a.quant_group, "bits": 8}
+                return True
+
+        if a.kept_mix:
+            import re
+
+            def predicate(path, module):
+                if not hasattr(module, "to_quantized") or path == "lm_head":
+                    return False
+                m = re.search(r"layers\.(\d+)\.", path)
+                odd = m is not None and int(m.group(1)) % 2 == 1
+                if odd and path.endswith(("v_proj", "down_proj")):
+                    return False
+                if odd:
+                    return {"group_size": a.quant_group, "bits": 5}
+                if path.endswith("o_proj"):
                     return {"group_size": a.quant_group, "bits": 8}
                 return True
 

@@ -12,7 +12,8 @@
 //! `affine` is the arithmetic (AVX-512, AVX2+FMA, scalar; `vnni` the int8-input AVX-512 VNNI
 //! variant), `dispatch` picks a path at run time
 //! and splits rows over threads, `host` moves arrays between MLX and host memory, `vecops`, `step`
-//! and `team` run a whole llama-style decode step on the host.
+//! and `team` run a whole llama-style decode step on the host, `proj` holds its projections
+//! (4-/8-bit, other widths, dense f32, with biases).
 
 pub mod affine;
 pub mod attention;
@@ -22,6 +23,7 @@ pub mod elementwise;
 pub mod host;
 pub mod mlx_order;
 pub mod pair;
+pub mod proj;
 pub mod qdense;
 pub mod quant_order;
 pub mod step;
@@ -33,6 +35,7 @@ pub use affine::{KernelPath, Prepared, QMatrix, BITS, MAX_M};
 pub use dense::{dense_calls, refused_blocks, refused_shapes, HostDense, HostDenseCell};
 pub use dispatch::{best_path, matmul, selection, Selection};
 pub use host::{check_bits, host_calls, ready_bf16, ready_f32, HostQuant, HostQuantCell};
+pub use proj::{HostF32, HostProj, ProjWeight};
 pub use qdense::{qdense_calls, HostQDense, HostQDenseCell};
 pub use step::{host_steps, HostDecoder, HostLayer, PastKv, StepOut, StepPlan};
 pub use vecops::{HeadShape, HostRope};

@@ -50,6 +50,21 @@ impl HostQDense {
         bits: i32,
         group: i32,
     ) -> Result<Option<Self>> {
+        Ok(match Self::pinned(weight, scales, biases, bits, group)? {
+            Some(me) if me.matches_mlx(1)? => Some(me),
+            _ => None,
+        })
+    }
+
+    /// Pins the layer when its kind is one the host kernel reads, without comparing with MLX
+    /// (the L3 host step, which has no oracle); `None` for any other layer.
+    pub fn pinned(
+        weight: &Array,
+        scales: &Array,
+        biases: &Array,
+        bits: i32,
+        group: i32,
+    ) -> Result<Option<Self>> {
         let (&[rows, packed_cols], &[_, groups]) = (weight.shape(), scales.shape()) else {
             return Ok(None);
         };
@@ -78,10 +93,11 @@ impl HostQDense {
             bits: bits as usize,
             group: group as usize,
         };
-        Ok(me.matches_mlx(1)?.then_some(me))
+        Ok(Some(me))
     }
 
-    fn weights(&self) -> QuantWeights<'_> {
+    /// The weight as the kernel reads it.
+    pub(super) fn weights(&self) -> QuantWeights<'_> {
         QuantWeights {
             packed: self.packed.get(),
             scales: &self.scales,

@@ -88,6 +88,14 @@ impl QuantWeights<'_> {
         blocked_index(self.rows, self.groups(), r, g)
     }
 
+    /// Row `r` dequantized in f32 (`scale · q + bias`): an embedding lookup.
+    pub fn dequantize_row(&self, r: usize, out: &mut [f32]) {
+        for (k, o) in out.iter_mut().enumerate().take(self.cols) {
+            let g = self.group_at(r, k / self.group);
+            *o = self.scales[g] * self.q(r, k) + self.biases[g];
+        }
+    }
+
     /// Value `k` of row `r`, unscaled.
     fn q(&self, r: usize, k: usize) -> f32 {
         let at = r * self.words_per_row() + k * self.bits / 32;
@@ -279,8 +287,9 @@ pub fn qmatmul_on(
     Ok(y)
 }
 
-/// Outputs `range` of every token into `out` (`tokens × range.len()`).
-fn rows_into(
+/// Outputs `range` of every token into `out` (`tokens × range.len()`), on `path` (which must
+/// run on this CPU).
+pub(super) fn rows_into(
     path: Path,
     w: &QuantWeights<'_>,
     x: &[f32],

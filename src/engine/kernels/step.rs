@@ -1,5 +1,6 @@
 //! A whole forward step of a llama-style decoder on the host (`--perf-kernel on`, tier L3):
-//! pre-norm grouped-query attention and a SwiGLU MLP, every projection 4/8-bit quantized,
+//! pre-norm grouped-query attention and a SwiGLU MLP, projections quantized (4/8-bit on the
+//! affine kernel, other widths and dense f32 layers beside them: [`super::proj`]), biased or not,
 //! f32 activations, for blocks of up to [`MAX_M`] tokens (a decode step or a speculative
 //! verify block).
 //!
@@ -9,9 +10,9 @@
 //! lost most of its time. Here the only MLX work left per step is reading the past
 //! keys/values in place and appending the new ones (done by the caller).
 
-use super::affine::{rows_into, Prepared, QMatrix, MAX_M};
+use super::affine::{Prepared, MAX_M};
 use super::dispatch::{by_token, selection, Selection};
-use super::host::HostQuant;
+use super::proj::{HostProj, ProjView};
 use super::team::{run_team, ErrorSlot, Member, Shared};
 use super::vecops::{attend_head, rms_norm, silu_mul, HeadShape, HostRope, KvRows};
 use crate::engine::error::{EngineError, Result};
@@ -25,9 +26,9 @@ pub struct HostLayer {
     /// `post_attention_layernorm` weight.
     pub post_norm: Vec<f32>,
     /// `[q, k, v, o]` projections.
-    pub attn: [HostQuant; 4],
+    pub attn: [HostProj; 4],
     /// `[gate, up, down]` projections.
-    pub mlp: [HostQuant; 3],
+    pub mlp: [HostProj; 3],
 }
 
 /// The decoder the host step runs.
@@ -35,10 +36,10 @@ pub struct HostLayer {
 pub struct HostDecoder {
     /// The layers, in order.
     pub layers: Vec<HostLayer>,
-    /// The quantized embedding table (also the LM head when `head` is `None`).
-    pub embed: HostQuant,
+    /// The embedding table (also the LM head when `head` is `None`).
+    pub embed: HostProj,
     /// An untied LM head.
-    pub head: Option<HostQuant>,
+    pub head: Option<HostProj>,
     /// The final norm's weight.
     pub final_norm: Vec<f32>,
     /// Every RMSNorm's epsilon.
@@ -114,10 +115,10 @@ impl Inputs {
         x: &[f32],
         m: usize,
         cols: usize,
-        mats: &[&QMatrix<'_>],
+        mats: &[&ProjView<'_>],
     ) -> Result<Self> {
         let make = |bits: usize| -> Result<Option<Prepared>> {
-            if mats.iter().any(|w| w.bits() == bits) {
+            if mats.iter().any(|w| w.affine_bits() == Some(bits)) {
                 let p = Prepared::for_path(x, m, cols, bits, sel.path).map_err(runtime)?;
                 Ok(Some(p))
             } else {
@@ -130,14 +131,13 @@ impl Inputs {
         })
     }
 
-    fn for_matrix(&self, w: &QMatrix<'_>) -> Result<&Prepared> {
-        let p = if w.bits() == 4 {
-            &self.four
-        } else {
-            &self.eight
-        };
-        p.as_ref()
-            .ok_or_else(|| runtime(format!("no input prepared for {} bits", w.bits())))
+    /// The input prepared for `w` (`None` for a weight that reads it as it is).
+    fn for_matrix(&self, w: &ProjView<'_>) -> Option<&Prepared> {
+        match w.affine_bits() {
+            Some(4) => self.four.as_ref(),
+            Some(_) => self.eight.as_ref(),
+            None => None,
+        }
     }
 }
 
@@ -148,17 +148,18 @@ fn rows_share(
     sel: Selection,
     x: &[f32],
     m: usize,
-    pairs: &[(&QMatrix<'_>, &Shared)],
+    pairs: &[(&ProjView<'_>, &Shared)],
 ) -> Result<()> {
-    let cols = pairs.first().map_or(0, |(w, _)| w.cols());
-    let mats: Vec<&QMatrix<'_>> = pairs.iter().map(|(w, _)| *w).collect();
+    let cols = pairs.first().map_or(0, |(w, _)| w.cols);
+    let mats: Vec<&ProjView<'_>> = pairs.iter().map(|(w, _)| *w).collect();
     let inputs = Inputs::new(sel, x, m, cols, &mats)?;
     for (w, out) in pairs {
-        let rows = me.share(w.rows());
+        let rows = me.share(w.rows);
         // SAFETY: each member writes only its own share of rows; readers wait for the
         // barrier that follows.
         let part = unsafe { out.part_mut(rows.start * m..rows.end * m) };
-        rows_into(sel.path, w, inputs.for_matrix(w)?, rows, part).map_err(runtime)?;
+        w.rows_into(sel, x, inputs.for_matrix(w), m, rows, part)
+            .map_err(runtime)?;
     }
     Ok(())
 }
@@ -206,17 +207,17 @@ impl HostDecoder {
                 Ok(LayerView {
                     input_norm: &l.input_norm,
                     post_norm: &l.post_norm,
-                    attn: [q.matrix()?, k.matrix()?, v.matrix()?, o.matrix()?],
-                    mlp: [g.matrix()?, u.matrix()?, d.matrix()?],
+                    attn: [q.view()?, k.view()?, v.view()?, o.view()?],
+                    mlp: [g.view()?, u.view()?, d.view()?],
                 })
             })
             .collect::<Result<Vec<_>>>()?;
-        let embed = self.embed.matrix()?;
+        let embed = self.embed.view()?;
         let view = View {
             layers,
             embed,
             head: match &self.head {
-                Some(h) => h.matrix()?,
+                Some(h) => h.view()?,
                 None => embed,
             },
             final_norm: &self.final_norm,
@@ -234,15 +235,15 @@ impl HostDecoder {
 struct LayerView<'a> {
     input_norm: &'a [f32],
     post_norm: &'a [f32],
-    attn: [QMatrix<'a>; 4],
-    mlp: [QMatrix<'a>; 3],
+    attn: [ProjView<'a>; 4],
+    mlp: [ProjView<'a>; 3],
 }
 
 /// A [`HostDecoder`] as borrowed host memory only (shareable with the thread pool).
 struct View<'a> {
     layers: Vec<LayerView<'a>>,
-    embed: QMatrix<'a>,
-    head: QMatrix<'a>,
+    embed: ProjView<'a>,
+    head: ProjView<'a>,
     final_norm: &'a [f32],
     eps: f32,
     heads: HeadShape,
@@ -284,20 +285,20 @@ impl View<'_> {
         let (qd, kvd) = (s.n_heads * s.head_dim, s.n_kv_heads * s.head_dim);
         for l in &self.layers {
             let [wq, wk, wv, wo] = l.attn;
-            if wq.rows() != qd || wk.rows() != kvd || wv.rows() != kvd || wo.cols() != qd {
+            if wq.rows != qd || wk.rows != kvd || wv.rows != kvd || wo.cols != qd {
                 return Err(runtime(
                     "attention projections disagree with the head shape".into(),
                 ));
             }
         }
-        if let Some(bad) = ids.iter().find(|&&t| t as usize >= self.embed.rows()) {
+        if let Some(bad) = ids.iter().find(|&&t| t as usize >= self.embed.rows) {
             return Err(runtime(format!(
                 "token id {bad} is outside the embedding table of {}",
-                self.embed.rows()
+                self.embed.rows
             )));
         }
-        let inter = self.layers.first().map_or(0, |l| l.mlp[0].rows());
-        let d = self.embed.cols();
+        let inter = self.layers.first().map_or(0, |l| l.mlp[0].rows);
+        let d = self.embed.cols;
         let buffers = Buffers {
             q: Shared::new(m * qd),
             k: Shared::new(m * kvd),
@@ -307,7 +308,7 @@ impl View<'_> {
             gate: Shared::new(m * inter),
             up: Shared::new(m * inter),
             down: Shared::new(m * d),
-            logits: Shared::new(if plan.logits { m * self.head.rows() } else { 0 }),
+            logits: Shared::new(if plan.logits { m * self.head.rows } else { 0 }),
         };
         let errors = ErrorSlot::new();
         let collected = std::sync::Mutex::new(Collected::default());
@@ -330,6 +331,7 @@ impl View<'_> {
         if plan.logits {
             // SAFETY: the team has finished; nothing writes the buffer any more.
             by_token(unsafe { buffers.logits.all() }, m, &mut logits);
+            self.head.add_bias(&mut logits);
         }
         super::host::count_calls(7 * self.layers.len() + usize::from(plan.logits));
         STEPS.fetch_add(1, std::sync::atomic::Ordering::Relaxed);
@@ -363,16 +365,12 @@ impl View<'_> {
             s.n_heads * s.head_dim,
             s.n_kv_heads * s.head_dim,
         );
-        let d = self.embed.cols();
+        let d = self.embed.cols;
         // The residual stream and the small per-token ops are computed by every member
         // (cheap, and it saves a barrier each); the mat-vecs and attention are shared out.
         let mut h = vec![0.0f32; m * d];
         for (id, row) in ids.iter().zip(h.chunks_exact_mut(d)) {
-            errors.keep(
-                self.embed
-                    .dequantize_row(*id as usize, row)
-                    .map_err(runtime),
-            );
+            errors.keep(self.embed.row(*id as usize, row).map_err(runtime));
         }
         let mut xn = vec![0.0f32; m * d];
         let (mut q, mut k, mut v, mut t) = (Vec::new(), Vec::new(), Vec::new(), Vec::new());
@@ -395,6 +393,9 @@ impl View<'_> {
             by_token(unsafe { b.q.all() }, m, &mut q);
             by_token(unsafe { b.k.all() }, m, &mut k);
             by_token(unsafe { b.v.all() }, m, &mut v);
+            wq.add_bias(&mut q);
+            wk.add_bias(&mut k);
+            wv.add_bias(&mut v);
             for j in 0..m {
                 self.rope
                     .apply(&mut q[j * qd..(j + 1) * qd], hd, past.len + j);
@@ -436,6 +437,7 @@ impl View<'_> {
             ));
             me.sync();
             by_token(unsafe { b.o.all() }, m, &mut t);
+            wo.add_bias(&mut t);
             h.iter_mut().zip(&t).for_each(|(a, b)| *a += b);
 
             let [wg, wu, wd] = &layer.mlp;
@@ -444,10 +446,13 @@ impl View<'_> {
             me.sync();
             by_token(unsafe { b.gate.all() }, m, &mut gate);
             by_token(unsafe { b.up.all() }, m, &mut up);
+            wg.add_bias(&mut gate);
+            wu.add_bias(&mut up);
             silu_mul(&mut gate, &up);
             errors.keep(rows_share(me, sel, &gate, m, &[(wd, &b.down)]));
             me.sync();
             by_token(unsafe { b.down.all() }, m, &mut t);
+            wd.add_bias(&mut t);
             h.iter_mut().zip(&t).for_each(|(a, b)| *a += b);
             if me.index == 0 {
                 for (tap, _) in out.taps.iter_mut().zip(plan.taps).filter(|(_, &t)| t == i) {

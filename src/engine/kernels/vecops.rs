@@ -5,6 +5,7 @@
 
 /// `Σ a_i b_i` with eight running sums (a shape the compiler vectorizes; a single running
 /// float sum cannot be reordered, so it would stay scalar).
+#[inline(always)]
 pub fn dot(a: &[f32], b: &[f32]) -> f32 {
     let mut acc = [0.0f32; 8];
     let (ac, bc) = (a.chunks_exact(8), b.chunks_exact(8));

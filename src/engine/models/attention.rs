@@ -8,8 +8,8 @@ use super::rope::Rope;
 use crate::engine::cache::{causal_mask, AttentionMask, KvCache};
 use crate::engine::cache_attention::attend;
 use crate::engine::error::Result;
-use crate::engine::kernels::{HeadShape, HostQuant, HostRope};
-use crate::engine::nn::{host_quants, weak_scalar, Linear, RmsNorm};
+use crate::engine::kernels::{HeadShape, HostProj, HostRope};
+use crate::engine::nn::{host_projs, weak_scalar, Linear, RmsNorm};
 use crate::engine::weights::WeightStore;
 use mlx_rs::error::Exception;
 use mlx_rs::fast::{self, ScaledDotProductAttentionMask};
@@ -298,7 +298,7 @@ impl StepRuntime {
 /// An attention block's pieces for the host decode step.
 pub struct HostAttention {
     /// `[q, k, v, o]` projections.
-    pub proj: [HostQuant; 4],
+    pub proj: [HostProj; 4],
     /// Heads and scale.
     pub heads: HeadShape,
     /// The rotary embedding.
@@ -381,7 +381,7 @@ impl GqaAttention {
         if m.variant.output_gate {
             return Ok(None);
         }
-        let Some(proj) = host_quants([&m.q_proj, &m.k_proj, &m.v_proj, &m.o_proj])? else {
+        let Some(proj) = host_projs([&m.q_proj, &m.k_proj, &m.v_proj, &m.o_proj])? else {
             return Ok(None);
         };
         let s = &m.shape;

@@ -134,7 +134,7 @@ impl HostStep {
             }
         }
         let l = ids.len() as i32;
-        let d = decoder.embed.matrix()?.cols() as i32;
+        let d = decoder.embed.cols() as i32;
         let head = if short {
             HostHead::Logits(Array::from_slice(&logits, &[1, l, vocab as i32]))
         } else {

@@ -143,7 +143,11 @@ pub(super) fn build_decoder(
     w: &mut WeightStore,
     c: DecoderConfig,
 ) -> Result<Box<dyn LanguageModel>> {
-    load(spec, w, c, LlamaParts::default())
+    let parts = LlamaParts {
+        host_step: true,
+        ..LlamaParts::default()
+    };
+    load(spec, w, c, parts)
 }
 
 /// Loads the decoder `c` describes, with llama's own `parts`.
@@ -183,7 +187,8 @@ fn load(
         swiglu: SwiGlu::new(&spec.forks),
         sliding_window: parts.sliding_window,
         vocab_size: vocab,
-        host_step: parts.host_step.then(HostStep::default),
+        // Only under `--perf-kernel on` (tier L3): every other run keeps MLX's bits.
+        host_step: (parts.host_step && w.host_kernel()).then(HostStep::default),
     }))
 }
 
@@ -239,17 +244,18 @@ pub fn build(spec: &ModelSpec, w: &mut WeightStore) -> Result<Box<dyn LanguageMo
 
 impl Model {
     /// The whole model as a host decode step (`--perf-kernel on`), when every layer is the
-    /// plain full-attention llama block with host-kernel weights and f32 norms.
+    /// plain full-attention llama block with weights the step takes and f32 norms, and some of
+    /// them are quantized (a dense model keeps its L1 path).
     fn host_decoder(&self) -> Result<Option<HostDecoder>> {
         if self.sliding.iter().any(|&s| s) {
             return Ok(None);
         }
-        let Some(embed) = self.embed_tokens.host_quant()? else {
+        let Some(embed) = self.embed_tokens.host_proj()? else {
             return Ok(None);
         };
         let head = match &self.lm_head {
             None => None,
-            Some(h) => match h.host_quant()? {
+            Some(h) => match h.host_proj()? {
                 Some(h) => Some(h),
                 None => return Ok(None),
             },
@@ -278,6 +284,15 @@ impl Model {
         let Some((heads, rope)) = shape else {
             return Ok(None);
         };
+        let quantized = layers
+            .iter()
+            .flat_map(|l| l.attn.iter().chain(&l.mlp))
+            .chain([&embed])
+            .chain(&head)
+            .any(|p| p.weight().quantized());
+        if !quantized {
+            return Ok(None);
+        }
         Ok(Some(HostDecoder {
             layers,
             embed,

@@ -2,8 +2,8 @@
 
 use super::activations::{CompiledOp, SwiGlu};
 use crate::engine::error::Result;
-use crate::engine::kernels::HostQuant;
-use crate::engine::nn::{host_quants, Linear};
+use crate::engine::kernels::HostProj;
+use crate::engine::nn::{host_projs, Linear};
 use crate::engine::weights::WeightStore;
 use mlx_rs::Array;
 
@@ -31,8 +31,8 @@ impl GatedMlp {
     }
 
     /// `[gate, up, down]` pinned for the host decode step, when the host kernel takes all three.
-    pub fn host_parts(&self) -> Result<Option<[HostQuant; 3]>> {
-        host_quants([&self.gate_proj, &self.up_proj, &self.down_proj])
+    pub fn host_parts(&self) -> Result<Option<[HostProj; 3]>> {
+        host_projs([&self.gate_proj, &self.up_proj, &self.down_proj])
     }
 
     /// `down(swiglu(gate(x), up(x)))`.

@@ -1,0 +1,347 @@
+//! The projections a host decode step ([`super::step`]) multiplies by. Real checkpoints mix
+//! weight kinds: a GGUF import keeps Q4_K/Q8_0 tensors as 4-/8-bit MLX layers, Q5_0 ones as
+//! 5-bit, and dequantizes Q6_K ones to dense f32 (qwen2's `v_proj`/`down_proj` in half the
+//! layers, the 1.5B's whole vocabulary head); qwen2 adds biases to q/k/v. So a projection is
+//! one of three kinds, each with an optional f32 bias:
+//! - 4-/8-bit on the affine kernel ([`super::affine`], the fast path `--perf-kernel` exists for);
+//! - any other MLX width (2, 3, 5, 6 bits) on the MLX-order kernel ([`super::quant_order`]);
+//! - dense f32, one dot product per output and token.
+//!
+//! Every kind computes each output of each token alone, in an order that does not depend on
+//! how many tokens the block holds or how rows are shared out, so a verify block gives the
+//! bits of single-token steps (what keeps speculative decoding lossless under the host step).
+
+use super::affine::{rows_into as affine_rows_into, Prepared, QMatrix};
+use super::dispatch::Selection;
+use super::host::{widened, HostQuant, HostSlice};
+use super::qdense::HostQDense;
+use super::quant_order::{self, Path, QuantWeights};
+use crate::engine::error::{EngineError, Result};
+use mlx_rs::{Array, Dtype};
+use std::ops::Range;
+
+/// A dense f32 weight (`rows × cols`) pinned in host memory.
+#[derive(Debug, Clone)]
+pub struct HostF32 {
+    _keep: Array,
+    data: HostSlice<f32>,
+    rows: usize,
+    cols: usize,
+}
+
+impl HostF32 {
+    /// Pins a 2-D f32 weight; `None` for any other dtype or rank.
+    pub fn new(weight: &Array) -> Result<Option<Self>> {
+        let (&[rows, cols], Dtype::Float32) = (weight.shape(), weight.dtype()) else {
+            return Ok(None);
+        };
+        weight.eval()?;
+        Ok(Some(Self {
+            data: HostSlice::of(weight, "f32 weight")?,
+            _keep: weight.clone(),
+            rows: rows as usize,
+            cols: cols as usize,
+        }))
+    }
+}
+
+/// The weight of a [`HostProj`].
+#[derive(Debug, Clone)]
+pub enum ProjWeight {
+    /// 4- or 8-bit, on the affine kernel.
+    Affine(HostQuant),
+    /// Another MLX width, on the MLX-order kernel (computed in f32 whatever the scales' dtype).
+    Packed(HostQDense),
+    /// Dense f32.
+    Dense(HostF32),
+}
+
+impl ProjWeight {
+    /// Whether the weight is quantized (a host step made of dense layers only is not what
+    /// `--perf-kernel` is for: such a model stays on its L1 path).
+    pub fn quantized(&self) -> bool {
+        !matches!(self, ProjWeight::Dense(_))
+    }
+}
+
+/// One projection of a host step: `x · Wᵀ (+ b)`.
+#[derive(Debug, Clone)]
+pub struct HostProj {
+    weight: ProjWeight,
+    bias: Option<Vec<f32>>,
+}
+
+impl HostProj {
+    /// The projection of `weight` plus `bias` (an f32, bf16 or f16 vector of one value per
+    /// output, widened exactly).
+    pub fn new(weight: ProjWeight, bias: Option<&Array>) -> Result<Self> {
+        let me = Self {
+            weight,
+            bias: bias.map(widened).transpose()?,
+        };
+        let rows = me.view()?.rows;
+        if let Some(b) = &me.bias {
+            if b.len() != rows {
+                return Err(EngineError::Runtime(format!(
+                    "host step: a bias of {} values for {rows} outputs",
+                    b.len()
+                )));
+            }
+        }
+        Ok(me)
+    }
+
+    /// The weight.
+    pub fn weight(&self) -> &ProjWeight {
+        &self.weight
+    }
+
+    /// Output features.
+    pub fn rows(&self) -> usize {
+        self.view().map_or(0, |v| v.rows)
+    }
+
+    /// Input features.
+    pub fn cols(&self) -> usize {
+        self.view().map_or(0, |v| v.cols)
+    }
+
+    /// The projection as borrowed host memory (what the step's threads share).
+    pub(super) fn view(&self) -> Result<ProjView<'_>> {
+        let bias = self.bias.as_deref();
+        Ok(match &self.weight {
+            ProjWeight::Affine(h) => {
+                let m = h.matrix()?;
+                ProjView {
+                    rows: m.rows(),
+                    cols: m.cols(),
+                    kind: Kind::Affine(m),
+                    bias,
+                }
+            }
+            ProjWeight::Packed(h) => {
+                let w = QuantWeights {
+                    bf16: false,
+                    ..h.weights()
+                };
+                ProjView {
+                    rows: w.rows,
+                    cols: w.cols,
+                    kind: Kind::Packed(w),
+                    bias,
+                }
+            }
+            ProjWeight::Dense(h) => ProjView {
+                rows: h.rows,
+                cols: h.cols,
+                kind: Kind::Dense(h.data.get()),
+                bias,
+            },
+        })
+    }
+}
+
+#[derive(Clone, Copy)]
+enum Kind<'a> {
+    Affine(QMatrix<'a>),
+    Packed(QuantWeights<'a>),
+    Dense(&'a [f32]),
+}
+
+/// A [`HostProj`] as borrowed host memory.
+#[derive(Clone, Copy)]
+pub(super) struct ProjView<'a> {
+    kind: Kind<'a>,
+    pub(super) rows: usize,
+    pub(super) cols: usize,
+    bias: Option<&'a [f32]>,
+}
+
+impl ProjView<'_> {
+    /// The width the affine kernel needs its input prepared for; `None` for the other kinds,
+    /// which read the input as it is.
+    pub(super) fn affine_bits(&self) -> Option<usize> {
+        match &self.kind {
+            Kind::Affine(m) => Some(m.bits()),
+            _ => None,
+        }
+    }
+
+    /// Row `r` of the weight, dequantized (an embedding lookup).
+    pub(super) fn row(&self, r: usize, out: &mut [f32]) -> std::result::Result<(), String> {
+        if r >= self.rows || out.len() != self.cols {
+            return Err(format!(
+                "row {r} of a {}x{} matrix does not fit an output of {}",
+                self.rows,
+                self.cols,
+                out.len()
+            ));
+        }
+        match &self.kind {
+            Kind::Affine(m) => m.dequantize_row(r, out),
+            Kind::Packed(w) => {
+                w.dequantize_row(r, out);
+                Ok(())
+            }
+            Kind::Dense(w) => {
+                out.copy_from_slice(&w[r * self.cols..(r + 1) * self.cols]);
+                Ok(())
+            }
+        }
+    }
+
+    /// Outputs `rows` of `x · Wᵀ` (`x`: `m × cols`) into `out` (`rows.len() × m`, by output
+    /// feature); `prepared` is `x` prepared for this view's [`Self::affine_bits`].
+    pub(super) fn rows_into(
+        &self,
+        sel: Selection,
+        x: &[f32],
+        prepared: Option<&Prepared>,
+        m: usize,
+        rows: Range<usize>,
+        out: &mut [f32],
+    ) -> std::result::Result<(), String> {
+        if rows.end > self.rows || x.len() != m * self.cols || out.len() != rows.len() * m {
+            return Err(format!(
+                "rows {rows:?} of a {}x{} projection for {m} tokens of {} values into {}",
+                self.rows,
+                self.cols,
+                x.len(),
+                out.len()
+            ));
+        }
+        match &self.kind {
+            Kind::Affine(w) => {
+                let p = prepared.ok_or("no input prepared for the affine kernel")?;
+                affine_rows_into(sel.path, w, p, rows, out)
+            }
+            Kind::Packed(w) => {
+                // The kernel writes token-major; the step's buffers are by output feature.
+                let len = rows.len();
+                let mut by_token = vec![0.0f32; m * len];
+                quant_order::rows_into(Path::best(), w, x, m, rows, &mut by_token);
+                for (t, vals) in by_token.chunks_exact(len.max(1)).enumerate() {
+                    for (r, v) in vals.iter().enumerate() {
+                        out[r * m + t] = *v;
+                    }
+                }
+                Ok(())
+            }
+            Kind::Dense(w) => {
+                dense_rows(w, self.cols, x, m, rows, out);
+                Ok(())
+            }
+        }
+    }
+
+    /// Adds the bias to each token's outputs (`x`: `m × rows`, token-major).
+    pub(super) fn add_bias(&self, x: &mut [f32]) {
+        if let Some(b) = self.bias {
+            for row in x.chunks_exact_mut(self.rows) {
+                row.iter_mut().zip(b).for_each(|(v, b)| *v += b);
+            }
+        }
+    }
+}
+
+/// Dense `rows` of `x · Wᵀ` by output feature; each weight row is read once for all tokens.
+/// The AVX2 build of the same loop sums in the same lanes and order as the baseline build (no
+/// fused multiply-add either way), so the bits do not depend on the CPU's path.
+fn dense_rows(w: &[f32], cols: usize, x: &[f32], m: usize, rows: Range<usize>, out: &mut [f32]) {
+    #[cfg(target_arch = "x86_64")]
+    if std::arch::is_x86_feature_detected!("avx2") {
+        // SAFETY: the CPU has AVX2 (checked just above).
+        unsafe { dense_rows_avx2(w, cols, x, m, rows, out) };
+        return;
+    }
+    dense_rows_plain(w, cols, x, m, rows, out);
+}
+
+#[cfg(target_arch = "x86_64")]
+#[target_feature(enable = "avx2")]
+unsafe fn dense_rows_avx2(
+    w: &[f32],
+    cols: usize,
+    x: &[f32],
+    m: usize,
+    rows: Range<usize>,
+    out: &mut [f32],
+) {
+    dense_rows_plain(w, cols, x, m, rows, out);
+}
+
+#[inline(always)]
+fn dense_rows_plain(
+    w: &[f32],
+    cols: usize,
+    x: &[f32],
+    m: usize,
+    rows: Range<usize>,
+    out: &mut [f32],
+) {
+    let start = rows.start;
+    for r in rows {
+        let wr = &w[r * cols..(r + 1) * cols];
+        for (t, xt) in x.chunks_exact(cols).enumerate().take(m) {
+            out[(r - start) * m + t] = dot32(wr, xt);
+        }
+    }
+}
+
+/// `Σ a_i b_i` over 32 running sums (four independent vector chains with AVX2, so the adds'
+/// latency does not bound a memory-bound head), then the sums in order and the tail.
+#[inline(always)]
+fn dot32(a: &[f32], b: &[f32]) -> f32 {
+    let mut acc = [0.0f32; 32];
+    let (ac, bc) = (a.chunks_exact(32), b.chunks_exact(32));
+    let tail: f32 = ac
+        .remainder()
+        .iter()
+        .zip(bc.remainder())
+        .map(|(x, y)| x * y)
+        .sum();
+    for (x, y) in ac.zip(bc) {
+        for i in 0..32 {
+            acc[i] += x[i] * y[i];
+        }
+    }
+    acc.iter().sum::<f32>() + tail
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    #[test]
+    fn dense_rows_sum_each_output_alone_whatever_the_block() {
+        let (rows, cols) = (37, 75);
+        let w: Vec<f32> = (0..rows * cols)
+            .map(|i| ((i * 7919) % 1013) as f32 / 97.0 - 5.0)
+            .collect();
+        let x: Vec<f32> = (0..3 * cols)
+            .map(|i| ((i * 104_729) % 997) as f32 / 89.0 - 5.5)
+            .collect();
+        let mut block = vec![0.0f32; rows * 3];
+        dense_rows(&w, cols, &x, 3, 0..rows, &mut block);
+        for t in 0..3 {
+            let xt = &x[t * cols..(t + 1) * cols];
+            let mut single = vec![0.0f32; 10];
+            dense_rows(&w, cols, xt, 1, 20..30, &mut single);
+            for r in 0..rows {
+                let f64_sum: f64 = (0..cols)
+                    .map(|k| w[r * cols + k] as f64 * xt[k] as f64)
+                    .sum();
+                let got = block[r * 3 + t];
+                assert!((got as f64 - f64_sum).abs() < 1e-3, "row {r} token {t}");
+                if (20..30).contains(&r) {
+                    assert_eq!(got.to_bits(), single[r - 20].to_bits(), "row {r} token {t}");
+                }
+            }
+            let mut plain = vec![0.0f32; rows];
+            dense_rows_plain(&w, cols, xt, 1, 0..rows, &mut plain);
+            for r in 0..rows {
+                assert_eq!(plain[r].to_bits(), block[r * 3 + t].to_bits());
+            }
+        }
+    }
+}
