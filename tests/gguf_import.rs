@@ -539,6 +539,45 @@ fn qwen_coder_imports_are_l1_identical_to_mlx_lm() {
     parity(&kq, prompt, "12", true);
 }
 
+/// The kept 0.5B (5-, 8- and 4-bit layers, f32 `down_proj` in half the layers, q/k/v biases)
+/// under `--perf-kernel on`, whose host step takes every one of those layers: its greedy ids
+/// start as L1's (the host step sums in other orders, so they may part later), and n-gram
+/// drafting under it changes none of them.
+#[test]
+fn qwen_coder_kept_runs_under_the_host_step_losslessly() {
+    let kq = keep_quant("qwen2.5-coder-0.5b");
+    let ids = |extra: &[&str]| -> Vec<u64> {
+        let mut args = vec![
+            "generate",
+            "--model",
+            kq.to_str().unwrap(),
+            "--prompt",
+            "Write a Python function that reverses a string.",
+            "--max-tokens",
+            "48",
+            "--json",
+        ];
+        args.extend(extra);
+        let out = ok(mlxb(&args));
+        let v: serde_json::Value = serde_json::from_str(&out).unwrap();
+        v["token_ids"]
+            .as_array()
+            .unwrap()
+            .iter()
+            .map(|t| t.as_u64().unwrap())
+            .collect()
+    };
+    let l1 = ids(&[]);
+    let host = ids(&["--perf-kernel", "on"]);
+    let drafted = ids(&["--perf-kernel", "on", "--draft-kind", "ngram"]);
+    assert!(host.len() >= 16 && l1.len() >= 16, "{host:?} {l1:?}");
+    assert_eq!(host[..16], l1[..16], "the host step parts from L1 at once");
+    assert_eq!(
+        drafted, host,
+        "n-gram drafting changed the host step's output"
+    );
+}
+
 /// The 1.5B target writes a function that works (run on test cases by Python), and drafting
 /// with the 0.5B model changes nothing in its greedy output.
 #[test]
