@@ -125,14 +125,7 @@ impl<'a> QMatrix<'a> {
     /// Row `r` dequantized (`scale * q + bias`) into `out` (`cols` values): an embedding lookup
     /// from a quantized table. Errors when `r` or `out` is out of shape.
     pub fn dequantize_row(&self, r: usize, out: &mut [f32]) -> Result<(), String> {
-        if r >= self.rows || out.len() != self.cols {
-            return Err(format!(
-                "row {r} of a {}x{} matrix does not fit an output of {}",
-                self.rows,
-                self.cols,
-                out.len()
-            ));
-        }
+        row_fits(r, self.rows, self.cols, out.len())?;
         let per_word = 32 / self.bits;
         let mask = (1u32 << self.bits) - 1;
         let words = &self.packed[r * self.cols / per_word..(r + 1) * self.cols / per_word];
@@ -148,6 +141,16 @@ impl<'a> QMatrix<'a> {
         }
         Ok(())
     }
+}
+
+/// Whether row `r` of a `rows × cols` matrix fits an output of `len` values (a row lookup's check).
+pub(super) fn row_fits(r: usize, rows: usize, cols: usize, len: usize) -> Result<(), String> {
+    if r >= rows || len != cols {
+        return Err(format!(
+            "row {r} of a {rows}x{cols} matrix does not fit an output of {len}"
+        ));
+    }
+    Ok(())
 }
 
 /// `m` input rows of `cols` values, permuted per 32-element chunk to match the element order

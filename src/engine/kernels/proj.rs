@@ -11,11 +11,12 @@
 //! how many tokens the block holds or how rows are shared out, so a verify block gives the
 //! bits of single-token steps (what keeps speculative decoding lossless under the host step).
 
-use super::affine::{rows_into as affine_rows_into, Prepared, QMatrix};
+use super::affine::{row_fits, rows_into as affine_rows_into, Prepared, QMatrix};
 use super::dispatch::Selection;
 use super::host::{widened, HostQuant, HostSlice};
 use super::qdense::HostQDense;
 use super::quant_order::{self, Path, QuantWeights};
+use super::vecops::dot_lanes;
 use crate::engine::error::{EngineError, Result};
 use mlx_rs::{Array, Dtype};
 use std::ops::Range;
@@ -169,14 +170,7 @@ impl ProjView<'_> {
 
     /// Row `r` of the weight, dequantized (an embedding lookup).
     pub(super) fn row(&self, r: usize, out: &mut [f32]) -> std::result::Result<(), String> {
-        if r >= self.rows || out.len() != self.cols {
-            return Err(format!(
-                "row {r} of a {}x{} matrix does not fit an output of {}",
-                self.rows,
-                self.cols,
-                out.len()
-            ));
-        }
+        row_fits(r, self.rows, self.cols, out.len())?;
         match &self.kind {
             Kind::Affine(m) => m.dequantize_row(r, out),
             Kind::Packed(w) => {
@@ -283,29 +277,9 @@ fn dense_rows_plain(
     for r in rows {
         let wr = &w[r * cols..(r + 1) * cols];
         for (t, xt) in x.chunks_exact(cols).enumerate().take(m) {
-            out[(r - start) * m + t] = dot32(wr, xt);
+            out[(r - start) * m + t] = dot_lanes::<32>(wr, xt);
         }
     }
-}
-
-/// `Σ a_i b_i` over 32 running sums (four independent vector chains with AVX2, so the adds'
-/// latency does not bound a memory-bound head), then the sums in order and the tail.
-#[inline(always)]
-fn dot32(a: &[f32], b: &[f32]) -> f32 {
-    let mut acc = [0.0f32; 32];
-    let (ac, bc) = (a.chunks_exact(32), b.chunks_exact(32));
-    let tail: f32 = ac
-        .remainder()
-        .iter()
-        .zip(bc.remainder())
-        .map(|(x, y)| x * y)
-        .sum();
-    for (x, y) in ac.zip(bc) {
-        for i in 0..32 {
-            acc[i] += x[i] * y[i];
-        }
-    }
-    acc.iter().sum::<f32>() + tail
 }
 
 #[cfg(test)]
