@@ -162,23 +162,29 @@ fn pinned<'a>(w: &LinearWeight, host: Option<&'a HostCell>) -> Result<Option<&'a
     }
 }
 
-/// A 2-D weight as the host decode step takes it: 4-/8-bit layers on their pinned affine
-/// kernel, other widths on the MLX-order kernel, dense f32 as it is; `None` for anything else
-/// (bf16/f16 dense layers, stacked experts).
-fn host_proj_weight(w: &LinearWeight, host: Option<&HostCell>) -> Result<Option<ProjWeight>> {
-    if let Some(h) = pinned(w, host)? {
-        return Ok(Some(ProjWeight::Affine(h.clone())));
-    }
-    Ok(match w {
-        LinearWeight::Quantized {
-            weight,
-            scales,
-            biases,
-            spec,
-        } => HostQDense::pinned(weight, scales, biases, spec.bits, spec.group_size)?
+/// A 2-D weight, plus `bias`, as the host decode step takes it: 4-/8-bit layers on their pinned
+/// affine kernel, other widths on the MLX-order kernel, dense f32 as it is; `None` for anything
+/// else (bf16/f16 dense layers, stacked experts).
+fn host_proj(
+    w: &LinearWeight,
+    host: Option<&HostCell>,
+    bias: Option<&Array>,
+) -> Result<Option<HostProj>> {
+    let weight = match (pinned(w, host)?, w) {
+        (Some(h), _) => Some(ProjWeight::Affine(h.clone())),
+        (
+            None,
+            LinearWeight::Quantized {
+                weight,
+                scales,
+                biases,
+                spec,
+            },
+        ) => HostQDense::pinned(weight, scales, biases, spec.bits, spec.group_size)?
             .map(ProjWeight::Packed),
-        LinearWeight::Dense(weight) => HostF32::new(weight)?.map(ProjWeight::Dense),
-    })
+        (None, LinearWeight::Dense(weight)) => HostF32::new(weight)?.map(ProjWeight::Dense),
+    };
+    weight.map(|w| HostProj::new(w, bias)).transpose()
 }
 
 /// The host product of `x @ W.T` when this layer's host kernel takes `x`; `None` leaves it
@@ -390,10 +396,7 @@ impl Linear {
         if self.bias.as_ref().is_some_and(|b| b.ndim() != 1) {
             return Ok(None);
         }
-        match host_proj_weight(&self.weight, self.host.as_deref())? {
-            Some(w) => Ok(Some(HostProj::new(w, self.bias.as_ref())?)),
-            None => Ok(None),
-        }
+        host_proj(&self.weight, self.host.as_deref(), self.bias.as_ref())
     }
 
     /// The weight's rows `[n, in]` for output ids `[n]` (dequantized when quantized), or `None`
@@ -452,13 +455,10 @@ impl Embedding {
         self.weight.rows(ids)
     }
 
-    /// The table pinned for the host decode step (`--perf-kernel on`) when it is quantized
-    /// with a width the host kernel takes; `None` otherwise.
+    /// The table pinned for the host decode step (`--perf-kernel on`) when its weight is one
+    /// the step reads ([`HostProj`]); `None` otherwise.
     pub fn host_proj(&self) -> Result<Option<HostProj>> {
-        match host_proj_weight(&self.weight, self.host.as_deref())? {
-            Some(w) => Ok(Some(HostProj::new(w, None)?)),
-            None => Ok(None),
-        }
+        host_proj(&self.weight, self.host.as_deref(), None)
     }
 
     /// The tied LM head: `x @ weight.T`.

@@ -80,22 +80,20 @@ pub fn check_bits(a: &Array) -> Result<Vec<u32>> {
 /// An evaluated f32, bfloat16 or f16 array's values as f32 (exact), read on the host with no
 /// MLX operation.
 pub fn widened(a: &Array) -> Result<Vec<f32>> {
-    let unreadable = |e| EngineError::Runtime(format!("a host path cannot read an input ({e})"));
-    Ok(match a.dtype() {
-        Dtype::Bfloat16 => a
-            .try_as_slice::<half::bf16>()
-            .map_err(unreadable)?
-            .iter()
-            .map(|v| v.to_f32())
-            .collect(),
-        Dtype::Float16 => a
-            .try_as_slice::<half::f16>()
-            .map_err(unreadable)?
-            .iter()
-            .map(|v| v.to_f32())
-            .collect(),
-        _ => a.try_as_slice::<f32>().map_err(unreadable)?.to_vec(),
-    })
+    fn read<T: mlx_rs::ArrayElement + Copy>(a: &Array) -> Result<Vec<f32>>
+    where
+        f32: From<T>,
+    {
+        let s = a
+            .try_as_slice::<T>()
+            .map_err(|e| EngineError::Runtime(format!("a host path cannot read an input ({e})")))?;
+        Ok(s.iter().map(|&v| f32::from(v)).collect())
+    }
+    match a.dtype() {
+        Dtype::Bfloat16 => read::<half::bf16>(a),
+        Dtype::Float16 => read::<half::f16>(a),
+        _ => read::<f32>(a),
+    }
 }
 
 /// A 2-D affine-quantized weight (`[rows, cols * bits / 32]` uint32, f32 `[rows, cols/group]`

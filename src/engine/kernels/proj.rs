@@ -209,6 +209,11 @@ impl ProjView<'_> {
                 let p = prepared.ok_or("no input prepared for the affine kernel")?;
                 affine_rows_into(sel.path, w, p, rows, out)
             }
+            // One token: the kernel's token-major output is already by output feature.
+            Kind::Packed(w) if m == 1 => {
+                quant_order::rows_into(Path::best(), w, x, m, rows, out);
+                Ok(())
+            }
             Kind::Packed(w) => {
                 // The kernel writes token-major; the step's buffers are by output feature.
                 let len = rows.len();
