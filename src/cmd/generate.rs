@@ -76,6 +76,13 @@ pub fn footer(stats: &GenerationStats) -> String {
     )
 }
 
+/// The sampled token's logprob (f32, printed exactly), for `--json`.
+fn chosen_logprob(step: &crate::engine::generate::Step) -> crate::engine::error::Result<f32> {
+    use mlx_rs::ops::indexing::IndexOp;
+    let lp = step.logprobs.reshape(&[-1])?.index(step.token as i32);
+    Ok(lp.try_item_cast::<f32>()?)
+}
+
 /// Entry point of `mlxb generate`.
 pub fn run(args: GenerateArgs) -> anyhow::Result<()> {
     let spec_opts = args.spec.options()?;
@@ -94,7 +101,10 @@ pub fn run(args: GenerateArgs) -> anyhow::Result<()> {
         .as_deref()
         .map(JsonlTrace::create)
         .transpose()?;
-    let stream = !args.json;
+    // Across ranks, rank 0 alone prints; every rank runs the same generation.
+    let ranks = crate::engine::distributed::world();
+    let leader = ranks.as_ref().is_none_or(|g| g.is_leader());
+    let stream = !args.json && leader;
     if args.verbose && stream {
         println!("==========");
     }
@@ -110,7 +120,11 @@ pub fn run(args: GenerateArgs) -> anyhow::Result<()> {
         None => None,
     };
     let mut stdout = std::io::stdout();
-    let params = args.sampling.text_params(&args.model);
+    let mut params = args.sampling.text_params(&args.model);
+    if let Some(group) = &ranks {
+        params.seed = Some(crate::engine::distributed::common_seed(group, params.seed)?);
+    }
+    let mut logprobs = Vec::new();
     let speculator = spec.as_mut().map(|s| -> &mut dyn Speculator { s });
     let startup = session.startup.clone();
     let outcome = generate_text(
@@ -121,7 +135,12 @@ pub fn run(args: GenerateArgs) -> anyhow::Result<()> {
         None,
         |event| {
             let seg = match event {
-                TextEvent::Token { text, .. } => text,
+                TextEvent::Token { text, step } => {
+                    if args.json {
+                        logprobs.push(chosen_logprob(step)?);
+                    }
+                    text
+                }
                 TextEvent::Tail(text) => text,
             };
             if stream && !seg.is_empty() {
@@ -138,6 +157,9 @@ pub fn run(args: GenerateArgs) -> anyhow::Result<()> {
     if let Some(t) = trace.as_mut() {
         t.flush()?;
     }
+    if !leader {
+        return Ok(());
+    }
     if args.json {
         let s = &outcome.stats;
         let obj = serde_json::json!({
@@ -145,6 +167,7 @@ pub fn run(args: GenerateArgs) -> anyhow::Result<()> {
             "text": outcome.text,
             "prompt_token_ids": prompt_ids,
             "token_ids": outcome.token_ids,
+            "token_logprobs": logprobs,
             "finish_reason": outcome.finish_reason.as_str(),
             "prompt_tokens": s.prompt_tokens,
             "prompt_tps": s.prompt_tps(),

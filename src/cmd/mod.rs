@@ -8,6 +8,7 @@ pub mod dspark_init;
 pub mod dspark_vocab;
 pub mod flags;
 pub mod generate;
+pub mod launch;
 pub mod measure;
 pub mod models;
 pub mod parity;
@@ -63,6 +64,46 @@ pub enum Command {
     Calibrate(calibrate::CalibrateArgs),
     /// Measure a drafter against vanilla decoding on a prompt file (acceptance, speed, calibration).
     Measure(measure::MeasureArgs),
+    /// Run `generate` or `serve` as several ranks, the model split over them (like `mlx.launch`).
+    Launch(launch::LaunchArgs),
+}
+
+impl Command {
+    /// The subcommand's name, as typed.
+    fn name(&self) -> &'static str {
+        match self {
+            Command::Generate(_) => "generate",
+            Command::Bench(_) => "bench",
+            Command::Parity(_) => "parity",
+            Command::Flags(_) => "flags",
+            Command::Serve(_) => "serve",
+            Command::Convert(_) => "convert",
+            Command::DsparkInit(_) => "dspark-init",
+            Command::DsparkVocab(_) => "dspark-vocab",
+            Command::Models(_) => "models",
+            Command::TrainDspark(_) => "train-dspark",
+            Command::Calibrate(_) => "calibrate",
+            Command::Measure(_) => "measure",
+            Command::Launch(_) => "launch",
+        }
+    }
+}
+
+/// Under `mlxb launch` / `mlx.launch`: joins the other ranks, for the subcommands that run
+/// across ranks.
+fn join_ranks(command: &Command) -> anyhow::Result<()> {
+    if !crate::engine::distributed::launched_as_rank() {
+        return Ok(());
+    }
+    if !matches!(command, Command::Generate(_) | Command::Serve(_)) {
+        return Err(EngineError::Input(format!(
+            "mlxb {} runs as one process; of mlxb's subcommands only generate and serve run across ranks",
+            command.name()
+        ))
+        .into());
+    }
+    crate::engine::distributed::join()?;
+    Ok(())
 }
 
 /// Runs the parsed command line and maps errors to exit codes (2 = the user's input).
@@ -78,6 +119,9 @@ pub fn run(cli: Cli) -> ExitCode {
     if let Err(err) = runtime::check() {
         return report(Err(err.into()));
     }
+    if let Err(err) = join_ranks(&command) {
+        return report(Err(err));
+    }
     report(match command {
         Command::Generate(a) => generate::run(a),
         Command::Parity(a) => parity::run(a),
@@ -91,6 +135,7 @@ pub fn run(cli: Cli) -> ExitCode {
         Command::TrainDspark(a) => train_dspark::run(a),
         Command::Calibrate(a) => calibrate::run(a),
         Command::Measure(a) => measure::run(a),
+        Command::Launch(a) => launch::run(a),
     })
 }
 
@@ -99,7 +144,10 @@ pub fn report(result: anyhow::Result<()>) -> ExitCode {
     match result {
         Ok(()) => ExitCode::SUCCESS,
         Err(err) => {
-            eprintln!("mlxb: error: {err:#}");
+            match std::env::var(crate::engine::distributed::RANK_ENV) {
+                Ok(rank) => eprintln!("mlxb (rank {rank}): error: {err:#}"),
+                Err(_) => eprintln!("mlxb: error: {err:#}"),
+            }
             let user = err
                 .downcast_ref::<EngineError>()
                 .map(EngineError::is_user_error)

@@ -92,6 +92,12 @@ pub fn run(args: ServeArgs) -> anyhow::Result<()> {
     let spec = args.spec.options()?;
     if let Some(opts) = &spec {
         opts.validate()?;
+        if crate::engine::distributed::world().is_some() {
+            return Err(EngineError::Input(
+                "mlxb serve across ranks decodes without a drafter (as mlx-lm's server does); leave out the drafter flags, or serve from one process to draft".into(),
+            )
+            .into());
+        }
     }
     let dir = resolve_model(args.model.model.as_deref())?;
     let resolution = args.forks.resolve()?;

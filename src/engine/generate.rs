@@ -16,7 +16,7 @@ use mlx_rs::{memory, ops, Array};
 use std::time::{Duration, Instant};
 
 /// Knobs of one generation that are not sampling settings.
-#[derive(Debug, Clone)]
+#[derive(Debug, Clone, serde::Serialize, serde::Deserialize)]
 pub struct GenerateConfig {
     /// Tokens to generate at most (mlx-lm `--max-tokens`).
     pub max_tokens: usize,

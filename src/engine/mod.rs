@@ -10,6 +10,7 @@ pub mod cache_attention;
 pub mod chat_template;
 pub mod contain;
 pub mod detokenizer;
+pub mod distributed;
 pub mod error;
 pub mod forks;
 pub mod fsutil;

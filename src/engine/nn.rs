@@ -1,6 +1,7 @@
 //! The layers mlx-lm's models are built from (Linear, Embedding, their affine-quantized
 //! forms, RMSNorm), issuing exactly the MLX ops `mlx.nn` issues so results stay bit-identical.
 
+use super::distributed::{all_sum, Group};
 use super::error::Result;
 use super::kernels::{elementwise, ready_bf16, ready_f32};
 use super::kernels::{
@@ -10,6 +11,7 @@ use super::kernels::{HostF32, HostProj, ProjWeight};
 use super::weights::{QuantSpec, WeightStore};
 use mlx_rs::{fast, ops, Array, Dtype};
 use std::rc::Rc;
+use std::sync::Arc;
 
 /// A Python-style "weak" scalar: `v` rounded to f32, then to `like`'s dtype, as MLX does for
 /// `x * 0.5` in Python (mlx-rs scalars would instead promote bf16 to f32).
@@ -268,6 +270,9 @@ pub struct Linear {
     weight: LinearWeight,
     bias: Option<Array>,
     host: Option<Rc<HostCell>>,
+    /// A tensor-parallel "sharded-to-all" layer: its product is summed over these ranks
+    /// before the bias is added (mlx's `ShardedToAllLinear`).
+    all_sum: Option<Arc<Group>>,
 }
 
 impl Linear {
@@ -286,7 +291,12 @@ impl Linear {
             None
         };
         let host = host_cell(w, &weight);
-        Ok(Self { weight, bias, host })
+        Ok(Self {
+            weight,
+            bias,
+            host,
+            all_sum: w.all_sum_group(path),
+        })
     }
 
     /// An unbiased dense layer over an existing `[out, in]` weight (e.g. a head copied from the
@@ -296,6 +306,7 @@ impl Linear {
             weight: LinearWeight::Dense(weight),
             bias: None,
             host: None,
+            all_sum: None,
         }
     }
 
@@ -310,6 +321,7 @@ impl Linear {
             weight: LinearWeight::Dense(weight),
             bias: None,
             host,
+            all_sum: None,
         }
     }
 
@@ -318,6 +330,11 @@ impl Linear {
     /// outputs. All layers must be dense, or quantized with the same spec, and all biased or
     /// none.
     pub fn concat_out(layers: &[&Linear]) -> Result<Self> {
+        if layers.iter().any(|l| l.all_sum.is_some()) {
+            return Err(super::error::EngineError::Runtime(
+                "cannot fuse projections whose outputs are summed over ranks".into(),
+            ));
+        }
         let cat = |parts: Vec<&Array>| -> Result<Array> {
             let owned: Vec<Array> = parts.into_iter().cloned().collect();
             Ok(ops::concatenate(&owned, 0)?)
@@ -383,7 +400,12 @@ impl Linear {
             }
             _ => None,
         };
-        Ok(Self { weight, bias, host })
+        Ok(Self {
+            weight,
+            bias,
+            host,
+            all_sum: None,
+        })
     }
 
     fn matmul(&self, x: &Array) -> Result<Array> {
@@ -393,16 +415,16 @@ impl Linear {
     /// The layer pinned for the host decode step (`--perf-kernel on`), bias included, when its
     /// weight is one the step multiplies by ([`HostProj`]); `None` otherwise.
     pub fn host_proj(&self) -> Result<Option<HostProj>> {
-        if self.bias.as_ref().is_some_and(|b| b.ndim() != 1) {
+        if self.all_sum.is_some() || self.bias.as_ref().is_some_and(|b| b.ndim() != 1) {
             return Ok(None);
         }
         host_proj(&self.weight, self.host.as_deref(), self.bias.as_ref())
     }
 
     /// The weight's rows `[n, in]` for output ids `[n]` (dequantized when quantized), or `None`
-    /// for a biased layer, whose map the rows alone do not give.
+    /// for a biased layer or one split over ranks' inputs, whose map the rows alone do not give.
     pub fn weight_rows(&self, ids: &Array) -> Result<Option<Array>> {
-        if self.bias.is_some() {
+        if self.bias.is_some() || self.all_sum.is_some() {
             return Ok(None);
         }
         self.weight.rows(ids).map(Some)
@@ -410,6 +432,13 @@ impl Linear {
 
     /// `x @ W.T (+ b)`, with `addmm` for the dense biased case as mlx does.
     pub fn forward(&self, x: &Array) -> Result<Array> {
+        if let Some(group) = &self.all_sum {
+            let y = all_sum(&self.matmul(x)?, group)?;
+            return match &self.bias {
+                Some(b) => Ok(y.add(b)?),
+                None => Ok(y),
+            };
+        }
         match (&self.weight, &self.bias) {
             (LinearWeight::Dense(weight), Some(b)) => {
                 if let Some(y) = host_addmm(x, weight, b, self.host.as_deref())? {

@@ -166,7 +166,7 @@ fn categorical_stage(temp: f64) -> Stage {
 }
 
 /// Sampling settings, as the arguments of mlx-lm's `make_sampler` (same defaults).
-#[derive(Debug, Clone, PartialEq)]
+#[derive(Debug, Clone, PartialEq, serde::Serialize, serde::Deserialize)]
 pub struct SamplerConfig {
     /// Temperature; 0 means greedy argmax.
     pub temp: f64,
@@ -377,7 +377,7 @@ fn run_filters(filters: &mut [Stage], state: &mut RandomState, logprobs: &Array)
 }
 
 /// Logits-processor settings, as the arguments of mlx-lm's `make_logits_processors`.
-#[derive(Debug, Clone, PartialEq)]
+#[derive(Debug, Clone, PartialEq, serde::Serialize, serde::Deserialize)]
 pub struct ProcessorConfig {
     /// Additive bias per token id; a repeated id keeps its last value, as a Python dict.
     pub logit_bias: Vec<(u32, f64)>,

@@ -37,7 +37,7 @@ impl Session {
                 startup.mark("tokenizer parsed");
                 t
             });
-            let model = models::load(dir, forks);
+            let model = models::load_on_ranks(dir, forks, super::distributed::world());
             startup.mark("model built");
             let tokenizer = tokenizer
                 .join()

@@ -12,7 +12,7 @@ use super::session::Session;
 use super::tokenizer::StreamingDetokenizer;
 
 /// Everything one text generation needs besides the prompt and the drafter.
-#[derive(Debug, Clone)]
+#[derive(Debug, Clone, serde::Serialize, serde::Deserialize)]
 pub struct TextParams {
     /// Sampler settings; `xtc_special_tokens` is replaced by mlx-lm's choice (the encoding of
     /// "\n" plus the EOS ids).

@@ -2,11 +2,40 @@
 //! model constructors by name, with the strictness of mlx-lm's `load_weights(strict=True)`:
 //! a missing, mis-shaped or left-over tensor is an error naming the file and the tensor.
 
+use super::distributed::Group;
 use super::error::{EngineError, Result};
 use super::loader;
 use mlx_rs::{Array, Dtype};
 use std::collections::{BTreeSet, HashMap};
 use std::path::{Path, PathBuf};
+use std::sync::Arc;
+
+/// How a linear layer's weights are split over the ranks of a tensor-parallel job, as mlx-lm's
+/// `shard_linear` splits them (rank r holds the r-th of N equal, contiguous slices).
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub enum Sharding {
+    /// "all-to-sharded": each rank holds a slice of the outputs (weight rows and bias).
+    Outputs,
+    /// "sharded-to-all": each rank holds a slice of the inputs (weight columns); the partial
+    /// outputs are summed over the ranks, then the whole bias is added.
+    Inputs,
+}
+
+/// Tensor parallelism of one checkpoint: the ranks, and the architecture's split of its layers
+/// (module-path suffix, kind), set by the architecture's builder.
+struct TensorParallel {
+    group: Arc<Group>,
+    plan: Option<&'static [(&'static str, Sharding)]>,
+}
+
+impl TensorParallel {
+    fn sharding_of(&self, module: &str) -> Option<Sharding> {
+        self.plan?
+            .iter()
+            .find(|(suffix, _)| module.ends_with(suffix))
+            .map(|&(_, kind)| kind)
+    }
+}
 
 /// Affine quantization parameters of one layer (mlx-lm's `quantization` config).
 #[derive(Debug, Clone, Copy, PartialEq, Eq)]
@@ -115,6 +144,7 @@ pub struct WeightStore {
     host_kernel: bool,
     host_matvec: bool,
     host_elementwise: bool,
+    tensor_parallel: Option<TensorParallel>,
 }
 
 impl WeightStore {
@@ -140,6 +170,7 @@ impl WeightStore {
             host_kernel: false,
             host_matvec: false,
             host_elementwise: false,
+            tensor_parallel: None,
         })
     }
 
@@ -177,6 +208,72 @@ impl WeightStore {
         self.host_elementwise
     }
 
+    /// Loads this checkpoint as one rank's shard of a tensor-parallel job over `group`: the
+    /// architecture names its split ([`WeightStore::shard_modules`]) and each split tensor is
+    /// taken as this rank's slice.
+    pub fn set_tensor_parallel(&mut self, group: Option<Arc<Group>>) {
+        self.tensor_parallel = group.map(|group| TensorParallel { group, plan: None });
+    }
+
+    /// Number of ranks the layers are split over (1 without tensor parallelism).
+    pub fn ranks(&self) -> usize {
+        self.tensor_parallel
+            .as_ref()
+            .map_or(1, |tp| tp.group.size())
+    }
+
+    /// The architecture's tensor-parallel split: every module whose path ends with a suffix of
+    /// `plan` is split that way from now on.
+    pub fn shard_modules(&mut self, plan: &'static [(&'static str, Sharding)]) {
+        if let Some(tp) = &mut self.tensor_parallel {
+            tp.plan = Some(plan);
+        }
+    }
+
+    /// Whether a tensor-parallel load was asked for and the architecture has no split for it.
+    pub fn unsharded(&self) -> bool {
+        self.tensor_parallel
+            .as_ref()
+            .is_some_and(|tp| tp.plan.is_none())
+    }
+
+    /// The group whose ranks' outputs of the layer at `module` must be summed (an
+    /// [`Sharding::Inputs`] layer), if any.
+    pub fn all_sum_group(&self, module: &str) -> Option<Arc<Group>> {
+        let tp = self.tensor_parallel.as_ref()?;
+        (tp.sharding_of(module)? == Sharding::Inputs).then(|| tp.group.clone())
+    }
+
+    /// This rank's slice of the tensor `name` when its module is split; the tensor itself
+    /// otherwise.
+    fn shard(&self, name: &str, a: Array) -> Result<Array> {
+        let Some(tp) = &self.tensor_parallel else {
+            return Ok(a);
+        };
+        let Some((module, leaf)) = name.rsplit_once('.') else {
+            return Ok(a);
+        };
+        let Some(kind) = tp.sharding_of(module) else {
+            return Ok(a);
+        };
+        let last = a.ndim() as i32 - 1;
+        let axis = match (kind, leaf) {
+            (Sharding::Outputs, "bias") => last,
+            (Sharding::Outputs, _) => (last - 1).max(0),
+            (Sharding::Inputs, "bias") => return Ok(a),
+            (Sharding::Inputs, _) => last,
+        };
+        let (n, len) = (tp.group.size() as i32, a.shape()[axis as usize]);
+        if len % n != 0 {
+            return Err(self.err(format!(
+                "tensor `{name}` has {len} entries along axis {axis}, which do not split evenly \
+                 over {n} ranks; run this model on a number of ranks that divides it"
+            )));
+        }
+        let mut parts = a.split_equal(n, axis)?;
+        Ok(parts.swap_remove(tp.group.rank()).contiguous()?)
+    }
+
     /// Builds a store from tensors already in memory (tests, importers).
     pub fn from_tensors(dir: &Path, tensors: HashMap<String, Array>, quant: QuantConfig) -> Self {
         Self {
@@ -186,6 +283,7 @@ impl WeightStore {
             host_kernel: false,
             host_matvec: false,
             host_elementwise: false,
+            tensor_parallel: None,
         }
     }
 
@@ -230,11 +328,12 @@ impl WeightStore {
 
     /// Takes a required tensor of any shape.
     pub fn take_any(&mut self, name: &str) -> Result<Array> {
-        self.tensors.remove(name).ok_or_else(|| {
+        let a = self.tensors.remove(name).ok_or_else(|| {
             self.err(format!(
                 "tensor `{name}` is missing; the checkpoint does not match config.json"
             ))
-        })
+        })?;
+        self.shard(name, a)
     }
 
     /// Takes an optional tensor and checks its shape if present.

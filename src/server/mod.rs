@@ -11,6 +11,7 @@
 //! - `queue` — the bounded job queue (503 when full);
 //! - `worker` — the engine thread and its events;
 //! - `batching` — continuous batching of requests on the engine thread (`--max-batch`);
+//! - `ranks` — serving across ranks (`mlxb launch`): rank 0's requests run on every rank;
 //! - `stop` — stop strings on streamed text;
 //! - `metrics` — Prometheus counters and histograms;
 //! - `web` — the chat page served at `/`.
@@ -24,6 +25,7 @@ pub mod metrics;
 pub mod prefix;
 pub mod prefix_store;
 pub mod queue;
+pub mod ranks;
 pub mod request;
 pub mod respond;
 pub mod routes;
@@ -108,6 +110,16 @@ pub struct ServeConfig {
 /// engine thread touches MLX.
 pub fn serve(cfg: ServeConfig) -> anyhow::Result<()> {
     let started = Instant::now();
+    if let Some(group) = crate::engine::distributed::world().filter(|g| !g.is_leader()) {
+        // Rank 0 serves HTTP; this rank runs its generations over its shard of the model. It
+        // ends when rank 0 says so: Ctrl-C in the terminal reaches every rank, and rank 0
+        // shuts down gracefully, so this rank ignores it.
+        // SAFETY: setting a signal's disposition to "ignore" before any handler is installed.
+        unsafe {
+            libc::signal(libc::SIGINT, libc::SIG_IGN);
+        }
+        return Ok(worker::follow(&engine_config(&cfg), &group)?);
+    }
     let loopback = bind::check_host(&cfg.host, cfg.allow_remote)?;
     if !loopback && cfg.api_key.is_none() {
         eprintln!(
@@ -118,24 +130,7 @@ pub fn serve(cfg: ServeConfig) -> anyhow::Result<()> {
     let metrics = Arc::new(metrics::Metrics::default());
     let shutdown = Arc::new(AtomicBool::new(false));
     let (queue, jobs) = queue::JobQueue::new(cfg.max_queue);
-    let engine = worker::spawn(
-        worker::EngineConfig {
-            dir: cfg.dir.clone(),
-            spec: cfg.spec.clone(),
-            prefill_step_size: cfg.prefill_step_size,
-            prefix_reuse: cfg.prefix_reuse,
-            forks: cfg.forks,
-            kv_config: cfg.kv_config.clone(),
-            startup: cfg.startup.clone(),
-            max_batch: cfg.max_batch,
-            prompt_cache_bytes: cfg.prompt_cache_bytes,
-            prompt_concurrency: cfg.prompt_concurrency,
-            draft_policy: cfg.draft_policy,
-        },
-        jobs,
-        metrics.clone(),
-        shutdown.clone(),
-    )?;
+    let engine = worker::spawn(engine_config(&cfg), jobs, metrics.clone(), shutdown.clone())?;
     let tokenizer = Tokenizer::load(&cfg.dir)?;
     let model_id = model_id(&cfg);
     // Requests name the served id (or a built-in short name such as `gemma3`), never a path.
@@ -206,6 +201,23 @@ pub fn serve(cfg: ServeConfig) -> anyhow::Result<()> {
         eprintln!("mlxb serve: the engine did not stop within 10 s; exiting anyway");
     }
     Ok(())
+}
+
+/// What the engine thread loads for `cfg`.
+fn engine_config(cfg: &ServeConfig) -> worker::EngineConfig {
+    worker::EngineConfig {
+        dir: cfg.dir.clone(),
+        spec: cfg.spec.clone(),
+        prefill_step_size: cfg.prefill_step_size,
+        prefix_reuse: cfg.prefix_reuse,
+        forks: cfg.forks,
+        kv_config: cfg.kv_config.clone(),
+        startup: cfg.startup.clone(),
+        max_batch: cfg.max_batch,
+        prompt_cache_bytes: cfg.prompt_cache_bytes,
+        prompt_concurrency: cfg.prompt_concurrency,
+        draft_policy: cfg.draft_policy,
+    }
 }
 
 /// The id requests use: the model directory's name.

@@ -6,9 +6,11 @@ use super::batching;
 use super::error::ApiError;
 use super::metrics::{Finished, Metrics};
 use super::prefix::PrefixCache;
+use super::ranks;
 use super::request::CompletionRequest;
 use super::stop::StopMatcher;
 use super::types::{Timings, Usage};
+use crate::engine::distributed::{self, Group};
 use crate::engine::error::{EngineError, Result};
 use crate::engine::forks::Forks;
 use crate::engine::generate::Speculator;
@@ -163,6 +165,7 @@ pub fn spawn(
                 }
             };
             let mut next = None;
+            let ranks = state.ranks.clone();
             while let Some(job) = next.take().or_else(|| jobs.recv().ok()) {
                 if state.info.max_batch > 1 && batching::fits_batch(&job, &state.session.tokenizer)
                 {
@@ -178,6 +181,11 @@ pub fn spawn(
                     state.serve(job, &metrics, &shutdown);
                 }
             }
+            if let Some(group) = ranks {
+                if let Err(err) = ranks::send_end(&group) {
+                    eprintln!("mlxb serve: {err}");
+                }
+            }
         })?;
     let info = ready_rx
         .recv()
@@ -185,8 +193,30 @@ pub fn spawn(
     Ok(Engine { info, handle })
 }
 
+/// Runs this rank's side of a server whose rank 0 takes the requests: loads the same model
+/// shard by shard, then runs every generation rank 0 sends until rank 0 stops.
+pub fn follow(cfg: &EngineConfig, group: &Group) -> Result<()> {
+    let mut state = State::open(cfg)?;
+    while let Some(order) = ranks::receive(group)? {
+        let carry = state.prefix.prepare(&order.prompt_ids);
+        let outcome = generate_text(
+            &mut state.session,
+            &order.prompt_ids,
+            &order.params,
+            None,
+            Some(carry),
+            |_| ranks::following(group),
+        );
+        state.prefix.finish(&order.prompt_ids, outcome.is_ok());
+        outcome?;
+    }
+    Ok(())
+}
+
 /// The engine thread's state.
 struct State {
+    /// The other ranks that run each generation with this one (rank 0), if any.
+    ranks: Option<Arc<Group>>,
     session: Session,
     drafter: Option<(Box<dyn DraftSource>, SpecOptions)>,
     info: EngineInfo,
@@ -242,8 +272,15 @@ impl State {
             max_batch: 1,
             batch_note: None,
         };
+        let ranks = distributed::world();
+        if let Some(group) = &ranks {
+            info.backend = format!("{}, {} ranks (tensor parallel)", info.backend, group.size());
+        }
         let slot_drafting = cfg.spec.as_ref().filter(|o| drafts_per_slot(o)).cloned();
-        if cfg.max_batch > 1 {
+        if ranks.is_some() && cfg.max_batch > 1 {
+            info.batch_note =
+                Some("requests decode one at a time across ranks (as mlx-lm's server)".into());
+        } else if cfg.max_batch > 1 {
             if info.drafter.is_some() && slot_drafting.is_none() {
                 info.batch_note = Some(
                     "this drafter reads the target's caches of each request, so its requests decode one at a time (every drafter but the assistant drafts per slot)"
@@ -281,6 +318,7 @@ impl State {
             )?);
         }
         let mut state = Self {
+            ranks,
             session,
             drafter,
             info,
@@ -380,15 +418,29 @@ impl State {
         let mut last_token: Option<Instant> = None;
         let mut gone = false;
         let send = |event: Event| job.events.send(event).is_ok();
+        let params = match self.ranks.as_deref() {
+            Some(group) => {
+                let params = ranks::seeded(&req.params);
+                ranks::send(
+                    group,
+                    &ranks::Order {
+                        prompt_ids: job.prompt_ids.clone(),
+                        params: params.clone(),
+                    },
+                )?;
+                params
+            }
+            None => req.params.clone(),
+        };
         let carry = self.prefix.prepare(&job.prompt_ids);
         let cached_tokens = carry.reused;
         let outcome = generate_text(
             &mut self.session,
             &job.prompt_ids,
-            &req.params,
+            &params,
             spec.as_mut().map(|s| -> &mut dyn Speculator { s }),
             Some(carry),
-            |event| {
+            ranks::leading(self.ranks.as_deref(), |event| {
                 let (text, step) = match event {
                     TextEvent::Token { step, text } => (text, Some(step)),
                     TextEvent::Tail(text) => (text, None),
@@ -415,7 +467,7 @@ impl State {
                 gone |= job.events.is_closed();
                 let stop = gone || stopper.stopped() || shutdown.load(Ordering::Relaxed);
                 Ok(if stop { Flow::Stop } else { Flow::Continue })
-            },
+            }),
         );
         self.prefix.finish(&job.prompt_ids, outcome.is_ok());
         let outcome = outcome?;

@@ -11,7 +11,7 @@ use crate::engine::cache::{AttentionMask, KvCache};
 use crate::engine::error::Result;
 use crate::engine::kernels::{HostDecoder, HostLayer};
 use crate::engine::nn::{Embedding, Linear, RmsNorm};
-use crate::engine::weights::WeightStore;
+use crate::engine::weights::{Sharding, WeightStore};
 use mlx_rs::Array;
 use serde::Deserialize;
 
@@ -162,14 +162,15 @@ fn load(
     }
     let s = &c.sizes;
     let (d, vocab, eps) = (s.hidden_size, s.vocab_size, s.rms_norm_eps);
+    let (attention, intermediate) = split_over_ranks(spec, w, &c)?;
     let mut layers = Vec::new();
     for i in 0..s.num_hidden_layers {
         layers.push(Block::load(
             w,
             &format!("model.layers.{i}"),
-            c.attention.clone(),
+            attention.clone(),
             c.rope.clone(),
-            s.intermediate_size,
+            intermediate,
             parts.mlp_bias,
             eps,
         )?);
@@ -190,6 +191,51 @@ fn load(
         // Only under `--perf-kernel on` (tier L3): every other run keeps MLX's bits.
         host_step: (parts.host_step && w.host_kernel()).then(HostStep::default),
     }))
+}
+
+/// mlx-lm's `Model.shard` for llama, qwen2 and qwen3: q/k/v and gate/up split by outputs,
+/// o and down by inputs (summed over the ranks); embeddings, norms and the head whole.
+const TENSOR_PARALLEL: &[(&str, Sharding)] = &[
+    (".self_attn.q_proj", Sharding::Outputs),
+    (".self_attn.k_proj", Sharding::Outputs),
+    (".self_attn.v_proj", Sharding::Outputs),
+    (".self_attn.o_proj", Sharding::Inputs),
+    (".mlp.gate_proj", Sharding::Outputs),
+    (".mlp.up_proj", Sharding::Outputs),
+    (".mlp.down_proj", Sharding::Inputs),
+];
+
+/// Each layer's attention shape and MLP width on this rank: the whole model's, or under tensor
+/// parallelism its share of the heads and of the MLP (mlx-lm's `n_heads //= N`), refused with
+/// the config field at fault where they do not divide.
+fn split_over_ranks(
+    spec: &ModelSpec,
+    w: &mut WeightStore,
+    c: &DecoderConfig,
+) -> Result<(AttentionShape, i32)> {
+    let ranks = w.ranks() as i32;
+    if ranks == 1 {
+        return Ok((c.attention.clone(), c.sizes.intermediate_size));
+    }
+    w.shard_modules(TENSOR_PARALLEL);
+    let a = &c.attention;
+    let fields = [
+        ("num_attention_heads", a.n_heads),
+        ("num_key_value_heads", a.n_kv_heads),
+        ("intermediate_size", c.sizes.intermediate_size),
+    ];
+    if let Some((field, n)) = fields.iter().find(|(_, n)| n % ranks != 0) {
+        return Err(spec.field_error(
+            field,
+            &format!("is {n}, which does not split over {ranks} ranks; run this model on a number of ranks that divides it"),
+        ));
+    }
+    let attention = AttentionShape {
+        n_heads: a.n_heads / ranks,
+        n_kv_heads: a.n_kv_heads / ranks,
+        ..a.clone()
+    };
+    Ok((attention, c.sizes.intermediate_size / ranks))
 }
 
 /// Builds the model from config.json and the checkpoint's tensors.

@@ -388,8 +388,21 @@ impl LoadedModel {
     }
 }
 
+/// The model types whose layers split over the ranks of a tensor-parallel job, as mlx-lm's
+/// `Model.shard` splits them.
+pub const TENSOR_PARALLEL_TYPES: &[&str] = &["llama", "mistral", "qwen2", "qwen3"];
+
 /// Reads config.json in `dir`, picks the architecture and loads the weights into it.
 pub fn load(dir: &Path, forks: Forks) -> Result<LoadedModel> {
+    load_on_ranks(dir, forks, None)
+}
+
+/// [`load`] as this rank's shard of a tensor-parallel model over `group` (whole when `None`).
+pub fn load_on_ranks(
+    dir: &Path,
+    forks: Forks,
+    group: Option<std::sync::Arc<crate::engine::distributed::Group>>,
+) -> Result<LoadedModel> {
     let config_path = dir.join("config.json");
     let text = std::fs::read_to_string(&config_path).map_err(|e| {
         EngineError::file(
@@ -434,7 +447,19 @@ pub fn load(dir: &Path, forks: Forks) -> Result<LoadedModel> {
     weights.set_host_kernel(forks.host_q4());
     weights.set_host_matvec(forks.host_dense());
     weights.set_host_elementwise(forks.host_elem());
+    let ranks = group.as_ref().map_or(1, |g| g.size());
+    weights.set_tensor_parallel(group);
     let model = builder(&spec, &mut weights)?;
+    if weights.unsharded() {
+        return Err(EngineError::file(
+            &spec.config_path,
+            format!(
+                "model_type \"{model_type}\" has no tensor-parallel form, so it cannot run on \
+                 {ranks} ranks (mlxb splits {}); run it as one process",
+                TENSOR_PARALLEL_TYPES.join(", ")
+            ),
+        ));
+    }
     weights.finish()?;
     let plan =
         super::plan::ForkPlan::new(forks, &spec.config_path, &config, model.make_caches().len())?;

@@ -358,7 +358,13 @@ pub(super) fn build_text(
         let ffn = if a.num_experts > 0 {
             FeedForward::Moe(Box::new(SparseMoe::load(w, &mlp, moe)?))
         } else {
-            FeedForward::Dense(GatedMlp::load(w, &mlp, d, a.intermediate_size, false)?)
+            FeedForward::Dense(Box::new(GatedMlp::load(
+                w,
+                &mlp,
+                d,
+                a.intermediate_size,
+                false,
+            )?))
         };
         layers.push(Block {
             mixer,

@@ -107,7 +107,13 @@ pub fn build(spec: &ModelSpec, w: &mut WeightStore) -> Result<Box<dyn LanguageMo
             stack_experts(w, &mlp, a.num_experts)?;
             FeedForward::Moe(Box::new(SparseMoe::load(w, &mlp, moe)?))
         } else {
-            FeedForward::Dense(GatedMlp::load(w, &mlp, d, a.intermediate_size, false)?)
+            FeedForward::Dense(Box::new(GatedMlp::load(
+                w,
+                &mlp,
+                d,
+                a.intermediate_size,
+                false,
+            )?))
         };
         layers.push(Block {
             attn: GqaAttention::load(w, &format!("{p}.self_attn"), shape.clone(), rope.clone())?,

@@ -278,7 +278,7 @@ pub fn stack_experts(w: &mut WeightStore, prefix: &str, experts: i32) -> Result<
 /// A layer's feed-forward: a dense SwiGLU MLP or a sparse MoE block.
 pub enum FeedForward {
     /// `down(swiglu(gate(x), up(x)))`.
-    Dense(GatedMlp),
+    Dense(Box<GatedMlp>),
     /// Routed experts.
     Moe(Box<SparseMoe>),
 }
