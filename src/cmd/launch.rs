@@ -248,8 +248,8 @@ pub fn run(args: LaunchArgs) -> anyhow::Result<()> {
         .suffix(".json")
         .tempfile()?;
     std::fs::write(ring_file.path(), &ring)?;
-    // Ctrl-C or a SIGTERM to the launcher goes to every rank (a server's rank 0 then shuts
-    // down gracefully and ends the other ranks); the launcher waits for them.
+    // Ctrl-C or a SIGTERM to the launcher goes on to the ranks (a server's rank 0 shuts down
+    // gracefully and ends the other ranks); the launcher waits for them.
     // SAFETY: the handler only stores to an atomic.
     unsafe {
         libc::signal(libc::SIGINT, note_signal as *const () as libc::sighandler_t);
@@ -278,15 +278,23 @@ pub fn run(args: LaunchArgs) -> anyhow::Result<()> {
             }
         }
     }
-    supervise(&mut children, &plan.hosts)
+    // A server's other ranks end when its rank 0 tells them; a generation's ranks are stopped
+    // alike.
+    let signalled = if sub == "serve" { 1 } else { children.len() };
+    supervise(&mut children, &plan.hosts, signalled)
 }
 
-/// Waits for every rank; the first to fail stops the others and sets the exit status.
-fn supervise(children: &mut [Option<Child>], hosts: &[RankHost]) -> anyhow::Result<()> {
+/// Waits for every rank; the first to fail stops the others and sets the exit status. A signal
+/// the launcher receives goes on to the first `signalled` ranks.
+fn supervise(
+    children: &mut [Option<Child>],
+    hosts: &[RankHost],
+    signalled: usize,
+) -> anyhow::Result<()> {
     loop {
         let sig = RECEIVED.swap(0, Ordering::SeqCst);
         if sig != 0 {
-            for child in children.iter().flatten() {
+            for child in children.iter().take(signalled).flatten() {
                 // SAFETY: signalling a child process this launcher started and has not reaped.
                 unsafe {
                     libc::kill(child.id() as i32, sig);

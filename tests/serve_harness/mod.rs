@@ -66,10 +66,36 @@ impl Server {
         for (k, v) in env {
             cmd.env(k, v);
         }
+        cmd.args(extra).stderr(Stdio::inherit());
+        Server::start_command(cmd, extra)
+    }
+
+    /// Starts the server on `model` as two ranks (`mlxb launch -n 2`, the ring from `port`),
+    /// with stderr kept for [`Server::stderr_text`].
+    pub fn start_launched(port: &str, model: &str) -> Server {
+        let mut cmd = common::mlxb_command(&[
+            "launch",
+            "-n",
+            "2",
+            "--starting-port",
+            port,
+            "--",
+            "serve",
+            "--model",
+            model,
+            "--host",
+            "127.0.0.1",
+            "--port",
+            "0",
+        ]);
+        cmd.stderr(Stdio::piped());
+        Server::start_command(cmd, &[])
+    }
+
+    /// Starts `cmd` (a server whose ready card goes to stdout) and waits for it.
+    fn start_command(mut cmd: std::process::Command, extra: &[&str]) -> Server {
         let mut child = cmd
-            .args(extra)
             .stdout(Stdio::piped())
-            .stderr(Stdio::inherit())
             .spawn()
             .expect("cannot start mlxb serve");
         let stdout = child.stdout.take().unwrap();
@@ -111,6 +137,29 @@ impl Server {
             std::thread::sleep(Duration::from_millis(100));
         }
         server
+    }
+
+    /// Waits up to `secs` for the server process to exit; its exit code (`None`: still
+    /// running, or ended by a signal).
+    pub fn wait_exit(&mut self, secs: u64) -> Option<i32> {
+        let deadline = Instant::now() + Duration::from_secs(secs);
+        while Instant::now() < deadline {
+            if let Ok(Some(status)) = self.child.try_wait() {
+                return status.code();
+            }
+            std::thread::sleep(Duration::from_millis(50));
+        }
+        None
+    }
+
+    /// Everything the server wrote to stderr (for a server started with stderr piped, once
+    /// it has exited).
+    pub fn stderr_text(&mut self) -> String {
+        let mut text = String::new();
+        if let Some(mut e) = self.child.stderr.take() {
+            let _ = std::io::Read::read_to_string(&mut e, &mut text);
+        }
+        text
     }
 
     pub fn url(&self, path: &str) -> String {
