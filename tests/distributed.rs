@@ -65,7 +65,15 @@ fn oracle(model: &Path, prompt: &[u32], max_tokens: usize) -> Value {
     let launcher = common::python().with_file_name("mlx.launch");
     let port = ring_port();
     let out = std::process::Command::new(launcher)
-        .args(["-n", "2", "--backend", "ring", "--starting-port", &port, "--"])
+        .args([
+            "-n",
+            "2",
+            "--backend",
+            "ring",
+            "--starting-port",
+            &port,
+            "--",
+        ])
         .arg(common::python())
         .arg(common::root().join("tests/oracle/sharded_generate.py"))
         .arg(model)
@@ -80,7 +88,10 @@ fn oracle(model: &Path, prompt: &[u32], max_tokens: usize) -> Value {
         "mlx-lm's sharded generation failed:\n{}",
         String::from_utf8_lossy(&out.stderr)
     );
-    let line = text.lines().find(|l| l.starts_with('{')).unwrap_or_default();
+    let line = text
+        .lines()
+        .find(|l| l.starts_with('{'))
+        .unwrap_or_default();
     serde_json::from_str(line).unwrap_or_else(|_| panic!("oracle printed no JSON: {text}"))
 }
 
@@ -113,9 +124,15 @@ fn two_ranks_generate_what_mlx_lm_generates_on_two_ranks_bit_for_bit() {
         "vocab_size": 384, "tie_word_embeddings": false
     });
     let models = [
-        ("llama-f32", tiny("llama-f32", common::tiny_llama(json!({})), "f32", &[])),
+        (
+            "llama-f32",
+            tiny("llama-f32", common::tiny_llama(json!({})), "f32", &[]),
+        ),
         ("qwen2-bf16", tiny("qwen2-bf16", qwen2, "bf16", &[])),
-        ("qwen3-f32", tiny("qwen3-f32", common::tiny_qwen3(json!({})), "f32", &[])),
+        (
+            "qwen3-f32",
+            tiny("qwen3-f32", common::tiny_qwen3(json!({})), "f32", &[]),
+        ),
         (
             "llama-4bit",
             tiny(
@@ -132,7 +149,10 @@ fn two_ranks_generate_what_mlx_lm_generates_on_two_ranks_bit_for_bit() {
         let model = dir.to_str().unwrap();
         let ours = two_ranks(model, &prompt, 12, &[]);
         let theirs = oracle(dir, &prompt, 12);
-        assert_eq!(ours, theirs, "{name}: two mlxb ranks differ from mlx-lm's two ranks");
+        assert_eq!(
+            ours, theirs,
+            "{name}: two mlxb ranks differ from mlx-lm's two ranks"
+        );
         any_differs_from_one_process |= one_process(model, &prompt, 12) != ours;
         // Drafting across ranks changes nothing (the drafter runs on every rank alike).
         let drafted = two_ranks(model, &prompt, 12, &["--draft-kind", "ngram"]);
@@ -156,8 +176,12 @@ fn qwen_coder_05b_on_two_ranks_matches_mlx_lm_on_two_ranks() {
         &cache_env(),
     );
     assert_eq!(code, 0, "{err}");
-    let dir = PathBuf::from(cache_env()[0].1).join("mlxb/models").join(name);
-    let prompt: Vec<u32> = vec![750, 15801, 1445, 1648, 198, 262, 421, 308, 2651, 220, 16, 25];
+    let dir = PathBuf::from(cache_env()[0].1)
+        .join("mlxb/models")
+        .join(name);
+    let prompt: Vec<u32> = vec![
+        750, 15801, 1445, 1648, 198, 262, 421, 308, 2651, 220, 16, 25,
+    ];
     let ours = two_ranks(name, &prompt, 10, &[]);
     assert_eq!(ours, oracle(&dir, &prompt, 10));
 }
@@ -167,18 +191,26 @@ fn models_that_do_not_split_are_refused_with_the_field_at_fault() {
     // SmolLM2-135M's head layout: 3 key/value heads do not split over 2 ranks.
     let dir = tiny(
         "llama-3kv",
-        common::tiny_llama(json!({"num_attention_heads": 6, "num_key_value_heads": 3, "hidden_size": 96})),
+        common::tiny_llama(
+            json!({"num_attention_heads": 6, "num_key_value_heads": 3, "hidden_size": 96}),
+        ),
         "f32",
         &[],
     );
-    let (code, _, err) = launch(&["generate", "--model", dir.to_str().unwrap(), "-m", "2"], &[]);
+    let (code, _, err) = launch(
+        &["generate", "--model", dir.to_str().unwrap(), "-m", "2"],
+        &[],
+    );
     assert_eq!(code, 2, "{err}");
     assert!(
         err.contains("num_key_value_heads") && err.contains("does not split over 2 ranks"),
         "{err}"
     );
     let gemma = tiny("gemma2", common::tiny_gemma2(json!({})), "f32", &[]);
-    let (code, _, err) = launch(&["generate", "--model", gemma.to_str().unwrap(), "-m", "2"], &[]);
+    let (code, _, err) = launch(
+        &["generate", "--model", gemma.to_str().unwrap(), "-m", "2"],
+        &[],
+    );
     assert_eq!(code, 2, "{err}");
     assert!(err.contains("has no tensor-parallel form"), "{err}");
 }
@@ -191,7 +223,10 @@ fn only_generate_and_serve_run_across_ranks() {
     // A rank started by mlx.launch with another subcommand says so instead of waiting.
     let (code, _, err) = common::run_mlxb_env(&["models"], &[("MLX_RANK", "0")]);
     assert_eq!(code, 2);
-    assert!(err.contains("only generate and serve run across ranks"), "{err}");
+    assert!(
+        err.contains("only generate and serve run across ranks"),
+        "{err}"
+    );
     let bad = scratch("bad-hostfile.json");
     std::fs::create_dir_all(bad.parent().unwrap()).unwrap();
     std::fs::write(&bad, r#"[{"ssh": "a", "ips": ["10.0.0.1"]}]"#).unwrap();
@@ -232,7 +267,10 @@ fn a_server_on_two_ranks_answers_an_openai_client_and_stops_cleanly() {
     assert_eq!(status, 200, "{a}");
     let (_, b) = server.post("/v1/chat/completions", &sampled);
     assert_eq!(a["choices"], b["choices"]);
-    let text = first["choices"][0]["message"]["content"].as_str().unwrap().to_owned();
+    let text = first["choices"][0]["message"]["content"]
+        .as_str()
+        .unwrap()
+        .to_owned();
     if let Some(c) = text.chars().nth(2) {
         let mut stopped = body.clone();
         stopped["stop"] = json!([c.to_string()]);
@@ -244,7 +282,10 @@ fn a_server_on_two_ranks_answers_an_openai_client_and_stops_cleanly() {
     }
     // Still in step after the early stop.
     let (_, last) = server.post("/v1/chat/completions", &body);
-    assert_eq!(last["choices"][0]["message"], first["choices"][0]["message"]);
+    assert_eq!(
+        last["choices"][0]["message"],
+        first["choices"][0]["message"]
+    );
     let (status, _) = one.post("/v1/chat/completions", &body);
     assert_eq!(status, 200);
     // SIGTERM to the launcher: rank 0 shuts down, tells rank 1, both exit 0.
@@ -254,6 +295,35 @@ fn a_server_on_two_ranks_answers_an_openai_client_and_stops_cleanly() {
     }
     let status = server.wait_exit(30);
     assert_eq!(status, Some(0), "the launcher did not exit cleanly");
+}
+
+#[test]
+fn a_rank_whose_peers_never_start_gives_up_naming_them() {
+    let port: u16 = ring_port().parse().unwrap();
+    let hostfile = scratch("alone.json");
+    std::fs::create_dir_all(hostfile.parent().unwrap()).unwrap();
+    let ring = json!([
+        [format!("127.0.0.1:{port}")],
+        [format!("127.0.0.1:{}", port + 1)]
+    ]);
+    std::fs::write(&hostfile, ring.to_string()).unwrap();
+    let model = serve_harness::model().to_str().unwrap().to_owned();
+    let started = std::time::Instant::now();
+    let (code, _, err) = common::run_mlxb_env(
+        &["generate", "--model", &model, "-m", "2"],
+        &[
+            ("MLX_RANK", "0"),
+            ("MLX_HOSTFILE", hostfile.to_str().unwrap()),
+            ("MLXB_JOIN_TIMEOUT", "2"),
+        ],
+    );
+    assert_eq!(code, 2, "{err}");
+    assert!(started.elapsed().as_secs() < 30);
+    let want = format!(
+        "rank 0 waited 2 s for rank 1 (127.0.0.1:{}) to connect",
+        port + 1
+    );
+    assert!(err.contains(&want), "{err}");
 }
 
 #[test]
@@ -271,7 +341,10 @@ fn a_rank_that_dies_ends_the_job_naming_it() {
     let status = server.wait_exit(30);
     assert!(matches!(status, Some(c) if c != 0), "{status:?}");
     let err = server.stderr_text();
-    assert!(err.contains("rank 1 (127.0.0.1) was killed by a signal"), "{err}");
+    assert!(
+        err.contains("rank 1 (127.0.0.1) was killed by a signal"),
+        "{err}"
+    );
 }
 
 /// Process ids whose parent is `pid` (Linux /proc).

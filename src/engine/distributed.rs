@@ -75,7 +75,9 @@ pub fn join() -> Result<Option<Arc<Group>>> {
         return Ok(world.clone());
     }
     let world = if launched_as_rank() {
-        init()?.filter(|g| g.size > 1).map(Arc::new)
+        init_within(join_timeout())?
+            .filter(|g| g.size > 1)
+            .map(Arc::new)
     } else {
         None
     };
@@ -85,6 +87,54 @@ pub fn join() -> Result<Option<Arc<Group>>> {
 /// The job joined by [`join`], if any.
 pub fn world() -> Option<Arc<Group>> {
     WORLD.get().cloned().flatten()
+}
+
+/// How long a rank waits for the others to connect (`MLXB_JOIN_TIMEOUT` seconds, default 120).
+fn join_timeout() -> std::time::Duration {
+    let secs = std::env::var("MLXB_JOIN_TIMEOUT")
+        .ok()
+        .and_then(|s| s.parse::<f64>().ok())
+        .filter(|s| *s > 0.0)
+        .unwrap_or(120.0);
+    std::time::Duration::from_secs_f64(secs)
+}
+
+/// [`init`], given up after `timeout`: MLX's ring backend waits for its neighbours without a
+/// limit, so a rank that never starts would leave the others waiting forever.
+fn init_within(timeout: std::time::Duration) -> Result<Option<Group>> {
+    let (tx, rx) = std::sync::mpsc::channel();
+    std::thread::spawn(move || {
+        let _ = tx.send(init());
+    });
+    rx.recv_timeout(timeout).unwrap_or_else(|_| {
+        Err(EngineError::Input(format!(
+            "rank {} waited {:.0} s for {} to connect; start every rank (mlxb launch starts them \
+             all) and check that the addresses are reachable",
+            std::env::var(RANK_ENV).unwrap_or_default(),
+            timeout.as_secs_f64(),
+            other_ranks()
+        )))
+    })
+}
+
+/// The other ranks' addresses, from the ring hostfile (for messages).
+fn other_ranks() -> String {
+    let me: Option<usize> = std::env::var(RANK_ENV).ok().and_then(|r| r.parse().ok());
+    let hosts: Option<Vec<Vec<String>>> = std::env::var_os(HOSTFILE_ENV)
+        .and_then(|p| std::fs::read_to_string(p).ok())
+        .and_then(|t| serde_json::from_str(&t).ok());
+    match hosts {
+        Some(hosts) => {
+            let others: Vec<String> = hosts
+                .iter()
+                .enumerate()
+                .filter(|(r, _)| Some(*r) != me)
+                .map(|(r, a)| format!("rank {r} ({})", a.join(", ")))
+                .collect();
+            others.join(", ")
+        }
+        None => "the other ranks".to_owned(),
+    }
 }
 
 fn init() -> Result<Option<Group>> {
