@@ -21,16 +21,80 @@ pub enum Sharding {
     Inputs,
 }
 
-/// Tensor parallelism of one checkpoint: the ranks, and the architecture's split of its layers
-/// (module-path suffix, kind), set by the architecture's builder.
+/// A tensor-parallel split: (module-path suffix, kind) per split layer; the rest is whole on
+/// every rank.
+pub type ShardPlan = [(&'static str, Sharding)];
+
+/// Tensor parallelism of one checkpoint: the ranks, and the architecture's split of its layers.
 struct TensorParallel {
     group: Arc<Group>,
-    plan: Option<&'static [(&'static str, Sharding)]>,
+    plan: &'static ShardPlan,
+    /// Tensors the loader already read as this rank's part.
+    read_in_part: std::collections::HashSet<String>,
+}
+
+/// The axis a tensor (`leaf`: `weight`, `bias`, `scales`, `biases`) of a layer split `kind` is
+/// split along, as mlx's `shard_linear` splits it; `None` where it stays whole (the bias of an
+/// input-split layer).
+fn split_axis(kind: Sharding, leaf: &str, ndim: usize) -> Option<usize> {
+    let last = ndim.checked_sub(1)?;
+    match (kind, leaf) {
+        (Sharding::Outputs, "bias") => Some(last),
+        (Sharding::Outputs, _) => Some(last.saturating_sub(1)),
+        (Sharding::Inputs, "bias") => None,
+        (Sharding::Inputs, _) => Some(last),
+    }
 }
 
 impl TensorParallel {
+    /// This rank's slice of tensor `name` (`a` itself where its module is not split), copied
+    /// out, so that `a`'s buffer can go.
+    fn cut(&self, name: &str, a: Array) -> Result<Array> {
+        let Some((module, leaf)) = name.rsplit_once('.') else {
+            return Ok(a);
+        };
+        let Some(axis) = self
+            .sharding_of(module)
+            .and_then(|k| split_axis(k, leaf, a.ndim()))
+        else {
+            return Ok(a);
+        };
+        let (n, len) = (self.group.size() as i32, a.shape()[axis]);
+        if len % n != 0 {
+            return Err(EngineError::Input(format!(
+                "tensor `{name}` has {len} entries along axis {axis}, which do not split evenly \
+                 over {n} ranks; run this model on a number of ranks that divides it"
+            )));
+        }
+        let mut parts = a.split_equal(n, axis as i32)?;
+        Ok(parts.swap_remove(self.group.rank()).contiguous()?)
+    }
+
+    /// What the loader reads of tensor `t`: only this rank's part where that is one contiguous
+    /// range (every axis before the split one has size 1) and divides evenly; the whole
+    /// tensor, to [`TensorParallel::cut`] at once, where the part is strided; `None` (whole,
+    /// as usual) otherwise.
+    fn narrowed(&self, t: &loader::TensorEntry) -> Option<loader::Narrowed> {
+        let (module, leaf) = t.name.rsplit_once('.')?;
+        let axis = split_axis(self.sharding_of(module)?, leaf, t.shape.len())?;
+        let n = self.group.size() as u64;
+        let len = t.shape[axis];
+        if len % n != 0 {
+            return None;
+        }
+        if t.shape[..axis].iter().any(|&d| d != 1) || (t.end - t.start) % n != 0 {
+            return Some(loader::Narrowed::Strided);
+        }
+        let part = (t.end - t.start) / n;
+        let mut entry = t.clone();
+        entry.start = t.start + part * self.group.rank() as u64;
+        entry.end = entry.start + part;
+        entry.shape[axis] = len / n;
+        Some(loader::Narrowed::Part(entry))
+    }
+
     fn sharding_of(&self, module: &str) -> Option<Sharding> {
-        self.plan?
+        self.plan
             .iter()
             .find(|(suffix, _)| module.ends_with(suffix))
             .map(|&(_, kind)| kind)
@@ -152,6 +216,23 @@ impl WeightStore {
     /// too), read into memory now, as mlx-lm evaluates a model's parameters at load: the read
     /// then overlaps the tokenizer parse in `Session::open` instead of the first forward.
     pub fn load(dir: &Path, quant: QuantConfig) -> Result<Self> {
+        Self::load_on_ranks(dir, quant, None)
+    }
+
+    /// [`WeightStore::load`] as one rank's shard of a tensor-parallel job over `group`, split
+    /// by `plan`: each split tensor is taken as this rank's slice, and the loader reads only
+    /// that slice where it is a contiguous range of the file (the output-split layers); an
+    /// input-split layer is read whole, on its own, and freed once its slice is copied out.
+    pub fn load_on_ranks(
+        dir: &Path,
+        quant: QuantConfig,
+        ranks: Option<(Arc<Group>, &'static ShardPlan)>,
+    ) -> Result<Self> {
+        let tensor_parallel = ranks.map(|(group, plan)| TensorParallel {
+            group,
+            plan,
+            read_in_part: Default::default(),
+        });
         let files = loader::model_files(dir)?;
         if files.is_empty() {
             return Err(EngineError::file(
@@ -160,8 +241,24 @@ impl WeightStore {
             ));
         }
         let mut tensors = HashMap::new();
+        let mut tensor_parallel = tensor_parallel;
         for f in &files {
-            tensors.extend(loader::load(f)?);
+            match &mut tensor_parallel {
+                None => tensors.extend(loader::load(f)?),
+                Some(tp) => {
+                    let parts = std::cell::RefCell::new(Vec::new());
+                    let narrow = |t: &loader::TensorEntry| {
+                        let n = tp.narrowed(t);
+                        if n.is_some() {
+                            parts.borrow_mut().push(t.name.clone());
+                        }
+                        n
+                    };
+                    let cut = |name: &str, a: Array| tp.cut(name, a);
+                    tensors.extend(loader::load_narrowed(f, &narrow, &cut)?);
+                    tp.read_in_part.extend(parts.into_inner());
+                }
+            }
         }
         Ok(Self {
             dir: dir.to_path_buf(),
@@ -170,7 +267,7 @@ impl WeightStore {
             host_kernel: false,
             host_matvec: false,
             host_elementwise: false,
-            tensor_parallel: None,
+            tensor_parallel,
         })
     }
 
@@ -208,33 +305,11 @@ impl WeightStore {
         self.host_elementwise
     }
 
-    /// Loads this checkpoint as one rank's shard of a tensor-parallel job over `group`: the
-    /// architecture names its split ([`WeightStore::shard_modules`]) and each split tensor is
-    /// taken as this rank's slice.
-    pub fn set_tensor_parallel(&mut self, group: Option<Arc<Group>>) {
-        self.tensor_parallel = group.map(|group| TensorParallel { group, plan: None });
-    }
-
     /// Number of ranks the layers are split over (1 without tensor parallelism).
     pub fn ranks(&self) -> usize {
         self.tensor_parallel
             .as_ref()
             .map_or(1, |tp| tp.group.size())
-    }
-
-    /// The architecture's tensor-parallel split: every module whose path ends with a suffix of
-    /// `plan` is split that way from now on.
-    pub fn shard_modules(&mut self, plan: &'static [(&'static str, Sharding)]) {
-        if let Some(tp) = &mut self.tensor_parallel {
-            tp.plan = Some(plan);
-        }
-    }
-
-    /// Whether a tensor-parallel load was asked for and the architecture has no split for it.
-    pub fn unsharded(&self) -> bool {
-        self.tensor_parallel
-            .as_ref()
-            .is_some_and(|tp| tp.plan.is_none())
     }
 
     /// The group whose ranks' outputs of the layer at `module` must be summed (an
@@ -244,34 +319,15 @@ impl WeightStore {
         (tp.sharding_of(module)? == Sharding::Inputs).then(|| tp.group.clone())
     }
 
-    /// This rank's slice of the tensor `name` when its module is split; the tensor itself
-    /// otherwise.
+    /// This rank's slice of the tensor `name` when its module is split (and the loader has
+    /// not already read only that); the tensor itself otherwise.
     fn shard(&self, name: &str, a: Array) -> Result<Array> {
-        let Some(tp) = &self.tensor_parallel else {
-            return Ok(a);
-        };
-        let Some((module, leaf)) = name.rsplit_once('.') else {
-            return Ok(a);
-        };
-        let Some(kind) = tp.sharding_of(module) else {
-            return Ok(a);
-        };
-        let last = a.ndim() as i32 - 1;
-        let axis = match (kind, leaf) {
-            (Sharding::Outputs, "bias") => last,
-            (Sharding::Outputs, _) => (last - 1).max(0),
-            (Sharding::Inputs, "bias") => return Ok(a),
-            (Sharding::Inputs, _) => last,
-        };
-        let (n, len) = (tp.group.size() as i32, a.shape()[axis as usize]);
-        if len % n != 0 {
-            return Err(self.err(format!(
-                "tensor `{name}` has {len} entries along axis {axis}, which do not split evenly \
-                 over {n} ranks; run this model on a number of ranks that divides it"
-            )));
+        match &self.tensor_parallel {
+            Some(tp) if !tp.read_in_part.contains(name) => {
+                tp.cut(name, a).map_err(|e| self.err(e.to_string()))
+            }
+            _ => Ok(a),
         }
-        let mut parts = a.split_equal(n, axis)?;
-        Ok(parts.swap_remove(tp.group.rank()).contiguous()?)
     }
 
     /// Builds a store from tensors already in memory (tests, importers).

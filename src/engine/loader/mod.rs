@@ -73,10 +73,58 @@ pub struct Loaded {
     pub own_buffers: usize,
 }
 
+/// What a partial load reads of one tensor ([`load_narrowed`]).
+#[derive(Debug, Clone)]
+pub enum Narrowed {
+    /// Only this part of it: a contiguous byte range with its shape.
+    Part(TensorEntry),
+    /// A strided part: the tensor is read whole on its own, cut, and its buffer freed before
+    /// the next one is read.
+    Strided,
+}
+
 /// [`load`] with explicit layout options.
 pub fn load_with(path: &Path, opts: LoadOptions) -> Result<Loaded> {
-    let header = read_header(path)?;
-    let segments = plan_segments(path, &header, opts)?;
+    read_tensors(path, &read_header(path)?, opts)
+}
+
+/// [`load`] of the parts of tensors `narrow` asks for (a tensor-parallel rank's shard): each
+/// tensor is read whole (`None`), only in part, or whole and then cut by `cut` (name, tensor)
+/// one at a time, so that at most one whole strided tensor is in memory.
+pub fn load_narrowed(
+    path: &Path,
+    narrow: &dyn Fn(&TensorEntry) -> Option<Narrowed>,
+    cut: &dyn Fn(&str, Array) -> Result<Array>,
+) -> Result<HashMap<String, Array>> {
+    let mut header = read_header(path)?;
+    let mut strided = Vec::new();
+    let mut kept = Vec::with_capacity(header.tensors.len());
+    for t in header.tensors.drain(..) {
+        match narrow(&t) {
+            Some(Narrowed::Part(part)) => kept.push(part),
+            Some(Narrowed::Strided) => strided.push(t),
+            None => kept.push(t),
+        }
+    }
+    header.tensors = kept;
+    let mut out = read_tensors(path, &header, LoadOptions::default())?.tensors;
+    for t in strided {
+        header.tensors = vec![t];
+        let whole = read_tensors(path, &header, LoadOptions::default())?.tensors;
+        for (name, a) in whole {
+            let part = cut(&name, a)?;
+            part.eval()?;
+            out.insert(name, part);
+        }
+        // The whole tensor's buffer back to the system, not to MLX's cache.
+        mlx_rs::memory::clear_cache()?;
+    }
+    Ok(out)
+}
+
+/// Reads `header`'s tensors of `path`.
+fn read_tensors(path: &Path, header: &Header, opts: LoadOptions) -> Result<Loaded> {
+    let segments = plan_segments(path, header, opts)?;
     let (seg_arrays, shifts) = reader::read_segments(path, &segments)?;
     let mut out = HashMap::with_capacity(header.tensors.len());
     let mut own_buffers = 0;
@@ -146,7 +194,8 @@ struct Segment {
 }
 
 /// Groups the (sorted, non-empty) tensors into contiguous byte ranges of the data section,
-/// each at most `segment_max` long unless one tensor alone is longer.
+/// each at most `segment_max` long unless one tensor alone is longer; bytes between tensors
+/// (parts left out by a narrowed load) are not read.
 fn plan_segments(path: &Path, header: &Header, opts: LoadOptions) -> Result<Vec<Segment>> {
     let segment_max = opts.segment_max.min(SEGMENT_MAX);
     // (start, end, every tensor aligned in the file for its dtype)
@@ -165,7 +214,7 @@ fn plan_segments(path: &Path, header: &Header, opts: LoadOptions) -> Result<Vec<
         let itemsize = mlx_dtype(&t.dtype).map_or(1, |(_, n)| n);
         let aligned = (header.data_start + t.start).is_multiple_of(itemsize);
         match ranges.last_mut() {
-            Some((s, e, ok)) if t.end.max(*e) - *s <= segment_max => {
+            Some((s, e, ok)) if t.start <= *e && t.end.max(*e) - *s <= segment_max => {
                 *e = t.end.max(*e);
                 *ok &= aligned;
             }

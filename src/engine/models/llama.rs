@@ -11,7 +11,7 @@ use crate::engine::cache::{AttentionMask, KvCache};
 use crate::engine::error::Result;
 use crate::engine::kernels::{HostDecoder, HostLayer};
 use crate::engine::nn::{Embedding, Linear, RmsNorm};
-use crate::engine::weights::{Sharding, WeightStore};
+use crate::engine::weights::{ShardPlan, Sharding, WeightStore};
 use mlx_rs::Array;
 use serde::Deserialize;
 
@@ -195,7 +195,7 @@ fn load(
 
 /// mlx-lm's `Model.shard` for llama, qwen2 and qwen3: q/k/v and gate/up split by outputs,
 /// o and down by inputs (summed over the ranks); embeddings, norms and the head whole.
-const TENSOR_PARALLEL: &[(&str, Sharding)] = &[
+pub(super) const TENSOR_PARALLEL: &ShardPlan = &[
     (".self_attn.q_proj", Sharding::Outputs),
     (".self_attn.k_proj", Sharding::Outputs),
     (".self_attn.v_proj", Sharding::Outputs),
@@ -210,14 +210,13 @@ const TENSOR_PARALLEL: &[(&str, Sharding)] = &[
 /// the config field at fault where they do not divide.
 fn split_over_ranks(
     spec: &ModelSpec,
-    w: &mut WeightStore,
+    w: &WeightStore,
     c: &DecoderConfig,
 ) -> Result<(AttentionShape, i32)> {
     let ranks = w.ranks() as i32;
     if ranks == 1 {
         return Ok((c.attention.clone(), c.sizes.intermediate_size));
     }
-    w.shard_modules(TENSOR_PARALLEL);
     let a = &c.attention;
     let fields = [
         ("num_attention_heads", a.n_heads),

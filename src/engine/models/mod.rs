@@ -25,7 +25,7 @@ pub mod switch;
 use super::cache::KvCache;
 use super::error::{EngineError, Result};
 use super::forks::Forks;
-use super::weights::{QuantConfig, WeightStore};
+use super::weights::{QuantConfig, ShardPlan, WeightStore};
 use mlx_rs::Array;
 use serde::de::DeserializeOwned;
 use std::path::{Path, PathBuf};
@@ -388,9 +388,14 @@ impl LoadedModel {
     }
 }
 
-/// The model types whose layers split over the ranks of a tensor-parallel job, as mlx-lm's
-/// `Model.shard` splits them.
-pub const TENSOR_PARALLEL_TYPES: &[&str] = &["llama", "mistral", "qwen2", "qwen3"];
+/// The model types whose layers split over the ranks of a tensor-parallel job, with their
+/// split (mlx-lm's `Model.shard` of each).
+const TENSOR_PARALLEL: &[(&str, &ShardPlan)] = &[
+    ("llama", llama::TENSOR_PARALLEL),
+    ("mistral", llama::TENSOR_PARALLEL),
+    ("qwen2", llama::TENSOR_PARALLEL),
+    ("qwen3", llama::TENSOR_PARALLEL),
+];
 
 /// Reads config.json in `dir`, picks the architecture and loads the weights into it.
 pub fn load(dir: &Path, forks: Forks) -> Result<LoadedModel> {
@@ -443,23 +448,33 @@ pub fn load_on_ranks(
     };
     spec.check_sizes()?;
     let quant = QuantConfig::from_config(&spec.config_path, &config)?;
-    let mut weights = WeightStore::load(dir, quant)?;
+    let ranks = match group {
+        None => None,
+        Some(group) => {
+            let plan = TENSOR_PARALLEL
+                .iter()
+                .find(|(t, _)| *t == model_type)
+                .map(|(_, plan)| *plan)
+                .ok_or_else(|| {
+                    let split: Vec<&str> = TENSOR_PARALLEL.iter().map(|(t, _)| *t).collect();
+                    EngineError::file(
+                        &spec.config_path,
+                        format!(
+                            "model_type \"{model_type}\" has no tensor-parallel form, so it cannot \
+                             run on {} ranks (mlxb splits {}); run it as one process",
+                            group.size(),
+                            split.join(", ")
+                        ),
+                    )
+                })?;
+            Some((group, plan))
+        }
+    };
+    let mut weights = WeightStore::load_on_ranks(dir, quant, ranks)?;
     weights.set_host_kernel(forks.host_q4());
     weights.set_host_matvec(forks.host_dense());
     weights.set_host_elementwise(forks.host_elem());
-    let ranks = group.as_ref().map_or(1, |g| g.size());
-    weights.set_tensor_parallel(group);
     let model = builder(&spec, &mut weights)?;
-    if weights.unsharded() {
-        return Err(EngineError::file(
-            &spec.config_path,
-            format!(
-                "model_type \"{model_type}\" has no tensor-parallel form, so it cannot run on \
-                 {ranks} ranks (mlxb splits {}); run it as one process",
-                TENSOR_PARALLEL_TYPES.join(", ")
-            ),
-        ));
-    }
     weights.finish()?;
     let plan =
         super::plan::ForkPlan::new(forks, &spec.config_path, &config, model.make_caches().len())?;
