@@ -79,10 +79,10 @@ impl TensorParallel {
         let axis = split_axis(self.sharding_of(module)?, leaf, t.shape.len())?;
         let n = self.group.size() as u64;
         let len = t.shape[axis];
-        if len % n != 0 {
+        if !len.is_multiple_of(n) {
             return None;
         }
-        if t.shape[..axis].iter().any(|&d| d != 1) || (t.end - t.start) % n != 0 {
+        if t.shape[..axis].iter().any(|&d| d != 1) || !(t.end - t.start).is_multiple_of(n) {
             return Some(loader::Narrowed::Strided);
         }
         let part = (t.end - t.start) / n;
