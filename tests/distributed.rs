@@ -26,12 +26,44 @@ fn scratch(name: &str) -> PathBuf {
         .join(name)
 }
 
-/// `mlxb launch -n 2 -- ARGS`: (exit code, stdout, stderr).
+/// `mlxb launch -n 2 -- ARGS`: (exit code, stdout, stderr). Ranks out of step would wait for
+/// each other for ever: the job is killed after three minutes and the test fails.
 fn launch(args: &[&str], env: &[(&str, &str)]) -> (i32, String, String) {
     let port = ring_port();
     let mut all = vec!["launch", "-n", "2", "--starting-port", port.as_str(), "--"];
     all.extend_from_slice(args);
-    common::run_mlxb_env(&all, env)
+    let mut child = common::mlxb_command(&all)
+        .envs(env.iter().copied())
+        .stdin(std::process::Stdio::null())
+        .stdout(std::process::Stdio::piped())
+        .stderr(std::process::Stdio::piped())
+        .spawn()
+        .expect("cannot start mlxb launch");
+    let read = |mut pipe: Box<dyn std::io::Read + Send>| {
+        std::thread::spawn(move || {
+            let mut text = String::new();
+            let _ = pipe.read_to_string(&mut text);
+            text
+        })
+    };
+    let out = read(Box::new(child.stdout.take().unwrap()));
+    let err = read(Box::new(child.stderr.take().unwrap()));
+    let deadline = std::time::Instant::now() + std::time::Duration::from_secs(180);
+    let code = loop {
+        if let Some(status) = child.try_wait().unwrap() {
+            break status.code().unwrap_or(-1);
+        }
+        if std::time::Instant::now() > deadline {
+            // SAFETY: signalling the launcher this test started; it stops its ranks.
+            unsafe {
+                libc::kill(child.id() as i32, libc::SIGTERM);
+            }
+            let _ = child.wait();
+            panic!("mlxb launch {args:?} did not finish within 180 s (ranks out of step?)");
+        }
+        std::thread::sleep(std::time::Duration::from_millis(50));
+    };
+    (code, out.join().unwrap(), err.join().unwrap())
 }
 
 /// Greedy `generate --json` on two ranks: (token ids, their logprobs).
@@ -67,6 +99,11 @@ fn one_process(model: &str, prompt: &[u32], max_tokens: usize) -> Value {
 
 /// mlx-lm's two-rank greedy generation of the same prompt.
 fn oracle(model: &Path, prompt: &[u32], max_tokens: usize) -> Value {
+    oracle_split(model, prompt, max_tokens, &[])
+}
+
+/// [`oracle`] with the script's extra arguments (`--pipeline`).
+fn oracle_split(model: &Path, prompt: &[u32], max_tokens: usize, extra: &[&str]) -> Value {
     let launcher = common::python().with_file_name("mlx.launch");
     let port = ring_port();
     let out = std::process::Command::new(launcher)
@@ -84,6 +121,7 @@ fn oracle(model: &Path, prompt: &[u32], max_tokens: usize) -> Value {
         .arg(model)
         .arg(serde_json::to_string(prompt).unwrap())
         .arg(max_tokens.to_string())
+        .args(extra)
         .env("HF_HUB_OFFLINE", "1")
         .output()
         .expect("cannot start mlx.launch");
@@ -166,10 +204,92 @@ fn two_ranks_generate_what_mlx_lm_generates_on_two_ranks_bit_for_bit() {
             "{name}: n-gram drafting across ranks changed the output"
         );
     }
+    // DSpark across ranks: the drafter reads the target's tapped layers, whole after each
+    // layer's sum over the ranks.
+    let llama = models[0].1.to_str().unwrap();
+    let drafter = scratch("llama-f32-dspark");
+    let out = drafter.to_str().unwrap();
+    let (code, _, err) = common::run_mlxb(&common::dspark_init_args(llama, out, &["--force"]));
+    assert_eq!(code, 0, "{err}");
+    let drafted = two_ranks(
+        llama,
+        &prompt,
+        12,
+        &["--drafter", out, "--dspark-min-conf", "0"],
+    );
+    let plain = two_ranks(llama, &prompt, 12, &[]);
+    assert_eq!(
+        drafted["token_ids"], plain["token_ids"],
+        "DSpark across ranks changed the output"
+    );
     assert!(
         any_differs_from_one_process,
         "no model's two-rank logprobs differ from one process's: is the model really split?"
     );
+}
+
+#[test]
+fn a_pipeline_of_two_ranks_keeps_one_processs_bits_and_matches_mlx_lms_pipeline() {
+    // Five layers: rank 0 runs the last two, rank 1 the first three (mlx-lm's uneven split).
+    let qwen2 = json!({
+        "model_type": "qwen2", "hidden_size": 64, "num_hidden_layers": 5, "intermediate_size": 128,
+        "num_attention_heads": 4, "num_key_value_heads": 2, "rms_norm_eps": 1e-6,
+        "vocab_size": 384, "tie_word_embeddings": false
+    });
+    let qwen2 = tiny("pipeline-qwen2", qwen2, "f32", &[]);
+    let llama = tiny(
+        "pipeline-llama-4bit",
+        common::tiny_llama(json!({"num_hidden_layers": 3})),
+        "bf16",
+        &["--quant-bits", "4", "--quant-group", "32"],
+    );
+    let prompt = common::prompt_ids(19, 384, 9);
+    for dir in [&qwen2, &llama] {
+        let model = dir.to_str().unwrap();
+        let ours = two_ranks(model, &prompt, 12, &["--pipeline"]);
+        assert_eq!(
+            output(&ours),
+            output(&one_process(model, &prompt, 12)),
+            "{model}"
+        );
+        let drafted = two_ranks(model, &prompt, 12, &["--pipeline", "--draft-kind", "ngram"]);
+        assert_eq!(drafted["token_ids"], ours["token_ids"], "{model}");
+    }
+    // mlx-lm has a pipeline for qwen2 (not for llama).
+    let ours = output(&two_ranks(
+        qwen2.to_str().unwrap(),
+        &prompt,
+        12,
+        &["--pipeline"],
+    ));
+    assert_eq!(ours, oracle_split(&qwen2, &prompt, 12, &["--pipeline"]));
+    // A pipeline server answers exactly as one process does.
+    let model = serve_harness::model().to_str().unwrap().to_owned();
+    let port = ring_port();
+    let server = serve_harness::Server::start_launched(&port, &model, &["--pipeline"]);
+    let one = serve_harness::Server::start(&[]);
+    let body = serve_harness::chat_body(serve_harness::PROMPT, 12);
+    let (status, a) = server.post("/v1/chat/completions", &body);
+    assert_eq!(status, 200, "{a}");
+    let (_, b) = one.post("/v1/chat/completions", &body);
+    assert_eq!(a["choices"][0]["message"], b["choices"][0]["message"]);
+    // Refusals: no ranks; a drafter that reads the target's own layers.
+    let (code, _, err) = common::run_mlxb(&["generate", "--pipeline", "--model", &model]);
+    assert_eq!(code, 2);
+    assert!(err.contains("mlxb launch"), "{err}");
+    let (code, _, err) = launch(
+        &[
+            "generate",
+            "--pipeline",
+            "--model",
+            &model,
+            "--draft-layers",
+            "1",
+        ],
+        &[],
+    );
+    assert_eq!(code, 2, "{err}");
+    assert!(err.contains("only the n-gram drafter"), "{err}");
 }
 
 #[test]
@@ -227,7 +347,7 @@ fn models_that_do_not_split_are_refused_with_the_field_at_fault() {
         &[],
     );
     assert_eq!(code, 2, "{err}");
-    assert!(err.contains("has no tensor-parallel form"), "{err}");
+    assert!(err.contains("has no form split over ranks"), "{err}");
 }
 
 #[test]
@@ -260,7 +380,7 @@ fn only_generate_and_serve_run_across_ranks() {
 fn a_server_on_two_ranks_answers_an_openai_client_and_stops_cleanly() {
     let model = serve_harness::model().to_str().unwrap().to_owned();
     let port = ring_port();
-    let mut server = serve_harness::Server::start_launched(&port, &model);
+    let mut server = serve_harness::Server::start_launched(&port, &model, &[]);
     let one = serve_harness::Server::start(&[]);
     // Greedy answers equal one process's only where the last bits do not matter, so compare
     // two-rank answers with mlx-lm's reasoning elsewhere (the generate test) and here check
@@ -345,7 +465,7 @@ fn a_rank_whose_peers_never_start_gives_up_naming_them() {
 fn a_rank_that_dies_ends_the_job_naming_it() {
     let model = serve_harness::model().to_str().unwrap().to_owned();
     let port = ring_port();
-    let mut server = serve_harness::Server::start_launched(&port, &model);
+    let mut server = serve_harness::Server::start_launched(&port, &model, &[]);
     let ranks = children_of(server.child.id());
     assert_eq!(ranks.len(), 2, "expected two rank processes: {ranks:?}");
     // The last child started is rank 1.

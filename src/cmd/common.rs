@@ -13,6 +13,32 @@ use clap::Args;
 /// Resolves a `--model` value to a model directory: an MLX-format directory, a built-in model's
 /// short name, or (none) the default model; built-in models are fetched and imported on first
 /// use, with notices and progress bars on stderr.
+/// `--pipeline`: across ranks, whole layers per rank instead of a slice of every layer. Refused
+/// outside a job of several ranks, and with a drafter that reads the target's own layers or
+/// caches (those live on other ranks).
+pub fn choose_split(pipeline: bool, spec: Option<&SpecOptions>) -> anyhow::Result<()> {
+    use crate::engine::distributed::{set_split, world, Split};
+    if !pipeline {
+        return Ok(());
+    }
+    if world().is_none() {
+        return Err(EngineError::Input(
+            "--pipeline splits the model by layers over several ranks; start them with `mlxb launch -n 2 -- ...`".into(),
+        )
+        .into());
+    }
+    if let Some(opts) = spec {
+        if !matches!(concrete_kind(opts)?, DraftKind::Ngram | DraftKind::Model) {
+            return Err(EngineError::Input(
+                "under --pipeline only the n-gram drafter and a separate draft model draft (the others read layers that run on other ranks)".into(),
+            )
+            .into());
+        }
+    }
+    set_split(Split::Pipeline);
+    Ok(())
+}
+
 pub fn resolve_model(model_ref: Option<&str>) -> anyhow::Result<std::path::PathBuf> {
     Ok(crate::convert::registry::resolve(
         model_ref,

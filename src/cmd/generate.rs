@@ -31,6 +31,10 @@ pub struct GenerateArgs {
     /// Print mlx-lm's separators and timing footer.
     #[arg(long)]
     pub verbose: bool,
+    /// Across ranks (`mlxb launch`): whole layers per rank (pipeline parallelism, mlx-lm's
+    /// `--pipeline`) instead of a slice of every layer
+    #[arg(long)]
+    pub pipeline: bool,
     /// Print one JSON object (text, token ids, timings) instead of streaming text.
     #[arg(long)]
     pub json: bool,
@@ -86,6 +90,7 @@ fn chosen_logprob(step: &crate::engine::generate::Step) -> crate::engine::error:
 /// Entry point of `mlxb generate`.
 pub fn run(args: GenerateArgs) -> anyhow::Result<()> {
     let spec_opts = args.spec.options()?;
+    super::common::choose_split(args.pipeline, spec_opts.as_ref())?;
     let dir = resolve_model(args.model.model.as_deref())?;
     let (mut session, forks) = open_session(&dir, &args.forks)?;
     let prompt_ids = prompt_ids(&args, &session)?;

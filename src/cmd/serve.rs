@@ -23,6 +23,10 @@ pub struct ServeArgs {
     /// the model; combine with --api-key.
     #[arg(long)]
     pub allow_remote: bool,
+    /// Across ranks (`mlxb launch`): whole layers per rank (pipeline parallelism, mlx-lm's
+    /// `--pipeline`) instead of a slice of every layer
+    #[arg(long)]
+    pub pipeline: bool,
     /// Port to listen on (0 picks a free one; the ready card prints the URL).
     #[arg(long, default_value_t = 8080)]
     pub port: u16,
@@ -99,6 +103,7 @@ pub fn run(args: ServeArgs) -> anyhow::Result<()> {
             .into());
         }
     }
+    super::common::choose_split(args.pipeline, None)?;
     let dir = resolve_model(args.model.model.as_deref())?;
     let resolution = args.forks.resolve()?;
     for w in &resolution.warnings {

@@ -178,20 +178,92 @@ fn init() -> Result<Option<Group>> {
     }))
 }
 
-/// `mx.distributed.all_sum(x, group=group)`: every rank gets the element-wise sum of every
-/// rank's `x` (lazy, like any MLX op; evaluating it waits for the other ranks).
-pub fn all_sum(x: &Array, group: &Group) -> Result<Array> {
+/// One collective op: `op(result, group, stream)` through mlx-c, as a lazy MLX array.
+fn collective(
+    group: &Group,
+    op: impl FnOnce(
+        *mut mlx_sys::mlx_array,
+        mlx_sys::mlx_distributed_group,
+        mlx_sys::mlx_stream,
+    ) -> std::os::raw::c_int,
+) -> Result<Array> {
     let stream = Stream::thread_local_or_default();
     // SAFETY: `res` is a fresh array handle MLX writes; on failure it is freed here.
     unsafe {
         let mut res = mlx_sys::mlx_array_new();
-        let rc = mlx_sys::mlx_distributed_all_sum(&mut res, x.as_ptr(), group.raw, stream.as_ptr());
-        if rc != 0 {
+        if op(&mut res, group.raw, stream.as_ptr()) != 0 {
             mlx_sys::mlx_array_free(res);
             return Err(lost(group));
         }
         Ok(Array::from_ptr(res))
     }
+}
+
+/// `mx.distributed.all_sum(x, group=group)`: every rank gets the element-wise sum of every
+/// rank's `x` (lazy, like any MLX op; evaluating it waits for the other ranks).
+pub fn all_sum(x: &Array, group: &Group) -> Result<Array> {
+    // SAFETY: `x` is a live array for the call.
+    collective(group, |res, g, s| unsafe {
+        mlx_sys::mlx_distributed_all_sum(res, x.as_ptr(), g, s)
+    })
+}
+
+/// `mx.distributed.all_gather(x)`: every rank's `x` concatenated along axis 0, in rank order.
+pub fn all_gather(x: &Array, group: &Group) -> Result<Array> {
+    // SAFETY: `x` is a live array for the call.
+    collective(group, |res, g, s| unsafe {
+        mlx_sys::mlx_distributed_all_gather(res, x.as_ptr(), g, s)
+    })
+}
+
+/// `mx.distributed.send(x, dst)`: `x` for rank `dst`; the result must be evaluated (or be an
+/// input of something evaluated) for the send to happen.
+pub fn send(x: &Array, dst: usize, group: &Group) -> Result<Array> {
+    // SAFETY: `x` is a live array for the call.
+    collective(group, |res, g, s| unsafe {
+        mlx_sys::mlx_distributed_send(res, x.as_ptr(), dst as i32, g, s)
+    })
+}
+
+/// `mx.distributed.recv_like(x, src)`: what rank `src` sends, shaped and typed like `x`.
+pub fn recv_like(x: &Array, src: usize, group: &Group) -> Result<Array> {
+    // SAFETY: `x` is a live array for the call.
+    collective(group, |res, g, s| unsafe {
+        mlx_sys::mlx_distributed_recv_like(res, x.as_ptr(), src as i32, g, s)
+    })
+}
+
+/// How a job splits the model over its ranks.
+#[derive(Debug, Clone, Copy, PartialEq, Eq, Default)]
+pub enum Split {
+    /// Every layer split within (mlx-lm's `Model.shard`).
+    #[default]
+    Tensor,
+    /// Whole layers per rank, the activations passed from rank to rank (mlx-lm's
+    /// `model.pipeline`).
+    Pipeline,
+}
+
+static SPLIT: OnceLock<Split> = OnceLock::new();
+
+/// Chooses how this job splits its model (before the model is opened; once).
+pub fn set_split(split: Split) {
+    let _ = SPLIT.set(split);
+}
+
+/// How this job splits its model.
+pub fn split() -> Split {
+    SPLIT.get().copied().unwrap_or_default()
+}
+
+/// mlx-lm's pipeline split of `layers` over `size` ranks: rank r runs `start..end`, where the
+/// last rank takes the first layers and rank 0 the last, and the low ranks one extra layer
+/// each when they do not divide evenly.
+pub fn pipeline_layers(layers: usize, rank: usize, size: usize) -> std::ops::Range<usize> {
+    let (base, extra) = (layers / size, layers % size);
+    let count = |r: usize| base + usize::from(r < extra);
+    let start: usize = (rank + 1..size).map(count).sum();
+    start..start + count(rank)
 }
 
 fn lost(group: &Group) -> EngineError {
@@ -253,4 +325,19 @@ pub fn fresh_seed() -> u64 {
         .duration_since(std::time::UNIX_EPOCH)
         .map_or(0, |d| d.as_nanos() as u64);
     now ^ u64::from(std::process::id()).rotate_left(32)
+}
+
+#[cfg(test)]
+mod tests {
+    use super::pipeline_layers;
+
+    #[test]
+    fn pipeline_layers_split_like_mlx_lm() {
+        // mlx-lm's PipelineMixin.pipeline: split [base + (r < extra)], rank r after r+1..size.
+        assert_eq!(pipeline_layers(24, 0, 2), 12..24);
+        assert_eq!(pipeline_layers(24, 1, 2), 0..12);
+        assert_eq!(pipeline_layers(7, 0, 3), 4..7);
+        assert_eq!(pipeline_layers(7, 1, 3), 2..4);
+        assert_eq!(pipeline_layers(7, 2, 3), 0..2);
+    }
 }

@@ -24,6 +24,7 @@ pub mod rollback;
 pub mod runtime;
 pub mod sample;
 pub mod session;
+pub mod shard;
 pub mod startup;
 pub mod text;
 pub mod tokenizer;

@@ -5,101 +5,11 @@
 use super::distributed::Group;
 use super::error::{EngineError, Result};
 use super::loader;
+use super::shard::RankShare;
 use mlx_rs::{Array, Dtype};
 use std::collections::{BTreeSet, HashMap};
 use std::path::{Path, PathBuf};
 use std::sync::Arc;
-
-/// How a linear layer's weights are split over the ranks of a tensor-parallel job, as mlx-lm's
-/// `shard_linear` splits them (rank r holds the r-th of N equal, contiguous slices).
-#[derive(Debug, Clone, Copy, PartialEq, Eq)]
-pub enum Sharding {
-    /// "all-to-sharded": each rank holds a slice of the outputs (weight rows and bias).
-    Outputs,
-    /// "sharded-to-all": each rank holds a slice of the inputs (weight columns); the partial
-    /// outputs are summed over the ranks, then the whole bias is added.
-    Inputs,
-}
-
-/// A tensor-parallel split: (module-path suffix, kind) per split layer; the rest is whole on
-/// every rank.
-pub type ShardPlan = [(&'static str, Sharding)];
-
-/// Tensor parallelism of one checkpoint: the ranks, and the architecture's split of its layers.
-struct TensorParallel {
-    group: Arc<Group>,
-    plan: &'static ShardPlan,
-    /// Tensors the loader already read as this rank's part.
-    read_in_part: std::collections::HashSet<String>,
-}
-
-/// The axis a tensor (`leaf`: `weight`, `bias`, `scales`, `biases`) of a layer split `kind` is
-/// split along, as mlx's `shard_linear` splits it; `None` where it stays whole (the bias of an
-/// input-split layer).
-fn split_axis(kind: Sharding, leaf: &str, ndim: usize) -> Option<usize> {
-    let last = ndim.checked_sub(1)?;
-    match (kind, leaf) {
-        (Sharding::Outputs, "bias") => Some(last),
-        (Sharding::Outputs, _) => Some(last.saturating_sub(1)),
-        (Sharding::Inputs, "bias") => None,
-        (Sharding::Inputs, _) => Some(last),
-    }
-}
-
-impl TensorParallel {
-    /// This rank's slice of tensor `name` (`a` itself where its module is not split), copied
-    /// out, so that `a`'s buffer can go.
-    fn cut(&self, name: &str, a: Array) -> Result<Array> {
-        let Some((module, leaf)) = name.rsplit_once('.') else {
-            return Ok(a);
-        };
-        let Some(axis) = self
-            .sharding_of(module)
-            .and_then(|k| split_axis(k, leaf, a.ndim()))
-        else {
-            return Ok(a);
-        };
-        let (n, len) = (self.group.size() as i32, a.shape()[axis]);
-        if len % n != 0 {
-            return Err(EngineError::Input(format!(
-                "tensor `{name}` has {len} entries along axis {axis}, which do not split evenly \
-                 over {n} ranks; run this model on a number of ranks that divides it"
-            )));
-        }
-        let mut parts = a.split_equal(n, axis as i32)?;
-        Ok(parts.swap_remove(self.group.rank()).contiguous()?)
-    }
-
-    /// What the loader reads of tensor `t`: only this rank's part where that is one contiguous
-    /// range (every axis before the split one has size 1) and divides evenly; the whole
-    /// tensor, to [`TensorParallel::cut`] at once, where the part is strided; `None` (whole,
-    /// as usual) otherwise.
-    fn narrowed(&self, t: &loader::TensorEntry) -> Option<loader::Narrowed> {
-        let (module, leaf) = t.name.rsplit_once('.')?;
-        let axis = split_axis(self.sharding_of(module)?, leaf, t.shape.len())?;
-        let n = self.group.size() as u64;
-        let len = t.shape[axis];
-        if !len.is_multiple_of(n) {
-            return None;
-        }
-        if t.shape[..axis].iter().any(|&d| d != 1) || !(t.end - t.start).is_multiple_of(n) {
-            return Some(loader::Narrowed::Strided);
-        }
-        let part = (t.end - t.start) / n;
-        let mut entry = t.clone();
-        entry.start = t.start + part * self.group.rank() as u64;
-        entry.end = entry.start + part;
-        entry.shape[axis] = len / n;
-        Some(loader::Narrowed::Part(entry))
-    }
-
-    fn sharding_of(&self, module: &str) -> Option<Sharding> {
-        self.plan
-            .iter()
-            .find(|(suffix, _)| module.ends_with(suffix))
-            .map(|&(_, kind)| kind)
-    }
-}
 
 /// Affine quantization parameters of one layer (mlx-lm's `quantization` config).
 #[derive(Debug, Clone, Copy, PartialEq, Eq)]
@@ -208,7 +118,7 @@ pub struct WeightStore {
     host_kernel: bool,
     host_matvec: bool,
     host_elementwise: bool,
-    tensor_parallel: Option<TensorParallel>,
+    share: Option<RankShare>,
 }
 
 impl WeightStore {
@@ -219,20 +129,9 @@ impl WeightStore {
         Self::load_on_ranks(dir, quant, None)
     }
 
-    /// [`WeightStore::load`] as one rank's shard of a tensor-parallel job over `group`, split
-    /// by `plan`: each split tensor is taken as this rank's slice, and the loader reads only
-    /// that slice where it is a contiguous range of the file (the output-split layers); an
-    /// input-split layer is read whole, on its own, and freed once its slice is copied out.
-    pub fn load_on_ranks(
-        dir: &Path,
-        quant: QuantConfig,
-        ranks: Option<(Arc<Group>, &'static ShardPlan)>,
-    ) -> Result<Self> {
-        let tensor_parallel = ranks.map(|(group, plan)| TensorParallel {
-            group,
-            plan,
-            read_in_part: Default::default(),
-        });
+    /// [`WeightStore::load`] of one rank's share of the checkpoint (see [`RankShare`]): only
+    /// what the rank holds is read.
+    pub fn load_on_ranks(dir: &Path, quant: QuantConfig, share: Option<RankShare>) -> Result<Self> {
         let files = loader::model_files(dir)?;
         if files.is_empty() {
             return Err(EngineError::file(
@@ -241,23 +140,11 @@ impl WeightStore {
             ));
         }
         let mut tensors = HashMap::new();
-        let mut tensor_parallel = tensor_parallel;
+        let mut share = share;
         for f in &files {
-            match &mut tensor_parallel {
+            match &mut share {
                 None => tensors.extend(loader::load(f)?),
-                Some(tp) => {
-                    let parts = std::cell::RefCell::new(Vec::new());
-                    let narrow = |t: &loader::TensorEntry| {
-                        let n = tp.narrowed(t);
-                        if n.is_some() {
-                            parts.borrow_mut().push(t.name.clone());
-                        }
-                        n
-                    };
-                    let cut = |name: &str, a: Array| tp.cut(name, a);
-                    tensors.extend(loader::load_narrowed(f, &narrow, &cut)?);
-                    tp.read_in_part.extend(parts.into_inner());
-                }
+                Some(share) => tensors.extend(share.load(f)?),
             }
         }
         Ok(Self {
@@ -267,7 +154,7 @@ impl WeightStore {
             host_kernel: false,
             host_matvec: false,
             host_elementwise: false,
-            tensor_parallel,
+            share,
         })
     }
 
@@ -305,28 +192,28 @@ impl WeightStore {
         self.host_elementwise
     }
 
-    /// Number of ranks the layers are split over (1 without tensor parallelism).
-    pub fn ranks(&self) -> usize {
-        self.tensor_parallel
-            .as_ref()
-            .map_or(1, |tp| tp.group.size())
+    /// Number of ranks each layer is split over (1 without tensor parallelism).
+    pub fn tensor_ranks(&self) -> usize {
+        self.share.as_ref().map_or(1, RankShare::tensor_ranks)
     }
 
-    /// The group whose ranks' outputs of the layer at `module` must be summed (an
-    /// [`Sharding::Inputs`] layer), if any.
+    /// The layers this rank runs of a pipeline-parallel job, and its group.
+    pub fn pipeline(&self) -> Option<(std::ops::Range<usize>, Arc<Group>)> {
+        self.share.as_ref()?.pipeline()
+    }
+
+    /// The group whose ranks' outputs of the layer at `module` must be summed (an input-split
+    /// layer), if any.
     pub fn all_sum_group(&self, module: &str) -> Option<Arc<Group>> {
-        let tp = self.tensor_parallel.as_ref()?;
-        (tp.sharding_of(module)? == Sharding::Inputs).then(|| tp.group.clone())
+        self.share.as_ref()?.all_sum_group(module)
     }
 
-    /// This rank's slice of the tensor `name` when its module is split (and the loader has
-    /// not already read only that); the tensor itself otherwise.
+    /// This rank's slice of tensor `name` when its module is split and the loader has not
+    /// already read only that; the tensor itself otherwise.
     fn shard(&self, name: &str, a: Array) -> Result<Array> {
-        match &self.tensor_parallel {
-            Some(tp) if !tp.read_in_part.contains(name) => {
-                tp.cut(name, a).map_err(|e| self.err(e.to_string()))
-            }
-            _ => Ok(a),
+        match &self.share {
+            Some(share) => share.cut(name, a).map_err(|e| self.err(e.to_string())),
+            None => Ok(a),
         }
     }
 
@@ -339,7 +226,7 @@ impl WeightStore {
             host_kernel: false,
             host_matvec: false,
             host_elementwise: false,
-            tensor_parallel: None,
+            share: None,
         }
     }
 

@@ -274,7 +274,11 @@ impl State {
         };
         let ranks = distributed::world();
         if let Some(group) = &ranks {
-            info.backend = format!("{}, {} ranks (tensor parallel)", info.backend, group.size());
+            let split = match distributed::split() {
+                distributed::Split::Tensor => "tensor parallel",
+                distributed::Split::Pipeline => "pipeline parallel",
+            };
+            info.backend = format!("{}, {} ranks ({split})", info.backend, group.size());
         }
         let slot_drafting = cfg.spec.as_ref().filter(|o| drafts_per_slot(o)).cloned();
         if ranks.is_some() && cfg.max_batch > 1 {

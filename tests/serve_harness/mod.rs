@@ -72,7 +72,7 @@ impl Server {
 
     /// Starts the server on `model` as two ranks (`mlxb launch -n 2`, the ring from `port`),
     /// with stderr kept for [`Server::stderr_text`].
-    pub fn start_launched(port: &str, model: &str) -> Server {
+    pub fn start_launched(port: &str, model: &str, extra: &[&str]) -> Server {
         let mut cmd = common::mlxb_command(&[
             "launch",
             "-n",
@@ -88,7 +88,7 @@ impl Server {
             "--port",
             "0",
         ]);
-        cmd.stderr(Stdio::piped());
+        cmd.args(extra).stderr(Stdio::piped());
         Server::start_command(cmd, &[])
     }
 

@@ -81,6 +81,8 @@ pub enum Narrowed {
     /// A strided part: the tensor is read whole on its own, cut, and its buffer freed before
     /// the next one is read.
     Strided,
+    /// Nothing: the tensor is left out (another rank's layer).
+    Skip,
 }
 
 /// [`load`] with explicit layout options.
@@ -103,6 +105,7 @@ pub fn load_narrowed(
         match narrow(&t) {
             Some(Narrowed::Part(part)) => kept.push(part),
             Some(Narrowed::Strided) => strided.push(t),
+            Some(Narrowed::Skip) => {}
             None => kept.push(t),
         }
     }

@@ -5,13 +5,15 @@ use super::attention::{AttentionShape, GqaAttention};
 use super::decoder::{plain_attention, Decoder, LayerIo, LayerKind, PreNormLayer};
 use super::host_step::{HostHead, HostStep};
 use super::mlp::GatedMlp;
+use super::pipeline::Stage;
 use super::rope::Rope;
 use super::{Caches, ForwardOpts, ForwardOut, LanguageModel, ModelSpec};
 use crate::engine::cache::{AttentionMask, KvCache};
 use crate::engine::error::Result;
 use crate::engine::kernels::{HostDecoder, HostLayer};
 use crate::engine::nn::{Embedding, Linear, RmsNorm};
-use crate::engine::weights::{ShardPlan, Sharding, WeightStore};
+use crate::engine::shard::{ShardPlan, Sharding};
+use crate::engine::weights::WeightStore;
 use mlx_rs::Array;
 use serde::Deserialize;
 
@@ -105,6 +107,8 @@ pub struct Model {
     vocab_size: i32,
     /// The host decode step (`--perf-kernel on`); `None` where the architecture never has one.
     host_step: Option<HostStep>,
+    /// This rank's place in a pipeline-parallel job (its `layers` are its own run of them).
+    pipeline: Option<Stage>,
 }
 
 /// The config.json sizes of a llama-style decoder, under the names llama, qwen2 and qwen3
@@ -163,8 +167,18 @@ fn load(
     let s = &c.sizes;
     let (d, vocab, eps) = (s.hidden_size, s.vocab_size, s.rms_norm_eps);
     let (attention, intermediate) = split_over_ranks(spec, w, &c)?;
+    // Under pipeline parallelism this rank builds its own run of layers only.
+    let pipeline = w.pipeline();
+    let own = match &pipeline {
+        Some((layers, _)) => layers.start as i32..layers.end as i32,
+        None => 0..s.num_hidden_layers,
+    };
+    let sliding = match parts.sliding.is_empty() {
+        true => Vec::new(),
+        false => parts.sliding[own.start as usize..own.end as usize].to_vec(),
+    };
     let mut layers = Vec::new();
-    for i in 0..s.num_hidden_layers {
+    for i in own {
         layers.push(Block::load(
             w,
             &format!("model.layers.{i}"),
@@ -178,7 +192,7 @@ fn load(
     Ok(Box::new(Model {
         embed_tokens: Embedding::load(w, "model.embed_tokens", vocab, d)?,
         layers,
-        sliding: parts.sliding,
+        sliding,
         norm: RmsNorm::load(w, "model.norm", d, eps)?,
         lm_head: if c.tie_word_embeddings {
             None
@@ -188,8 +202,11 @@ fn load(
         swiglu: SwiGlu::new(&spec.forks),
         sliding_window: parts.sliding_window,
         vocab_size: vocab,
-        // Only under `--perf-kernel on` (tier L3): every other run keeps MLX's bits.
-        host_step: (parts.host_step && w.host_kernel()).then(HostStep::default),
+        // Only under `--perf-kernel on` (tier L3): every other run keeps MLX's bits. A
+        // pipeline stage has no whole model for it to run.
+        host_step: (parts.host_step && w.host_kernel() && pipeline.is_none())
+            .then(HostStep::default),
+        pipeline: pipeline.map(|(_, group)| Stage::new(group)),
     }))
 }
 
@@ -213,7 +230,7 @@ fn split_over_ranks(
     w: &WeightStore,
     c: &DecoderConfig,
 ) -> Result<(AttentionShape, i32)> {
-    let ranks = w.ranks() as i32;
+    let ranks = w.tensor_ranks() as i32;
     if ranks == 1 {
         return Ok((c.attention.clone(), c.sizes.intermediate_size));
     }
@@ -389,8 +406,23 @@ impl Decoder for Model {
         }))
     }
 
+    fn input(&self, inputs: &Array) -> Result<Array> {
+        let h = self.embed(inputs)?;
+        match &self.pipeline {
+            Some(stage) => stage.receive(h),
+            None => Ok(h),
+        }
+    }
+
     fn block(&mut self, i: usize, h: &Array, io: LayerIo<'_>) -> Result<Array> {
         self.layers[i].forward(h, io.attention()?, &mut self.swiglu, Ok)
+    }
+
+    fn output(&mut self, h: &Array) -> Result<Array> {
+        match &self.pipeline {
+            Some(stage) => self.lm_head(&self.final_norm(&stage.finish(h.clone())?)?),
+            None => self.lm_head(&self.final_norm(h)?),
+        }
     }
 }
 

@@ -14,6 +14,7 @@ pub mod host_step;
 pub mod llama;
 pub mod minicpm;
 pub mod mlp;
+pub mod pipeline;
 pub mod qwen2;
 pub mod qwen3;
 pub mod qwen3_5;
@@ -25,7 +26,8 @@ pub mod switch;
 use super::cache::KvCache;
 use super::error::{EngineError, Result};
 use super::forks::Forks;
-use super::weights::{QuantConfig, ShardPlan, WeightStore};
+use super::shard::{RankShare, ShardPlan, Share};
+use super::weights::{QuantConfig, WeightStore};
 use mlx_rs::Array;
 use serde::de::DeserializeOwned;
 use std::path::{Path, PathBuf};
@@ -388,9 +390,9 @@ impl LoadedModel {
     }
 }
 
-/// The model types whose layers split over the ranks of a tensor-parallel job, with their
-/// split (mlx-lm's `Model.shard` of each).
-const TENSOR_PARALLEL: &[(&str, &ShardPlan)] = &[
+/// The model types whose layers split over the ranks of a job, with their tensor-parallel split
+/// (mlx-lm's `Model.shard` of each); each also runs pipeline-parallel (whole layers per rank).
+const SPLIT_OVER_RANKS: &[(&str, &ShardPlan)] = &[
     ("llama", llama::TENSOR_PARALLEL),
     ("mistral", llama::TENSOR_PARALLEL),
     ("qwen2", llama::TENSOR_PARALLEL),
@@ -402,7 +404,54 @@ pub fn load(dir: &Path, forks: Forks) -> Result<LoadedModel> {
     load_on_ranks(dir, forks, None)
 }
 
-/// [`load`] as this rank's shard of a tensor-parallel model over `group` (whole when `None`).
+/// What this rank of `group` holds of a `model_type` model, split as the job asks
+/// ([`crate::engine::distributed::split`]).
+fn rank_share(
+    spec: &ModelSpec,
+    model_type: &str,
+    group: std::sync::Arc<crate::engine::distributed::Group>,
+) -> Result<RankShare> {
+    use crate::engine::distributed::{pipeline_layers, split, Split};
+    let plan = SPLIT_OVER_RANKS
+        .iter()
+        .find(|(t, _)| *t == model_type)
+        .map(|(_, plan)| *plan)
+        .ok_or_else(|| {
+            let types: Vec<&str> = SPLIT_OVER_RANKS.iter().map(|(t, _)| *t).collect();
+            EngineError::file(
+                &spec.config_path,
+                format!(
+                    "model_type \"{model_type}\" has no form split over ranks, so it cannot run on \
+                     {} ranks (mlxb splits {}); run it as one process",
+                    group.size(),
+                    types.join(", ")
+                ),
+            )
+        })?;
+    let share = match split() {
+        Split::Tensor => Share::Tensor(plan),
+        Split::Pipeline => {
+            let layers = spec
+                .config
+                .get("num_hidden_layers")
+                .and_then(|n| n.as_u64())
+                .unwrap_or(0) as usize;
+            if layers < group.size() {
+                return Err(spec.field_error(
+                    "num_hidden_layers",
+                    &format!(
+                        "is {layers}, fewer than the {} ranks of the pipeline; run it on fewer ranks",
+                        group.size()
+                    ),
+                ));
+            }
+            Share::Pipeline(pipeline_layers(layers, group.rank(), group.size()))
+        }
+    };
+    Ok(RankShare::new(group, share))
+}
+
+/// [`load`] as this rank's share of a model split over `group` (whole when `None`).
 pub fn load_on_ranks(
     dir: &Path,
     forks: Forks,
@@ -448,29 +497,10 @@ pub fn load_on_ranks(
     };
     spec.check_sizes()?;
     let quant = QuantConfig::from_config(&spec.config_path, &config)?;
-    let ranks = match group {
-        None => None,
-        Some(group) => {
-            let plan = TENSOR_PARALLEL
-                .iter()
-                .find(|(t, _)| *t == model_type)
-                .map(|(_, plan)| *plan)
-                .ok_or_else(|| {
-                    let split: Vec<&str> = TENSOR_PARALLEL.iter().map(|(t, _)| *t).collect();
-                    EngineError::file(
-                        &spec.config_path,
-                        format!(
-                            "model_type \"{model_type}\" has no tensor-parallel form, so it cannot \
-                             run on {} ranks (mlxb splits {}); run it as one process",
-                            group.size(),
-                            split.join(", ")
-                        ),
-                    )
-                })?;
-            Some((group, plan))
-        }
-    };
-    let mut weights = WeightStore::load_on_ranks(dir, quant, ranks)?;
+    let share = group
+        .map(|g| rank_share(&spec, &model_type, g))
+        .transpose()?;
+    let mut weights = WeightStore::load_on_ranks(dir, quant, share)?;
     weights.set_host_kernel(forks.host_q4());
     weights.set_host_matvec(forks.host_dense());
     weights.set_host_elementwise(forks.host_elem());
