@@ -433,6 +433,57 @@ fn a_server_on_two_ranks_answers_an_openai_client_and_stops_cleanly() {
 }
 
 #[test]
+fn a_hostfiles_remote_hosts_are_started_over_ssh() {
+    // A stand-in `ssh` that runs the remote command here and logs the host it was asked for.
+    let dir = scratch("fake-ssh");
+    std::fs::create_dir_all(&dir).unwrap();
+    let log = dir.join("hosts.log");
+    let ssh = dir.join("ssh");
+    std::fs::write(
+        &ssh,
+        format!(
+            "#!/bin/bash\n# ssh -o LogLevel=QUIET HOST COMMAND\necho \"$3\" >> {}\nexec bash -c \"$4\"\n",
+            log.display()
+        ),
+    )
+    .unwrap();
+    std::fs::set_permissions(&ssh, std::os::unix::fs::PermissionsExt::from_mode(0o755)).unwrap();
+    let port: u16 = ring_port().parse().unwrap();
+    let hostfile = dir.join("hosts.json");
+    std::fs::write(
+        &hostfile,
+        json!([{"ssh": "127.0.0.1", "ips": ["127.0.0.1"]}, {"ssh": "node-b", "ips": ["127.0.0.1"]}])
+            .to_string(),
+    )
+    .unwrap();
+    let model = serve_harness::model().to_str().unwrap().to_owned();
+    let port = port.to_string();
+    let (code, out, err) = common::run_mlxb_env(
+        &[
+            "launch",
+            "--hostfile",
+            hostfile.to_str().unwrap(),
+            "--starting-port",
+            &port,
+            "--",
+            "generate",
+            "--model",
+            &model,
+            "-m",
+            "4",
+            "--json",
+            "--prompt-ids",
+            "5,6,7",
+        ],
+        &[("MLXB_SSH", ssh.to_str().unwrap())],
+    );
+    assert_eq!(code, 0, "{err}");
+    let v: Value = serde_json::from_str(out.trim()).unwrap();
+    assert_eq!(v["token_ids"].as_array().unwrap().len(), 4);
+    assert_eq!(std::fs::read_to_string(&log).unwrap().trim(), "node-b");
+}
+
+#[test]
 fn a_rank_whose_peers_never_start_gives_up_naming_them() {
     let port: u16 = ring_port().parse().unwrap();
     let hostfile = scratch("alone.json");
