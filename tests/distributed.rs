@@ -273,6 +273,21 @@ fn a_pipeline_of_two_ranks_keeps_one_processs_bits_and_matches_mlx_lms_pipeline(
     assert_eq!(status, 200, "{a}");
     let (_, b) = one.post("/v1/chat/completions", &body);
     assert_eq!(a["choices"][0]["message"], b["choices"][0]["message"]);
+    // A launcher killed outright (no time to stop its ranks) takes its ranks with it.
+    let ranks = children_of(server.child.id());
+    assert_eq!(ranks.len(), 2, "{ranks:?}");
+    drop(server);
+    let deadline = std::time::Instant::now() + std::time::Duration::from_secs(15);
+    while ranks
+        .iter()
+        .any(|r| Path::new(&format!("/proc/{r}")).exists())
+    {
+        assert!(
+            std::time::Instant::now() < deadline,
+            "ranks {ranks:?} outlived their launcher"
+        );
+        std::thread::sleep(std::time::Duration::from_millis(100));
+    }
     // Refusals: no ranks; a drafter that reads the target's own layers.
     let (code, _, err) = common::run_mlxb(&["generate", "--pipeline", "--model", &model]);
     assert_eq!(code, 2);

@@ -188,6 +188,17 @@ fn start_rank(
             .env(HOSTFILE_ENV, ring_file)
             .envs(plan_envs.iter().map(|(k, v)| (k, v)))
             .stdin(stdin);
+        // A launcher that is killed (SIGKILL leaves it no time to stop its ranks) takes its
+        // local ranks with it instead of leaving them waiting for each other.
+        #[cfg(target_os = "linux")]
+        // SAFETY: prctl is async-signal-safe; the closure runs in the child before exec.
+        unsafe {
+            use std::os::unix::process::CommandExt;
+            c.pre_exec(|| {
+                libc::prctl(libc::PR_SET_PDEATHSIG, libc::SIGTERM);
+                Ok(())
+            });
+        }
         return Ok(c.spawn()?);
     }
     // As mlx.launch does: the ring's addresses in a temporary file on the remote host, then
