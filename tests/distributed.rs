@@ -150,6 +150,15 @@ fn cache_env() -> Vec<(&'static str, &'static str)> {
     vec![("XDG_CACHE_HOME", xdg.as_str()), ("HF_HUB_OFFLINE", "1")]
 }
 
+/// A tiny qwen2 config (biased q/k/v, untied head) with `layers` layers.
+fn tiny_qwen2(layers: usize) -> Value {
+    json!({
+        "model_type": "qwen2", "hidden_size": 64, "num_hidden_layers": layers, "intermediate_size": 128,
+        "num_attention_heads": 4, "num_key_value_heads": 2, "rms_norm_eps": 1e-6,
+        "vocab_size": 384, "tie_word_embeddings": false
+    })
+}
+
 fn tiny(name: &str, config: Value, dtype: &str, quant: &[&str]) -> PathBuf {
     let dir = scratch(name);
     let cfg = config.to_string();
@@ -161,11 +170,7 @@ fn tiny(name: &str, config: Value, dtype: &str, quant: &[&str]) -> PathBuf {
 
 #[test]
 fn two_ranks_generate_what_mlx_lm_generates_on_two_ranks_bit_for_bit() {
-    let qwen2 = json!({
-        "model_type": "qwen2", "hidden_size": 64, "num_hidden_layers": 3, "intermediate_size": 128,
-        "num_attention_heads": 4, "num_key_value_heads": 2, "rms_norm_eps": 1e-6,
-        "vocab_size": 384, "tie_word_embeddings": false
-    });
+    let qwen2 = tiny_qwen2(3);
     let models = [
         (
             "llama-f32",
@@ -231,11 +236,7 @@ fn two_ranks_generate_what_mlx_lm_generates_on_two_ranks_bit_for_bit() {
 #[test]
 fn a_pipeline_of_two_ranks_keeps_one_processs_bits_and_matches_mlx_lms_pipeline() {
     // Five layers: rank 0 runs the last two, rank 1 the first three (mlx-lm's uneven split).
-    let qwen2 = json!({
-        "model_type": "qwen2", "hidden_size": 64, "num_hidden_layers": 5, "intermediate_size": 128,
-        "num_attention_heads": 4, "num_key_value_heads": 2, "rms_norm_eps": 1e-6,
-        "vocab_size": 384, "tie_word_embeddings": false
-    });
+    let qwen2 = tiny_qwen2(5);
     let qwen2 = tiny("pipeline-qwen2", qwen2, "f32", &[]);
     let llama = tiny(
         "pipeline-llama-4bit",

@@ -28,6 +28,19 @@ pub fn model() -> &'static Path {
     })
 }
 
+/// `serve` on `model`, loopback, on a free port.
+fn serve_args(model: &str) -> [&str; 7] {
+    [
+        "serve",
+        "--model",
+        model,
+        "--host",
+        "127.0.0.1",
+        "--port",
+        "0",
+    ]
+}
+
 /// A running `mlxb serve`; killed when dropped, even if the test failed.
 pub struct Server {
     pub child: Child,
@@ -54,15 +67,7 @@ impl Server {
     /// Starts the server on `model` (a directory or a built-in name) with the environment
     /// variables `env` set.
     pub fn start_model(model: &str, env: &[(&str, &str)], extra: &[&str]) -> Server {
-        let mut cmd = common::mlxb_command(&[
-            "serve",
-            "--model",
-            model,
-            "--host",
-            "127.0.0.1",
-            "--port",
-            "0",
-        ]);
+        let mut cmd = common::mlxb_command(&serve_args(model));
         for (k, v) in env {
             cmd.env(k, v);
         }
@@ -73,22 +78,10 @@ impl Server {
     /// Starts the server on `model` as two ranks (`mlxb launch -n 2`, the ring from `port`),
     /// with stderr kept for [`Server::stderr_text`].
     pub fn start_launched(port: &str, model: &str, extra: &[&str]) -> Server {
-        let mut cmd = common::mlxb_command(&[
-            "launch",
-            "-n",
-            "2",
-            "--starting-port",
-            port,
-            "--",
-            "serve",
-            "--model",
-            model,
-            "--host",
-            "127.0.0.1",
-            "--port",
-            "0",
-        ]);
-        cmd.args(extra).stderr(Stdio::piped());
+        let mut cmd = common::mlxb_command(&["launch", "-n", "2", "--starting-port", port, "--"]);
+        cmd.args(serve_args(model))
+            .args(extra)
+            .stderr(Stdio::piped());
         Server::start_command(cmd, &[])
     }
 
