@@ -549,6 +549,48 @@ fn a_rank_that_dies_ends_the_job_naming_it() {
     );
 }
 
+#[test]
+fn a_server_whose_other_rank_dies_says_so_on_health() {
+    // Ranks started by hand (as a cluster scheduler would), so that nothing stops rank 0.
+    let port: u16 = ring_port().parse().unwrap();
+    let hostfile = scratch("lost-rank.json");
+    std::fs::create_dir_all(hostfile.parent().unwrap()).unwrap();
+    let ring = json!([
+        [format!("127.0.0.1:{port}")],
+        [format!("127.0.0.1:{}", port + 1)]
+    ]);
+    std::fs::write(&hostfile, ring.to_string()).unwrap();
+    let model = serve_harness::model().to_str().unwrap().to_owned();
+    let hf = hostfile.to_str().unwrap();
+    let mut follower = common::mlxb_command(&["serve", "--model", &model, "--port", "0"])
+        .envs([("MLX_RANK", "1"), ("MLX_HOSTFILE", hf)])
+        .stdout(std::process::Stdio::null())
+        .stderr(std::process::Stdio::null())
+        .spawn()
+        .unwrap();
+    let leader =
+        serve_harness::Server::start_model(&model, &[("MLX_RANK", "0"), ("MLX_HOSTFILE", hf)], &[]);
+    let body = serve_harness::chat_body(serve_harness::PROMPT, 4);
+    let (status, _) = leader.post("/v1/chat/completions", &body);
+    assert_eq!(status, 200);
+    follower.kill().unwrap();
+    follower.wait().unwrap();
+    let (status, err) = leader.post("/v1/chat/completions", &body);
+    assert_eq!(status, 500, "{err}");
+    let r = leader.request("GET", "/health").call();
+    let Err(ureq::Error::Status(503, r)) = r else {
+        panic!("/health did not answer 503: {r:?}");
+    };
+    let v: Value = r.into_json().unwrap();
+    assert!(
+        v["error"]
+            .as_str()
+            .unwrap()
+            .contains("lost the other ranks"),
+        "{v}"
+    );
+}
+
 /// Process ids whose parent is `pid` (Linux /proc).
 fn children_of(pid: u32) -> Vec<u32> {
     let mut out = Vec::new();

@@ -93,7 +93,16 @@ pub fn run(args: GenerateArgs) -> anyhow::Result<()> {
     super::common::choose_split(args.pipeline, spec_opts.as_ref())?;
     let dir = resolve_model(args.model.model.as_deref())?;
     let (mut session, forks) = open_session(&dir, &args.forks)?;
-    let prompt_ids = prompt_ids(&args, &session)?;
+    let mut prompt_ids = prompt_ids(&args, &session)?;
+    if let Some(group) = crate::engine::distributed::world() {
+        // Rank 0's prompt on every rank (`--prompt -` reads stdin, which only rank 0 has).
+        let mine: Vec<u8> = prompt_ids.iter().flat_map(|t| t.to_le_bytes()).collect();
+        let shared = crate::engine::distributed::share_bytes(&group, Some(&mine))?;
+        prompt_ids = shared
+            .chunks_exact(4)
+            .map(|b| u32::from_le_bytes([b[0], b[1], b[2], b[3]]))
+            .collect();
+    }
     session.startup.mark("prompt tokenized");
     if args.spec_trace.is_some() && spec_opts.is_none() {
         return Err(EngineError::Input(

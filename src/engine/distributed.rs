@@ -267,10 +267,25 @@ pub fn pipeline_layers(layers: usize, rank: usize, size: usize) -> std::ops::Ran
 }
 
 fn lost(group: &Group) -> EngineError {
-    EngineError::Runtime(format!(
+    let why = format!(
         "rank {} lost the other ranks (one stopped or its connection dropped); the job ends",
         group.rank
-    ))
+    );
+    mark_broken(why.clone());
+    EngineError::Runtime(why)
+}
+
+static BROKEN: OnceLock<String> = OnceLock::new();
+
+/// Marks the job broken (a rank lost, or ranks possibly out of step): no more generations run
+/// across its ranks, and a server's `/health` says why.
+pub fn mark_broken(why: String) {
+    let _ = BROKEN.set(why);
+}
+
+/// Why the job is broken, if it is.
+pub fn broken() -> Option<&'static str> {
+    BROKEN.get().map(String::as_str)
 }
 
 /// Evaluates a collective, naming the lost ranks if it fails.

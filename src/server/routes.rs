@@ -90,7 +90,15 @@ async fn require_key(State(s): State<Arc<AppState>>, req: Request, next: Next) -
 }
 
 async fn health() -> Response {
-    Json(serde_json::json!({"status": "ok"})).into_response()
+    match crate::engine::distributed::broken() {
+        // Across ranks: a lost rank leaves rank 0 unable to generate.
+        Some(why) => (
+            StatusCode::SERVICE_UNAVAILABLE,
+            Json(serde_json::json!({"status": "error", "error": why})),
+        )
+            .into_response(),
+        None => Json(serde_json::json!({"status": "ok"})).into_response(),
+    }
 }
 
 async fn models(State(s): State<Arc<AppState>>) -> Response {

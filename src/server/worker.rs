@@ -379,6 +379,12 @@ impl State {
                 None
             }
             Ok(Err(err)) => {
+                if self.ranks.is_some() {
+                    // The other ranks may have stopped at another point of this generation.
+                    distributed::mark_broken(format!(
+                        "a generation failed across ranks ({err}); the ranks may be out of step, restart the job"
+                    ));
+                }
                 metrics.failed();
                 Some(Event::Error(match &err {
                     EngineError::Input(msg) => ApiError::bad_request(msg.clone()),
@@ -412,6 +418,9 @@ impl State {
         };
         if shutdown.load(Ordering::Relaxed) {
             return cancelled();
+        }
+        if let Some(why) = self.ranks.as_ref().and(distributed::broken()) {
+            return Err(EngineError::Runtime(why.to_owned()));
         }
         let req = &job.request;
         let mut spec = self.drafter.as_mut().and_then(|(source, opts)| {
