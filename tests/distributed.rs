@@ -591,6 +591,51 @@ fn a_server_whose_other_rank_dies_says_so_on_health() {
     );
 }
 
+#[test]
+fn a_rank_that_stops_answering_ends_the_job_after_the_silence_limit() {
+    let port: u16 = ring_port().parse().unwrap();
+    let hostfile = scratch("silent-rank.json");
+    std::fs::create_dir_all(hostfile.parent().unwrap()).unwrap();
+    let ring = json!([
+        [format!("127.0.0.1:{port}")],
+        [format!("127.0.0.1:{}", port + 1)]
+    ]);
+    std::fs::write(&hostfile, ring.to_string()).unwrap();
+    let model = serve_harness::model().to_str().unwrap().to_owned();
+    let hf = hostfile.to_str().unwrap();
+    let env = [("MLX_HOSTFILE", hf), ("MLXB_RANKS_TIMEOUT", "3")];
+    let mut follower = common::mlxb_command(&["serve", "--model", &model, "--port", "0"])
+        .envs(env)
+        .env("MLX_RANK", "1")
+        .stdout(std::process::Stdio::null())
+        .spawn()
+        .unwrap();
+    let mut leader =
+        serve_harness::Server::start_model(&model, &[("MLX_RANK", "0"), env[0], env[1]], &[]);
+    // Idle longer than the limit: rank 0's keep-alives hold the follower.
+    std::thread::sleep(std::time::Duration::from_secs(5));
+    assert!(
+        follower.try_wait().unwrap().is_none(),
+        "the idle follower gave up"
+    );
+    let body = serve_harness::chat_body(serve_harness::PROMPT, 4);
+    assert_eq!(leader.post("/v1/chat/completions", &body).0, 200);
+    // A follower that stops (alive, connection open, silent): rank 0 ends within the limit.
+    // SAFETY: signalling the process this test started.
+    unsafe {
+        libc::kill(follower.id() as i32, libc::SIGSTOP);
+    }
+    let agent = leader.agent.clone();
+    let url = leader.url("/v1/chat/completions");
+    std::thread::spawn(move || {
+        let _ = agent.post(&url).send_json(body);
+    });
+    let status = leader.wait_exit(30);
+    let _ = follower.kill();
+    let _ = follower.wait();
+    assert_eq!(status, Some(1), "rank 0 did not end the job");
+}
+
 /// Process ids whose parent is `pid` (Linux /proc).
 fn children_of(pid: u32) -> Vec<u32> {
     let mut out = Vec::new();

@@ -141,6 +141,9 @@ pub fn run(args: GenerateArgs) -> anyhow::Result<()> {
     let mut logprobs = Vec::new();
     let speculator = spec.as_mut().map(|s| -> &mut dyn Speculator { s });
     let startup = session.startup.clone();
+    let _wait = ranks
+        .as_ref()
+        .map(|_| crate::engine::distributed::waiting());
     let outcome = generate_text(
         &mut session,
         &prompt_ids,
@@ -148,6 +151,7 @@ pub fn run(args: GenerateArgs) -> anyhow::Result<()> {
         speculator,
         None,
         |event| {
+            crate::engine::distributed::heard();
             let seg = match event {
                 TextEvent::Token { text, step } => {
                     if args.json {

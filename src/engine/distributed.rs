@@ -8,7 +8,9 @@
 
 use super::error::{EngineError, Result};
 use mlx_rs::{Array, Dtype, Stream};
+use std::sync::atomic::{AtomicU64, AtomicUsize, Ordering};
 use std::sync::{Arc, OnceLock};
+use std::time::{Duration, Instant};
 
 /// The environment variable `mlx.launch` sets to each process's rank.
 pub const RANK_ENV: &str = "MLX_RANK";
@@ -81,6 +83,9 @@ pub fn join() -> Result<Option<Arc<Group>>> {
     } else {
         None
     };
+    if let Some(group) = &world {
+        start_watchdog(group.rank, silence_limit());
+    }
     Ok(WORLD.get_or_init(|| world).clone())
 }
 
@@ -89,14 +94,75 @@ pub fn world() -> Option<Arc<Group>> {
     WORLD.get().cloned().flatten()
 }
 
-/// How long a rank waits for the others to connect (`MLXB_JOIN_TIMEOUT` seconds, default 120).
-fn join_timeout() -> std::time::Duration {
-    let secs = std::env::var("MLXB_JOIN_TIMEOUT")
+/// How long a rank waits for word from the others in the middle of a generation, or for rank
+/// 0's next order or keep-alive, before it ends the job (`MLXB_RANKS_TIMEOUT` seconds, default
+/// 600): MLX's collectives wait without a limit, so a peer that stops answering without closing
+/// its connection (a machine gone from the network, a stopped process) would hang every rank.
+pub fn silence_limit() -> Duration {
+    seconds_from_env("MLXB_RANKS_TIMEOUT", 600.0)
+}
+
+fn seconds_from_env(name: &str, default: f64) -> Duration {
+    let secs = std::env::var(name)
         .ok()
         .and_then(|s| s.parse::<f64>().ok())
         .filter(|s| *s > 0.0)
-        .unwrap_or(120.0);
-    std::time::Duration::from_secs_f64(secs)
+        .unwrap_or(default);
+    Duration::from_secs_f64(secs)
+}
+
+static STARTED: OnceLock<Instant> = OnceLock::new();
+/// Milliseconds since [`STARTED`] of the last sign of life from the other ranks.
+static LAST_WORD: AtomicU64 = AtomicU64::new(0);
+/// How many waits on the other ranks are under way (the watchdog only counts silence then).
+static WAITING: AtomicUsize = AtomicUsize::new(0);
+
+fn now_ms() -> u64 {
+    STARTED.get_or_init(Instant::now).elapsed().as_millis() as u64
+}
+
+/// Records a sign of life from the other ranks (a token generated together, a message).
+pub fn heard() {
+    LAST_WORD.store(now_ms(), Ordering::Relaxed);
+}
+
+/// A wait on the other ranks, for as long as it lives (see [`waiting`]).
+pub struct Waiting(());
+
+impl Drop for Waiting {
+    fn drop(&mut self) {
+        WAITING.fetch_sub(1, Ordering::Relaxed);
+    }
+}
+
+/// Starts a wait on the other ranks: until it is dropped, a silence longer than
+/// [`silence_limit`] ends the process.
+pub fn waiting() -> Waiting {
+    heard();
+    WAITING.fetch_add(1, Ordering::Relaxed);
+    Waiting(())
+}
+
+fn start_watchdog(rank: usize, limit: Duration) {
+    heard();
+    std::thread::spawn(move || loop {
+        std::thread::sleep(Duration::from_millis(200));
+        let silent =
+            Duration::from_millis(now_ms().saturating_sub(LAST_WORD.load(Ordering::Relaxed)));
+        if WAITING.load(Ordering::Relaxed) > 0 && silent > limit {
+            eprintln!(
+                "mlxb (rank {rank}): error: no word from the other ranks for {:.0} s (one stopped \
+                 answering without closing its connection); the job ends",
+                silent.as_secs_f64()
+            );
+            std::process::exit(1);
+        }
+    });
+}
+
+/// How long a rank waits for the others to connect (`MLXB_JOIN_TIMEOUT` seconds, default 120).
+fn join_timeout() -> Duration {
+    seconds_from_env("MLXB_JOIN_TIMEOUT", 120.0)
 }
 
 /// [`init`], given up after `timeout`: MLX's ring backend waits for its neighbours without a
@@ -290,7 +356,9 @@ pub fn broken() -> Option<&'static str> {
 
 /// Evaluates a collective, naming the lost ranks if it fails.
 fn settled(a: Array, group: &Group) -> Result<Array> {
+    let _wait = waiting();
     a.eval().map_err(|_| lost(group))?;
+    heard();
     Ok(a)
 }
 

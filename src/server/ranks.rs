@@ -41,9 +41,26 @@ pub fn send_end(group: &Group) -> Result<()> {
     share_bytes(group, Some(&[])).map(drop)
 }
 
+/// What rank 0 sends while it has no request, so that the other ranks know it is alive.
+const KEEP_ALIVE: &[u8] = b"alive";
+
+/// Rank 0, idle: tells the other ranks it is still there (see [`keep_alive_every`]).
+pub fn send_keep_alive(group: &Group) -> Result<()> {
+    share_bytes(group, Some(KEEP_ALIVE)).map(drop)
+}
+
+/// How often an idle rank 0 sends [`send_keep_alive`]: well within the other ranks' limit on
+/// silence.
+pub fn keep_alive_every() -> std::time::Duration {
+    crate::engine::distributed::silence_limit() / 4
+}
+
 /// The other ranks: waits for rank 0's next generation; `None` once the server stops.
 pub fn receive(group: &Group) -> Result<Option<Order>> {
-    let bytes = share_bytes(group, None)?;
+    let mut bytes = share_bytes(group, None)?;
+    while bytes == KEEP_ALIVE {
+        bytes = share_bytes(group, None)?;
+    }
     if bytes.is_empty() {
         return Ok(None);
     }

@@ -166,7 +166,7 @@ pub fn spawn(
             };
             let mut next = None;
             let ranks = state.ranks.clone();
-            while let Some(job) = next.take().or_else(|| jobs.recv().ok()) {
+            while let Some(job) = next.take().or_else(|| next_job(&jobs, ranks.as_deref())) {
                 if state.info.max_batch > 1 && batching::fits_batch(&job, &state.session.tokenizer)
                 {
                     next = batching::run(
@@ -193,12 +193,33 @@ pub fn spawn(
     Ok(Engine { info, handle })
 }
 
+/// The next job; across ranks, while none comes, rank 0 keeps the other ranks told that it is
+/// alive. `None` once the queue is closed (or the other ranks are lost).
+fn next_job(jobs: &Receiver<Job>, ranks: Option<&Group>) -> Option<Job> {
+    let Some(group) = ranks else {
+        return jobs.recv().ok();
+    };
+    loop {
+        match jobs.recv_timeout(ranks::keep_alive_every()) {
+            Ok(job) => return Some(job),
+            Err(std::sync::mpsc::RecvTimeoutError::Timeout) => {
+                if let Err(err) = ranks::send_keep_alive(group) {
+                    eprintln!("mlxb serve: {err}");
+                    return None;
+                }
+            }
+            Err(std::sync::mpsc::RecvTimeoutError::Disconnected) => return None,
+        }
+    }
+}
+
 /// Runs this rank's side of a server whose rank 0 takes the requests: loads the same model
 /// shard by shard, then runs every generation rank 0 sends until rank 0 stops.
 pub fn follow(cfg: &EngineConfig, group: &Group) -> Result<()> {
     let mut state = State::open(cfg)?;
     while let Some(order) = ranks::receive(group)? {
         let carry = state.prefix.prepare(&order.prompt_ids);
+        let _wait = distributed::waiting();
         let outcome = generate_text(
             &mut state.session,
             &order.prompt_ids,
@@ -447,6 +468,7 @@ impl State {
         };
         let carry = self.prefix.prepare(&job.prompt_ids);
         let cached_tokens = carry.reused;
+        let _wait = self.ranks.as_ref().map(|_| distributed::waiting());
         let outcome = generate_text(
             &mut self.session,
             &job.prompt_ids,
