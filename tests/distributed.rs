@@ -454,6 +454,7 @@ fn a_hostfiles_remote_hosts_are_started_over_ssh() {
     let dir = scratch("fake-ssh");
     std::fs::create_dir_all(&dir).unwrap();
     let log = dir.join("hosts.log");
+    let _ = std::fs::remove_file(&log);
     let ssh = dir.join("ssh");
     std::fs::write(
         &ssh,
