@@ -20,6 +20,20 @@ fn ring_port() -> String {
     (base + NEXT.fetch_add(4, Ordering::SeqCst)).to_string()
 }
 
+/// A ring hostfile for two local ranks on fresh ports (ranks started by hand, without the
+/// launcher): its path and rank 0's port.
+fn ring_hostfile(name: &str) -> (PathBuf, u16) {
+    let port: u16 = ring_port().parse().unwrap();
+    let hostfile = scratch(&format!("{name}.json"));
+    std::fs::create_dir_all(hostfile.parent().unwrap()).unwrap();
+    let ring = json!([
+        [format!("127.0.0.1:{port}")],
+        [format!("127.0.0.1:{}", port + 1)]
+    ]);
+    std::fs::write(&hostfile, ring.to_string()).unwrap();
+    (hostfile, port)
+}
+
 fn scratch(name: &str) -> PathBuf {
     PathBuf::from(env!("CARGO_TARGET_TMPDIR"))
         .join("distributed")
@@ -502,14 +516,7 @@ fn a_hostfiles_remote_hosts_are_started_over_ssh() {
 
 #[test]
 fn a_rank_whose_peers_never_start_gives_up_naming_them() {
-    let port: u16 = ring_port().parse().unwrap();
-    let hostfile = scratch("alone.json");
-    std::fs::create_dir_all(hostfile.parent().unwrap()).unwrap();
-    let ring = json!([
-        [format!("127.0.0.1:{port}")],
-        [format!("127.0.0.1:{}", port + 1)]
-    ]);
-    std::fs::write(&hostfile, ring.to_string()).unwrap();
+    let (hostfile, port) = ring_hostfile("alone");
     let model = serve_harness::model().to_str().unwrap().to_owned();
     let started = std::time::Instant::now();
     let (code, _, err) = common::run_mlxb_env(
@@ -553,14 +560,7 @@ fn a_rank_that_dies_ends_the_job_naming_it() {
 #[test]
 fn a_server_whose_other_rank_dies_says_so_on_health() {
     // Ranks started by hand (as a cluster scheduler would), so that nothing stops rank 0.
-    let port: u16 = ring_port().parse().unwrap();
-    let hostfile = scratch("lost-rank.json");
-    std::fs::create_dir_all(hostfile.parent().unwrap()).unwrap();
-    let ring = json!([
-        [format!("127.0.0.1:{port}")],
-        [format!("127.0.0.1:{}", port + 1)]
-    ]);
-    std::fs::write(&hostfile, ring.to_string()).unwrap();
+    let (hostfile, _) = ring_hostfile("lost-rank");
     let model = serve_harness::model().to_str().unwrap().to_owned();
     let hf = hostfile.to_str().unwrap();
     let mut follower = common::mlxb_command(&["serve", "--model", &model, "--port", "0"])
@@ -594,14 +594,7 @@ fn a_server_whose_other_rank_dies_says_so_on_health() {
 
 #[test]
 fn a_rank_that_stops_answering_ends_the_job_after_the_silence_limit() {
-    let port: u16 = ring_port().parse().unwrap();
-    let hostfile = scratch("silent-rank.json");
-    std::fs::create_dir_all(hostfile.parent().unwrap()).unwrap();
-    let ring = json!([
-        [format!("127.0.0.1:{port}")],
-        [format!("127.0.0.1:{}", port + 1)]
-    ]);
-    std::fs::write(&hostfile, ring.to_string()).unwrap();
+    let (hostfile, _) = ring_hostfile("silent-rank");
     let model = serve_harness::model().to_str().unwrap().to_owned();
     let hf = hostfile.to_str().unwrap();
     let env = [("MLX_HOSTFILE", hf), ("MLXB_RANKS_TIMEOUT", "3")];
