@@ -110,14 +110,16 @@ pub fn run(args: GenerateArgs) -> anyhow::Result<()> {
         )
         .into());
     }
+    // Across ranks, rank 0 alone prints (and writes the trace); every rank runs the same
+    // generation.
+    let ranks = crate::engine::distributed::world();
+    let leader = ranks.as_ref().is_none_or(|g| g.is_leader());
     let mut trace = args
         .spec_trace
         .as_deref()
+        .filter(|_| leader)
         .map(JsonlTrace::create)
         .transpose()?;
-    // Across ranks, rank 0 alone prints; every rank runs the same generation.
-    let ranks = crate::engine::distributed::world();
-    let leader = ranks.as_ref().is_none_or(|g| g.is_leader());
     let stream = !args.json && leader;
     if args.verbose && stream {
         println!("==========");

@@ -213,8 +213,8 @@ fn next_job(jobs: &Receiver<Job>, ranks: Option<&Group>) -> Option<Job> {
     }
 }
 
-/// Runs this rank's side of a server whose rank 0 takes the requests: loads the same model
-/// shard by shard, then runs every generation rank 0 sends until rank 0 stops.
+/// Runs this rank's side of a server whose rank 0 takes the requests: loads its share of the
+/// model, then runs every generation rank 0 sends until rank 0 stops.
 pub fn follow(cfg: &EngineConfig, group: &Group) -> Result<()> {
     let mut state = State::open(cfg)?;
     while let Some(order) = ranks::receive(group)? {
