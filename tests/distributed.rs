@@ -557,20 +557,34 @@ fn a_rank_that_dies_ends_the_job_naming_it() {
     );
 }
 
-#[test]
-fn a_server_whose_other_rank_dies_says_so_on_health() {
-    // Ranks started by hand (as a cluster scheduler would), so that nothing stops rank 0.
-    let (hostfile, _) = ring_hostfile("lost-rank");
+/// A two-rank server on the tiny model, its ranks started by hand (no launcher), with `env` on
+/// both: (rank 1's process, rank 0's server).
+fn hand_started_server(
+    name: &str,
+    env: &[(&str, &str)],
+) -> (std::process::Child, serve_harness::Server) {
+    let (hostfile, _) = ring_hostfile(name);
     let model = serve_harness::model().to_str().unwrap().to_owned();
-    let hf = hostfile.to_str().unwrap();
-    let mut follower = common::mlxb_command(&["serve", "--model", &model, "--port", "0"])
-        .envs([("MLX_RANK", "1"), ("MLX_HOSTFILE", hf)])
+    let mut env = env.to_vec();
+    env.push(("MLX_HOSTFILE", hostfile.to_str().unwrap()));
+    let follower = common::mlxb_command(&["serve", "--model", &model, "--port", "0"])
+        .envs(env.iter().copied())
+        .env("MLX_RANK", "1")
         .stdout(std::process::Stdio::null())
         .stderr(std::process::Stdio::null())
         .spawn()
         .unwrap();
-    let leader =
-        serve_harness::Server::start_model(&model, &[("MLX_RANK", "0"), ("MLX_HOSTFILE", hf)], &[]);
+    env.push(("MLX_RANK", "0"));
+    (
+        follower,
+        serve_harness::Server::start_model(&model, &env, &[]),
+    )
+}
+
+#[test]
+fn a_server_whose_other_rank_dies_says_so_on_health() {
+    // Ranks started by hand (as a cluster scheduler would), so that nothing stops rank 0.
+    let (mut follower, leader) = hand_started_server("lost-rank", &[]);
     let body = serve_harness::chat_body(serve_harness::PROMPT, 4);
     let (status, _) = leader.post("/v1/chat/completions", &body);
     assert_eq!(status, 200);
@@ -594,18 +608,8 @@ fn a_server_whose_other_rank_dies_says_so_on_health() {
 
 #[test]
 fn a_rank_that_stops_answering_ends_the_job_after_the_silence_limit() {
-    let (hostfile, _) = ring_hostfile("silent-rank");
-    let model = serve_harness::model().to_str().unwrap().to_owned();
-    let hf = hostfile.to_str().unwrap();
-    let env = [("MLX_HOSTFILE", hf), ("MLXB_RANKS_TIMEOUT", "3")];
-    let mut follower = common::mlxb_command(&["serve", "--model", &model, "--port", "0"])
-        .envs(env)
-        .env("MLX_RANK", "1")
-        .stdout(std::process::Stdio::null())
-        .spawn()
-        .unwrap();
-    let mut leader =
-        serve_harness::Server::start_model(&model, &[("MLX_RANK", "0"), env[0], env[1]], &[]);
+    let (mut follower, mut leader) =
+        hand_started_server("silent-rank", &[("MLXB_RANKS_TIMEOUT", "3")]);
     // Idle longer than the limit: rank 0's keep-alives hold the follower.
     std::thread::sleep(std::time::Duration::from_secs(5));
     assert!(

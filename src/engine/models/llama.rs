@@ -173,10 +173,11 @@ fn load(
         Some((layers, _)) => layers.start as i32..layers.end as i32,
         None => 0..s.num_hidden_layers,
     };
-    let sliding = match parts.sliding.is_empty() {
-        true => Vec::new(),
-        false => parts.sliding[own.start as usize..own.end as usize].to_vec(),
-    };
+    let sliding = parts
+        .sliding
+        .get(own.start as usize..own.end as usize)
+        .unwrap_or_default()
+        .to_vec();
     let mut layers = Vec::new();
     for i in own {
         layers.push(Block::load(
