@@ -88,9 +88,9 @@ fn sigmoid_equals_mlx_over_the_bit_pattern_sweep() {
 
 #[test]
 fn swiglu_equals_mlx_compiled_and_eager_over_the_sweep() {
-    if !elementwise::avx512_available() {
+    if elementwise::vector_path().is_none() {
         // `swiglu` then runs its scalar form, the one this CPU uses; that is what is swept.
-        eprintln!("this CPU lacks AVX-512: the sweep checks the scalar form, not the vector one");
+        eprintln!("this CPU has no vector path: the sweep checks the scalar form");
     }
     for compiled in [true, false] {
         let mut op = swiglu(compiled);
@@ -271,7 +271,7 @@ fn a_tiny_bf16_llama_takes_the_host_products_and_swiglu_with_the_same_logits() {
     let calls = host_swiglu_calls() - before;
     let norms = host_norm_calls() - norms_before;
     let products = dense_calls() - products_before;
-    if elementwise::avx512_available() {
+    if elementwise::vector_path().is_some() {
         // 4 layers, in the prompt and in each of the 8 steps.
         assert!(calls >= 4 * 9, "the host SwiGLU ran {calls} times");
         assert!(products >= 4 * 7 * 9, "{products} host products");
@@ -281,6 +281,12 @@ fn a_tiny_bf16_llama_takes_the_host_products_and_swiglu_with_the_same_logits() {
             "the host RMSNorm ran {norms} times in 8 steps"
         );
     } else {
-        eprintln!("no AVX-512 here: {calls} host SwiGLUs, {norms} norms, {products} products");
+        eprintln!("no vector path here: {calls} host SwiGLUs, {norms} norms, {products} products");
     }
+}
+
+/// On an AVX-512 machine: every other test here again on the AVX2 kernels.
+#[test]
+fn the_avx2_path_passes_this_suite_too() {
+    common::rerun_on_the_avx2_path("the_avx2_path_passes_this_suite_too");
 }

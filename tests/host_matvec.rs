@@ -12,9 +12,11 @@
 //! The f32 orders are those of OpenBLAS's SkylakeX and Haswell kernels. On a machine whose
 //! OpenBLAS picks other kernels (`mlxb --version` names them), f32 products may be refused:
 //! there the suite checks that every accepted product still equals MLX's and the logits are
-//! unchanged. On a CPU without AVX-512/FMA there is no dense host kernel: the suite checks that
-//! every dense layer stays on MLX with the logits unchanged, and says on stderr that the sums
-//! went unchecked. Quantized layers have an AVX2 kernel too, checked wherever it runs.
+//! unchanged. The dense kernels run on AVX-512 or AVX2 (with FMA and F16C; `MLXB_DENSE_KERNEL=avx2`
+//! runs this suite on the AVX2 path of an AVX-512 machine, as CI does); on a CPU with neither
+//! there is no dense host kernel: the suite checks that every dense layer stays on MLX with the
+//! logits unchanged, and says on stderr that the sums went unchecked. Quantized layers have an
+//! AVX2 kernel too, checked wherever it runs.
 //!
 //! End-to-end parity with mlx-lm under the defaults is `model_parity`'s job.
 
@@ -29,15 +31,23 @@ use mlxb::engine::kernels::{
 };
 use serde_json::json;
 
-/// Whether this CPU runs the host kernels (AVX-512 with FMA). Where it does not (AVX2-only x86,
-/// other architectures), `--host-matvec` must leave every layer on MLX: the tests then check
-/// that fallback instead (nothing pinned, logits unchanged, no host call) and say so on stderr.
+/// Whether this CPU runs the host kernels (AVX-512 or AVX2, with FMA and F16C). Where it does
+/// not (older x86, other architectures), `--host-matvec` must leave every layer on MLX: the
+/// tests then check that fallback instead (nothing pinned, logits unchanged, no host call) and
+/// say so on stderr. An x86 CPU with AVX2, FMA and F16C must run them.
 fn kernels_here() -> bool {
     let here = mlx_order::available();
+    #[cfg(target_arch = "x86_64")]
+    assert!(
+        here || !(std::arch::is_x86_feature_detected!("avx2")
+            && std::arch::is_x86_feature_detected!("fma")
+            && std::arch::is_x86_feature_detected!("f16c")),
+        "this CPU has AVX2, FMA and F16C but no dense host kernel"
+    );
     if !here {
         eprintln!(
-            "this CPU lacks AVX-512/FMA: --host-matvec has no kernel here, so this test checks \
-             that every layer stays on MLX, not the host sums"
+            "this CPU has neither AVX-512 nor AVX2 with FMA and F16C: --host-matvec has no kernel \
+             here, so this test checks that every layer stays on MLX, not the host sums"
         );
     }
     here
@@ -545,4 +555,10 @@ fn assert_bits_equal(what: &str, ours: &Array, theirs: &Array) {
     let (a, b) = (common::bits(ours), common::bits(theirs));
     let differ = a.iter().zip(&b).filter(|(p, q)| p != q).count();
     assert_eq!(differ, 0, "{what}: {differ} of {} differ", a.len());
+}
+
+/// On an AVX-512 machine: every other test here again on the AVX2 kernels.
+#[test]
+fn the_avx2_path_passes_this_suite_too() {
+    common::rerun_on_the_avx2_path("the_avx2_path_passes_this_suite_too");
 }

@@ -459,12 +459,20 @@ impl Twins {
 /// products and they stay on MLX: the suites then check that fallback (whatever is accepted
 /// equals MLX bit for bit, logits unchanged) and say so on stderr.
 pub fn f32_host_order_expected() -> bool {
+    use mlxb::engine::kernels::mlx_order::{simd, Simd};
     let core = mlxb::engine::runtime::blas_core();
-    let expected = matches!(core.as_deref(), Some("SkylakeX" | "Cooperlake" | "Haswell"));
+    let expected = match core.as_deref() {
+        Some("Haswell") => true,
+        // The small-matrix kernel's lane order is AVX-512's own: on the AVX2 path
+        // (`MLXB_DENSE_KERNEL=avx2` on an AVX-512 machine) those shapes stay on MLX.
+        Some("SkylakeX" | "Cooperlake") => simd() != Some(Simd::Avx2),
+        _ => false,
+    };
     if !expected {
         eprintln!(
-            "OpenBLAS core {core:?} is not SkylakeX, Cooperlake or Haswell: f32 host products \
-             may be refused here, so this test checks the fallback to MLX for them"
+            "OpenBLAS core {core:?} with the {:?} host kernels: f32 host products may be refused \
+             here, so this test checks the fallback to MLX for them",
+            simd()
         );
     }
     expected
@@ -512,4 +520,36 @@ pub fn two_sample_chi_square(a: &[f64], b: &[f64]) -> (f64, usize) {
         bins += 1;
     }
     (chi2, bins)
+}
+
+/// On a CPU whose host kernels run on AVX-512, runs this test binary again as on an AVX2-only
+/// machine: the AVX2 kernels (`MLXB_DENSE_KERNEL=avx2`) beside OpenBLAS's `Haswell` kernels
+/// (`OPENBLAS_CORETYPE=Haswell`, what OpenBLAS picks there), every test but `me`; requires it
+/// to pass with at least one test run, so AVX-512 machines hold the AVX2 path to MLX's bits
+/// too. Inside that rerun, and where the CPU has no AVX-512 (the AVX2 path is then the default
+/// one), it does nothing.
+pub fn rerun_on_the_avx2_path(me: &str) {
+    use mlxb::engine::kernels::mlx_order::Simd;
+    if std::env::var_os("MLXB_DENSE_KERNEL").is_some() || !Simd::Avx512.runs_here() {
+        eprintln!("not rerunning on the AVX2 path: already there, or no AVX-512 on this CPU");
+        return;
+    }
+    let out = Command::new(std::env::current_exe().unwrap())
+        .args(["--skip", me])
+        .env("MLXB_DENSE_KERNEL", "avx2")
+        .env("OPENBLAS_CORETYPE", "Haswell")
+        .output()
+        .unwrap();
+    let text = format!(
+        "{}{}",
+        String::from_utf8_lossy(&out.stdout),
+        String::from_utf8_lossy(&out.stderr)
+    );
+    assert!(out.status.success(), "on the AVX2 path:\n{text}");
+    let ran = text
+        .lines()
+        .filter_map(|l| l.strip_prefix("test result: ok. "))
+        .filter_map(|l| l.split(' ').next()?.parse::<usize>().ok())
+        .sum::<usize>();
+    assert!(ran > 0, "no test ran on the AVX2 path:\n{text}");
 }

@@ -82,6 +82,11 @@ impl HostDense {
             cols: cols as usize,
             forced: order,
         };
+        // A one-token product this CPU's kernels cannot sum in MLX's order (the small-matrix
+        // order on the AVX2 path) stays on MLX.
+        if !mlx_order::takes_tokens(&me.order(1), 1) {
+            return Ok(None);
+        }
         Ok(me.matches_mlx(1, None)?.then_some(me))
     }
 

@@ -4,7 +4,7 @@
 //!
 //! MLX's CPU kernels on x86 are one lane wide (`simd/base_simd.h` has no x86 vectors), so its
 //! `sigmoid` runs a scalar polynomial `exp` with a libm `fmaf` call per coefficient: ~20 ns a
-//! value, a quarter of a SmolLM2 prompt's time. The same operations in 16 lanes give the same
+//! value, a quarter of a SmolLM2 prompt's time. The same operations in 16 (AVX-512) or 8 (AVX2) lanes give the same
 //! bits, because each one is a correctly rounded IEEE operation (multiply, add, divide, fused
 //! multiply-add, float→int truncation) or exact (`floor`, bit shifts, selects); the order and
 //! the constants follow `mlx/backend/cpu/simd/math.h` (`exp`) and `unary_ops.h` (`Sigmoid`) of
@@ -15,6 +15,8 @@
 //! (for attention) instead of three times. The MLX-facing side
 //! ([`crate::engine::models::activations`], [`crate::engine::nn`]) still compares each with
 //! MLX's own kernel once per process before using it.
+
+use super::mlx_order::Simd;
 
 /// `1 / ln 2` as MLX writes it (`x * 1.442695f`; the same f32 as `std`'s `LOG2_E`, but the
 /// literal is MLX's).
@@ -58,15 +60,26 @@ pub fn exp_mlx(x: f32) -> f32 {
     result
 }
 
-/// [`exp_mlx`] of every value of `x`, in place (eight at a time where the CPU has AVX-512: the
+/// [`exp_mlx`] of every value of `x`, in place (eight at a time on the vector paths: the
 /// `floor(t + 0.5)` in f64 lanes, as the scalar form forms it).
 pub fn exp_mlx_slice(x: &mut [f32]) {
+    exp_mlx_slice_on(vector_path(), x)
+}
+
+/// [`exp_mlx_slice`] on the instruction set `simd` (`None`: one value at a time), which the CPU
+/// must run.
+fn exp_mlx_slice_on(simd: Option<Simd>, x: &mut [f32]) {
     let mut done = 0;
     #[cfg(target_arch = "x86_64")]
-    if avx512_available() {
+    if let Some(simd) = simd.filter(|s| s.runs_here()) {
         done = x.len() / 8 * 8;
-        // SAFETY: the CPU has AVX-512F (checked); `done` is within `x`.
-        unsafe { x86::exp_slice(&mut x[..done]) };
+        // SAFETY: the CPU runs `simd` (checked); `done` is within `x`.
+        unsafe {
+            match simd {
+                Simd::Avx512 => x86::exp_slice(&mut x[..done]),
+                Simd::Avx2 => x86::exp_slice_avx2(&mut x[..done]),
+            }
+        }
     }
     for v in &mut x[done..] {
         *v = exp_mlx(*v);
@@ -90,16 +103,27 @@ pub fn swiglu(gate: &[f32], up: &[f32], out: &mut [f32]) {
         gate.len() == up.len() && up.len() == out.len(),
         "swiglu: gate, up and out differ in length"
     );
+    swiglu_on(vector_path(), gate, up, out)
+}
+
+/// [`swiglu`] on the instruction set `simd` (`None`: one value at a time); the lengths are
+/// equal.
+fn swiglu_on(simd: Option<Simd>, gate: &[f32], up: &[f32], out: &mut [f32]) {
     #[cfg(target_arch = "x86_64")]
-    if avx512_available() {
-        // SAFETY: the CPU has AVX-512F (checked); the lengths are equal (asserted).
-        unsafe { x86::swiglu(gate, up, out) };
+    if let Some(simd) = simd.filter(|s| s.runs_here()) {
+        // SAFETY: the CPU runs `simd` (checked); the lengths are equal (the caller's).
+        unsafe {
+            match simd {
+                Simd::Avx512 => x86::swiglu(gate, up, out),
+                Simd::Avx2 => x86::swiglu_avx2(gate, up, out),
+            }
+        }
         return;
     }
     swiglu_scalar(gate, up, out);
 }
 
-/// The one-value-at-a-time form of [`swiglu`] (CPUs without AVX-512, and the tail of a row).
+/// The one-value-at-a-time form of [`swiglu`] (CPUs without AVX2, and the tail of a row).
 pub fn swiglu_scalar(gate: &[f32], up: &[f32], out: &mut [f32]) {
     for ((o, &g), &u) in out.iter_mut().zip(gate).zip(up) {
         *o = (g * sigmoid_mlx(g)) * u;
@@ -212,22 +236,99 @@ pub fn probe_values(n: usize, seed: u64) -> Vec<f32> {
         .collect()
 }
 
-/// Whether [`swiglu`] runs 16 lanes at a time here.
-pub fn avx512_available() -> bool {
-    #[cfg(target_arch = "x86_64")]
-    {
-        std::arch::is_x86_feature_detected!("avx512f")
-    }
-    #[cfg(not(target_arch = "x86_64"))]
-    {
-        false
-    }
+/// The instruction set [`swiglu`] and [`exp_mlx_slice`] run on here: the host products' set
+/// ([`super::mlx_order::simd`], which `MLXB_DENSE_KERNEL=avx2` narrows); `None` runs the
+/// scalar forms.
+pub fn vector_path() -> Option<Simd> {
+    super::mlx_order::simd()
 }
 
 #[cfg(target_arch = "x86_64")]
 mod x86 {
     use super::{swiglu_scalar, EXP2_POLY, LOG2_E};
     use std::arch::x86_64::*;
+
+    /// The rest of `exp_mlx` for eight values `v` once `t = v · log2(e)` and its rounded
+    /// integer part `ipart` are formed: the polynomial, the exponent bits, the selects.
+    #[inline(always)]
+    unsafe fn exp8_finish(v: __m256, t: __m256, ipart: __m256) -> __m256 {
+        let fpart = _mm256_sub_ps(t, ipart);
+        let mut p = _mm256_set1_ps(EXP2_POLY[0]);
+        for c in &EXP2_POLY[1..] {
+            p = _mm256_fmadd_ps(p, fpart, _mm256_set1_ps(*c));
+        }
+        let epart = _mm256_slli_epi32::<23>(_mm256_add_epi32(
+            _mm256_cvttps_epi32(ipart),
+            _mm256_set1_epi32(127),
+        ));
+        let mut r = _mm256_mul_ps(_mm256_castsi256_ps(epart), p);
+        let nan = _mm256_cmp_ps::<_CMP_UNORD_Q>(v, v);
+        r = _mm256_blendv_ps(r, v, nan);
+        let big = _mm256_cmp_ps::<_CMP_GT_OQ>(v, _mm256_set1_ps(88.0));
+        r = _mm256_blendv_ps(r, _mm256_set1_ps(f32::INFINITY), big);
+        let small = _mm256_cmp_ps::<_CMP_LT_OQ>(v, _mm256_set1_ps(-88.0));
+        _mm256_blendv_ps(r, _mm256_setzero_ps(), small)
+    }
+
+    /// [`super::exp_mlx`] eight values at a time with AVX2 (`x.len()` a multiple of eight), for
+    /// any sign: `floor(t + 0.5)` in two f64 vectors of four, exactly as the scalar form.
+    ///
+    /// # Safety
+    /// The CPU must have AVX2 and FMA.
+    #[target_feature(enable = "avx,avx2,fma")]
+    pub unsafe fn exp_slice_avx2(x: &mut [f32]) {
+        let floor = |t: __m128| {
+            let wide = _mm256_add_pd(_mm256_cvtps_pd(t), _mm256_set1_pd(0.5));
+            _mm256_cvtpd_ps(_mm256_round_pd::<
+                { _MM_FROUND_TO_NEG_INF | _MM_FROUND_NO_EXC },
+            >(wide))
+        };
+        for chunk in x.chunks_exact_mut(8) {
+            let v = _mm256_loadu_ps(chunk.as_ptr());
+            let t = _mm256_mul_ps(v, _mm256_set1_ps(LOG2_E));
+            let lo = floor(_mm256_castps256_ps128(t));
+            let hi = floor(_mm256_extractf128_ps::<1>(t));
+            let ipart = _mm256_set_m128(hi, lo);
+            _mm256_storeu_ps(chunk.as_mut_ptr(), exp8_finish(v, t, ipart));
+        }
+    }
+
+    /// 8 lanes of `exp_mlx` for `x ≥ 0` or NaN (the sigmoid's `|x|`), as [`exp16`].
+    #[inline(always)]
+    unsafe fn exp8_nonnegative(x: __m256) -> __m256 {
+        let t = _mm256_mul_ps(x, _mm256_set1_ps(LOG2_E));
+        let fl = _mm256_round_ps::<{ _MM_FROUND_TO_NEG_INF | _MM_FROUND_NO_EXC }>(t);
+        let frac = _mm256_sub_ps(t, fl);
+        let up = _mm256_cmp_ps::<_CMP_GE_OQ>(frac, _mm256_set1_ps(0.5));
+        let ipart = _mm256_blendv_ps(fl, _mm256_add_ps(fl, _mm256_set1_ps(1.0)), up);
+        exp8_finish(x, t, ipart)
+    }
+
+    /// [`super::swiglu`] 8 values at a time with AVX2; the last `len % 8` one at a time.
+    ///
+    /// # Safety
+    /// The CPU must have AVX2 and FMA; `gate`, `up` and `out` must have the same length.
+    #[target_feature(enable = "avx,avx2,fma")]
+    pub unsafe fn swiglu_avx2(gate: &[f32], up: &[f32], out: &mut [f32]) {
+        let one = _mm256_set1_ps(1.0);
+        let magnitude = _mm256_castsi256_ps(_mm256_set1_epi32(0x7FFF_FFFF));
+        let full = gate.len() / 8 * 8;
+        for i in (0..full).step_by(8) {
+            let g = _mm256_loadu_ps(gate.as_ptr().add(i));
+            let u = _mm256_loadu_ps(up.as_ptr().add(i));
+            let y = _mm256_div_ps(
+                one,
+                _mm256_add_ps(one, exp8_nonnegative(_mm256_and_ps(g, magnitude))),
+            );
+            let negative = _mm256_cmp_ps::<_CMP_LT_OQ>(g, _mm256_setzero_ps());
+            let sig = _mm256_blendv_ps(_mm256_sub_ps(one, y), y, negative);
+            _mm256_storeu_ps(
+                out.as_mut_ptr().add(i),
+                _mm256_mul_ps(_mm256_mul_ps(g, sig), u),
+            );
+        }
+        swiglu_scalar(&gate[full..], &up[full..], &mut out[full..]);
+    }
 
     /// 16 lanes of `exp_mlx` for `x ≥ 0` or NaN (the sigmoid's `|x|`).
     #[target_feature(enable = "avx512f")]
@@ -271,23 +372,7 @@ mod x86 {
             let ipart = _mm512_cvtpd_ps(_mm512_roundscale_pd::<
                 { _MM_FROUND_TO_NEG_INF | _MM_FROUND_NO_EXC },
             >(wide));
-            let fpart = _mm256_sub_ps(t, ipart);
-            let mut p = _mm256_set1_ps(EXP2_POLY[0]);
-            for c in &EXP2_POLY[1..] {
-                p = _mm256_fmadd_ps(p, fpart, _mm256_set1_ps(*c));
-            }
-            let epart = _mm256_slli_epi32::<23>(_mm256_add_epi32(
-                _mm256_cvttps_epi32(ipart),
-                _mm256_set1_epi32(127),
-            ));
-            let mut r = _mm256_mul_ps(_mm256_castsi256_ps(epart), p);
-            let nan = _mm256_cmp_ps::<_CMP_UNORD_Q>(v, v);
-            r = _mm256_blendv_ps(r, v, nan);
-            let big = _mm256_cmp_ps::<_CMP_GT_OQ>(v, _mm256_set1_ps(88.0));
-            r = _mm256_blendv_ps(r, _mm256_set1_ps(f32::INFINITY), big);
-            let small = _mm256_cmp_ps::<_CMP_LT_OQ>(v, _mm256_set1_ps(-88.0));
-            r = _mm256_blendv_ps(r, _mm256_setzero_ps(), small);
-            _mm256_storeu_ps(chunk.as_mut_ptr(), r);
+            _mm256_storeu_ps(chunk.as_mut_ptr(), exp8_finish(v, t, ipart));
         }
     }
 
@@ -348,24 +433,38 @@ mod tests {
         v
     }
 
-    /// [`swiglu`] equals [`swiglu_scalar`] bit for bit over the sweep: with AVX-512F that
-    /// checks its 16-lane form, without it that the dispatch falls back to the scalar form
-    /// (and never runs instructions the CPU lacks).
+    /// The vector paths this CPU runs (AVX-512 and AVX2 on an AVX-512 machine), and the
+    /// dispatch's own choice (`None` where there is none: it must fall back to the scalar form
+    /// and never run instructions the CPU lacks).
+    fn paths() -> Vec<Option<Simd>> {
+        let mut out = vec![vector_path()];
+        out.extend(
+            [Simd::Avx512, Simd::Avx2]
+                .into_iter()
+                .filter(|s| s.runs_here())
+                .map(Some),
+        );
+        out
+    }
+
+    /// [`swiglu`] equals [`swiglu_scalar`] bit for bit over the sweep on every vector path.
     #[test]
     fn swiglu_equals_the_scalar_form_bit_for_bit() {
         let gate = sweep();
         let up: Vec<f32> = gate.iter().rev().map(|x| x * 0.75 + 0.1).collect();
         let mut scalar = vec![0.0; gate.len()];
-        let mut vector = vec![0.0; gate.len()];
         swiglu_scalar(&gate, &up, &mut scalar);
-        swiglu(&gate, &up, &mut vector);
-        for (i, (s, v)) in scalar.iter().zip(&vector).enumerate() {
-            assert!(
-                s.to_bits() == v.to_bits() || (s.is_nan() && v.is_nan()),
-                "gate {} up {}: scalar {s:e} vector {v:e}",
-                gate[i],
-                up[i]
-            );
+        for path in paths() {
+            let mut vector = vec![0.0; gate.len()];
+            swiglu_on(path, &gate, &up, &mut vector);
+            for (i, (s, v)) in scalar.iter().zip(&vector).enumerate() {
+                assert!(
+                    s.to_bits() == v.to_bits() || (s.is_nan() && v.is_nan()),
+                    "{path:?} gate {} up {}: scalar {s:e} vector {v:e}",
+                    gate[i],
+                    up[i]
+                );
+            }
         }
     }
 
@@ -376,14 +475,16 @@ mod tests {
         let mut xs = sweep();
         xs.extend((0..200_000).map(|i| -(i as f32) * 0.000_45));
         xs.extend((0..5000).map(|i| -88.5 + i as f32 * 1e-4));
-        let mut vector = xs.clone();
-        exp_mlx_slice(&mut vector);
-        for (x, v) in xs.iter().zip(&vector) {
-            let s = exp_mlx(*x);
-            assert!(
-                s.to_bits() == v.to_bits() || (s.is_nan() && v.is_nan()),
-                "exp({x:e}): scalar {s:e} vector {v:e}"
-            );
+        for path in paths() {
+            let mut vector = xs.clone();
+            exp_mlx_slice_on(path, &mut vector);
+            for (x, v) in xs.iter().zip(&vector) {
+                let s = exp_mlx(*x);
+                assert!(
+                    s.to_bits() == v.to_bits() || (s.is_nan() && v.is_nan()),
+                    "{path:?} exp({x:e}): scalar {s:e} vector {v:e}"
+                );
+            }
         }
     }
 

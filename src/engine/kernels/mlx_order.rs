@@ -188,26 +188,90 @@ pub fn panels(depth: usize, panel: usize) -> Vec<usize> {
     out
 }
 
-/// Whether a product of `tokens` tokens in `order` is one the host kernels reproduce: 1 to
-/// [`MAX_TOKENS`] in the f32 orders, any positive number in MLX's 16-bit order.
+/// Whether a product of `tokens` tokens in `order` is one the host kernels reproduce on this
+/// CPU: 1 to [`MAX_TOKENS`] in the f32 orders, any positive number in MLX's 16-bit order; the
+/// small-matrix kernel's order only with AVX-512.
 pub fn takes_tokens(order: &Order, tokens: usize) -> bool {
-    tokens >= 1 && (tokens <= MAX_TOKENS || *order == Order::Sequential)
+    takes_tokens_on(simd(), order, tokens)
 }
 
-/// Whether this CPU runs the kernels (written for AVX-512 with FMA, the CPUs whose OpenBLAS
-/// kernels they mirror).
+fn takes_tokens_on(simd: Option<Simd>, order: &Order, tokens: usize) -> bool {
+    let lanes_ok = *order != Order::Lanes || simd == Some(Simd::Avx512);
+    simd.is_some()
+        && lanes_ok
+        && tokens >= 1
+        && (tokens <= MAX_TOKENS || *order == Order::Sequential)
+}
+
+/// The instruction set the host products run on. Every order but [`Order::Lanes`] is one chain
+/// per output, so the vector width changes speed, never bits; the small-matrix kernel's lane
+/// order is AVX-512's own (OpenBLAS picks those kernels on AVX-512 CPUs only).
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub enum Simd {
+    /// Sixteen outputs per vector (AVX-512F/BW with FMA and F16C).
+    Avx512,
+    /// Eight outputs per vector (AVX2 with FMA and F16C).
+    Avx2,
+}
+
+impl Simd {
+    /// The fastest set this CPU runs.
+    fn fastest() -> Option<Simd> {
+        #[cfg(target_arch = "x86_64")]
+        {
+            let has = |f: &str| match f {
+                "avx512f" => std::arch::is_x86_feature_detected!("avx512f"),
+                "avx512bw" => std::arch::is_x86_feature_detected!("avx512bw"),
+                "avx2" => std::arch::is_x86_feature_detected!("avx2"),
+                "f16c" => std::arch::is_x86_feature_detected!("f16c"),
+                _ => std::arch::is_x86_feature_detected!("fma"),
+            };
+            if !(has("f16c") && has("fma")) {
+                return None;
+            }
+            if has("avx512f") && has("avx512bw") {
+                return Some(Simd::Avx512);
+            }
+            if has("avx2") {
+                return Some(Simd::Avx2);
+            }
+        }
+        None
+    }
+
+    /// Whether this CPU runs the set.
+    pub fn runs_here(self) -> bool {
+        matches!(
+            (self, Simd::fastest()),
+            (_, Some(Simd::Avx512)) | (Simd::Avx2, Some(Simd::Avx2))
+        )
+    }
+}
+
+/// The set the host products run on: the fastest this CPU has, or the narrower one
+/// `MLXB_DENSE_KERNEL=avx2` asks for (to run the AVX2 path on an AVX-512 machine); `None`
+/// where the CPU has neither (products stay on MLX).
+pub fn simd() -> Option<Simd> {
+    static CHOSEN: std::sync::OnceLock<Option<Simd>> = std::sync::OnceLock::new();
+    *CHOSEN.get_or_init(|| {
+        let fastest = Simd::fastest();
+        match std::env::var("MLXB_DENSE_KERNEL").as_deref() {
+            Err(_) => fastest,
+            Ok("avx512") if Simd::Avx512.runs_here() => Some(Simd::Avx512),
+            Ok("avx2") if Simd::Avx2.runs_here() => Some(Simd::Avx2),
+            Ok(asked) => {
+                eprintln!(
+                    "mlxb: MLXB_DENSE_KERNEL={asked:?} is not a path this CPU runs (avx512 or avx2); using {fastest:?}"
+                );
+                fastest
+            }
+        }
+    })
+}
+
+/// Whether this CPU runs the host products (AVX2 or AVX-512, with FMA and F16C).
 pub fn available() -> bool {
-    #[cfg(target_arch = "x86_64")]
-    {
-        std::arch::is_x86_feature_detected!("avx512f")
-            && std::arch::is_x86_feature_detected!("avx512bw")
-            && std::arch::is_x86_feature_detected!("f16c")
-            && std::arch::is_x86_feature_detected!("fma")
-    }
-    #[cfg(not(target_arch = "x86_64"))]
-    {
-        false
-    }
+    simd().is_some()
 }
 
 /// `y = x · Wᵀ` for one token in f32 (the 16-bit token widened exactly): [`matmul`] of one
@@ -237,12 +301,29 @@ pub fn matmul(
     order: &Order,
     threads: usize,
 ) -> Result<Vec<f32>, String> {
-    if !available() {
-        return Err("this CPU has no AVX-512 and FMA for the host product".into());
-    }
-    if cols == 0 || !takes_tokens(order, tokens) {
+    matmul_on(simd(), w, rows, cols, x, tokens, order, threads)
+}
+
+/// [`matmul`] on the instruction set `simd` (the tests run every set this CPU has).
+#[allow(clippy::too_many_arguments)]
+fn matmul_on(
+    simd: Option<Simd>,
+    w: Weights<'_>,
+    rows: usize,
+    cols: usize,
+    x: &[f32],
+    tokens: usize,
+    order: &Order,
+    threads: usize,
+) -> Result<Vec<f32>, String> {
+    let Some(simd) = simd.filter(|s| s.runs_here()) else {
+        return Err(
+            "this CPU has neither AVX-512 nor AVX2 (with FMA and F16C) for the host product".into(),
+        );
+    };
+    if cols == 0 || !takes_tokens_on(Some(simd), order, tokens) {
         return Err(format!(
-            "{tokens} tokens through a depth of {cols} in {order:?}: the host product takes depths of 1 or more and 1 to {MAX_TOKENS} tokens (any number in the 16-bit order)"
+            "{tokens} tokens through a depth of {cols} in {order:?} on {simd:?}: the host product takes depths of 1 or more and 1 to {MAX_TOKENS} tokens (any number in the 16-bit order), the small-matrix order on AVX-512 only"
         ));
     }
     if w.len() != rows * cols || x.len() != tokens * cols {
@@ -278,7 +359,7 @@ pub fn matmul(
             let mut out = super::lock(&parts[i]);
             let start = i * chunk_rows;
             let end = start + out.len();
-            rows_into(w, rows, cols, x, 1, order, start..end, &mut out);
+            rows_into(simd, w, rows, cols, x, 1, order, start..end, &mut out);
         });
         return Ok(y);
     }
@@ -291,7 +372,7 @@ pub fn matmul(
         let start = i * chunk_rows;
         let end = (start + chunk_rows).min(rows);
         let mut out = vec![0.0f32; tokens * (end - start)];
-        rows_into(w, rows, cols, x, tokens, order, start..end, &mut out);
+        rows_into(simd, w, rows, cols, x, tokens, order, start..end, &mut out);
         *super::lock(&parts[i]) = out;
     });
     for (i, part) in parts.into_iter().enumerate() {
@@ -309,6 +390,7 @@ pub fn matmul(
 /// checked by [`matmul`]).
 #[allow(clippy::too_many_arguments)]
 fn rows_into(
+    simd: Simd,
     w: Weights<'_>,
     rows: usize,
     cols: usize,
@@ -319,13 +401,15 @@ fn rows_into(
     out: &mut [f32],
 ) {
     #[cfg(target_arch = "x86_64")]
-    // SAFETY: `matmul` checked `available()` and every length.
+    // SAFETY: `matmul_on` checked that the CPU runs `simd` (and AVX-512 for the lane order)
+    // and every length.
     unsafe {
         let whole = [cols];
         let panels: &[usize] = match order {
             Order::Panels(p) => p,
             _ => &whole,
         };
+        let packed = tokens >= PACKED_MIN_TOKENS;
         match (w, order) {
             (Weights::F32(w), Order::Lanes) => {
                 // The small-matrix kernel's shapes are small: each token runs alone over rows
@@ -343,25 +427,25 @@ fn rows_into(
                 }
             }
             (Weights::F32(w), _) => {
-                x86::token_panels(&x86::RowsF32(w), cols, x, tokens, panels, range, out)
+                x86::token_panels_on(simd, &x86::RowsF32(w), cols, x, tokens, panels, range, out)
             }
-            (Weights::Bf16(w), _) if tokens >= PACKED_MIN_TOKENS => {
-                x86::packed_rows(&x86::RowsBf16(w), cols, x, tokens, range, out)
+            (Weights::Bf16(w), _) if packed => {
+                x86::packed_rows_on(simd, &x86::RowsBf16(w), cols, x, tokens, range, out)
             }
-            (Weights::F16(w), _) if tokens >= PACKED_MIN_TOKENS => {
-                x86::packed_rows(&x86::RowsF16(w), cols, x, tokens, range, out)
+            (Weights::F16(w), _) if packed => {
+                x86::packed_rows_on(simd, &x86::RowsF16(w), cols, x, tokens, range, out)
             }
             (Weights::Bf16(w), _) => {
-                x86::token_panels(&x86::RowsBf16(w), cols, x, tokens, panels, range, out)
+                x86::token_panels_on(simd, &x86::RowsBf16(w), cols, x, tokens, panels, range, out)
             }
             (Weights::F16(w), _) => {
-                x86::token_panels(&x86::RowsF16(w), cols, x, tokens, panels, range, out)
+                x86::token_panels_on(simd, &x86::RowsF16(w), cols, x, tokens, panels, range, out)
             }
         }
     }
     #[cfg(not(target_arch = "x86_64"))]
     {
-        let _ = (w, rows, cols, x, tokens, order, range, out);
+        let _ = (simd, w, rows, cols, x, tokens, order, range, out);
         unreachable!("matmul refuses CPUs without the kernels");
     }
 }
@@ -387,7 +471,7 @@ fn reduce_halving(a: &[f32; LANES]) -> f32 {
 
 #[cfg(target_arch = "x86_64")]
 mod x86 {
-    use super::{reduce_halving, reduce_quads, LANES};
+    use super::{reduce_halving, reduce_quads, Simd, LANES};
     use std::arch::x86_64::*;
     use std::ops::Range;
 
@@ -454,15 +538,175 @@ mod x86 {
         }
     }
 
-    /// Row-major weights the chain kernel reads sixteen values (or one) at a time, widened to
-    /// f32 exactly.
+    /// A vector of f32 lanes the chain kernels run on: sixteen (AVX-512) or eight (AVX2). Each
+    /// output's chain is the same whatever the width, so both give the same bits.
+    pub(super) trait Lane: Copy {
+        /// Lanes per vector (outputs summed side by side).
+        const N: usize;
+        /// Tokens [`token_panels`] runs past one transposed block of weights (their
+        /// accumulators, the block and a broadcast must fit the vector registers).
+        const TOKEN_BLOCK: usize;
+        /// Tokens [`packed_rows`] runs past a packed group of rows at once (one accumulator
+        /// each, plus the weight vector and a broadcast).
+        const PACKED_TOKENS: usize;
+        unsafe fn zero() -> Self;
+        unsafe fn splat(v: f32) -> Self;
+        /// `a · b + c`, rounded once.
+        unsafe fn fmadd(a: Self, b: Self, c: Self) -> Self;
+        unsafe fn add(a: Self, b: Self) -> Self;
+        unsafe fn load(p: *const f32) -> Self;
+        unsafe fn store(p: *mut f32, v: Self);
+        /// `N` bfloat16 values widened exactly.
+        unsafe fn load_bf16(p: *const u16) -> Self;
+        /// `N` IEEE half values widened exactly.
+        unsafe fn load_f16(p: *const u16) -> Self;
+        /// The first `N` entries are `N` rows of `N` values; returns them as columns (element
+        /// `g` of column `j` is row `g`'s value `j`) in the first `N` entries.
+        unsafe fn transpose(rows: [Self; LANES]) -> [Self; LANES];
+    }
+
+    impl Lane for __m512 {
+        const N: usize = 16;
+        const TOKEN_BLOCK: usize = 8;
+        const PACKED_TOKENS: usize = 14;
+        #[inline(always)]
+        unsafe fn zero() -> Self {
+            _mm512_setzero_ps()
+        }
+        #[inline(always)]
+        unsafe fn splat(v: f32) -> Self {
+            _mm512_set1_ps(v)
+        }
+        #[inline(always)]
+        unsafe fn fmadd(a: Self, b: Self, c: Self) -> Self {
+            _mm512_fmadd_ps(a, b, c)
+        }
+        #[inline(always)]
+        unsafe fn add(a: Self, b: Self) -> Self {
+            _mm512_add_ps(a, b)
+        }
+        #[inline(always)]
+        unsafe fn load(p: *const f32) -> Self {
+            _mm512_loadu_ps(p)
+        }
+        #[inline(always)]
+        unsafe fn store(p: *mut f32, v: Self) {
+            _mm512_storeu_ps(p, v)
+        }
+        #[inline(always)]
+        unsafe fn load_bf16(p: *const u16) -> Self {
+            let h = _mm256_loadu_si256(p.cast());
+            _mm512_castsi512_ps(_mm512_slli_epi32::<16>(_mm512_cvtepu16_epi32(h)))
+        }
+        #[inline(always)]
+        unsafe fn load_f16(p: *const u16) -> Self {
+            _mm512_cvtph_ps(_mm256_loadu_si256(p.cast()))
+        }
+        #[inline(always)]
+        unsafe fn transpose(r: [Self; LANES]) -> [Self; LANES] {
+            // 32-bit interleave of row pairs, then 64-bit interleave of pair pairs: `u[4q + e]`
+            // holds, per 128-bit lane L, value 4L + e of rows 4q..4q + 4.
+            let mut u = [_mm512_setzero_ps(); LANES];
+            for q in 0..4 {
+                let (a, b, c, d) = (r[4 * q], r[4 * q + 1], r[4 * q + 2], r[4 * q + 3]);
+                let t0 = _mm512_castps_pd(_mm512_unpacklo_ps(a, b));
+                let t1 = _mm512_castps_pd(_mm512_unpackhi_ps(a, b));
+                let t2 = _mm512_castps_pd(_mm512_unpacklo_ps(c, d));
+                let t3 = _mm512_castps_pd(_mm512_unpackhi_ps(c, d));
+                u[4 * q] = _mm512_castpd_ps(_mm512_unpacklo_pd(t0, t2));
+                u[4 * q + 1] = _mm512_castpd_ps(_mm512_unpackhi_pd(t0, t2));
+                u[4 * q + 2] = _mm512_castpd_ps(_mm512_unpacklo_pd(t1, t3));
+                u[4 * q + 3] = _mm512_castpd_ps(_mm512_unpackhi_pd(t1, t3));
+            }
+            // Gather lane L of the four row quads into column 4L + e.
+            let mut c = [_mm512_setzero_ps(); LANES];
+            for e in 0..4 {
+                let even_lo = _mm512_shuffle_f32x4::<0x88>(u[e], u[4 + e]);
+                let odd_lo = _mm512_shuffle_f32x4::<0xDD>(u[e], u[4 + e]);
+                let even_hi = _mm512_shuffle_f32x4::<0x88>(u[8 + e], u[12 + e]);
+                let odd_hi = _mm512_shuffle_f32x4::<0xDD>(u[8 + e], u[12 + e]);
+                c[e] = _mm512_shuffle_f32x4::<0x88>(even_lo, even_hi);
+                c[8 + e] = _mm512_shuffle_f32x4::<0xDD>(even_lo, even_hi);
+                c[4 + e] = _mm512_shuffle_f32x4::<0x88>(odd_lo, odd_hi);
+                c[12 + e] = _mm512_shuffle_f32x4::<0xDD>(odd_lo, odd_hi);
+            }
+            c
+        }
+    }
+
+    impl Lane for __m256 {
+        const N: usize = 8;
+        const TOKEN_BLOCK: usize = 4;
+        const PACKED_TOKENS: usize = 12;
+        #[inline(always)]
+        unsafe fn zero() -> Self {
+            _mm256_setzero_ps()
+        }
+        #[inline(always)]
+        unsafe fn splat(v: f32) -> Self {
+            _mm256_set1_ps(v)
+        }
+        #[inline(always)]
+        unsafe fn fmadd(a: Self, b: Self, c: Self) -> Self {
+            _mm256_fmadd_ps(a, b, c)
+        }
+        #[inline(always)]
+        unsafe fn add(a: Self, b: Self) -> Self {
+            _mm256_add_ps(a, b)
+        }
+        #[inline(always)]
+        unsafe fn load(p: *const f32) -> Self {
+            _mm256_loadu_ps(p)
+        }
+        #[inline(always)]
+        unsafe fn store(p: *mut f32, v: Self) {
+            _mm256_storeu_ps(p, v)
+        }
+        #[inline(always)]
+        unsafe fn load_bf16(p: *const u16) -> Self {
+            let h = _mm_loadu_si128(p.cast());
+            _mm256_castsi256_ps(_mm256_slli_epi32::<16>(_mm256_cvtepu16_epi32(h)))
+        }
+        #[inline(always)]
+        unsafe fn load_f16(p: *const u16) -> Self {
+            _mm256_cvtph_ps(_mm_loadu_si128(p.cast()))
+        }
+        #[inline(always)]
+        unsafe fn transpose(r: [Self; LANES]) -> [Self; LANES] {
+            // Interleave row pairs (`t`), then pair pairs (`s[2q + h]` holds values h, h + 4 of
+            // rows 4q'..; per 128-bit half: value j of four rows), then join the halves.
+            let mut t = [_mm256_setzero_ps(); 8];
+            for p in 0..4 {
+                t[2 * p] = _mm256_unpacklo_ps(r[2 * p], r[2 * p + 1]);
+                t[2 * p + 1] = _mm256_unpackhi_ps(r[2 * p], r[2 * p + 1]);
+            }
+            // `s[4h + j]`: rows 4h..4h + 4, value j in the low half and j + 4 in the high one.
+            let mut s = [_mm256_setzero_ps(); 8];
+            for h in 0..2 {
+                let (a, b, c, d) = (t[4 * h], t[4 * h + 1], t[4 * h + 2], t[4 * h + 3]);
+                s[4 * h] = _mm256_shuffle_ps::<0x44>(a, c);
+                s[4 * h + 1] = _mm256_shuffle_ps::<0xEE>(a, c);
+                s[4 * h + 2] = _mm256_shuffle_ps::<0x44>(b, d);
+                s[4 * h + 3] = _mm256_shuffle_ps::<0xEE>(b, d);
+            }
+            let mut c = [_mm256_setzero_ps(); LANES];
+            for j in 0..4 {
+                c[j] = _mm256_permute2f128_ps::<0x20>(s[j], s[4 + j]);
+                c[4 + j] = _mm256_permute2f128_ps::<0x31>(s[j], s[4 + j]);
+            }
+            c
+        }
+    }
+
+    /// Row-major weights the chain kernels read a vector of values (or one) at a time, widened
+    /// to f32 exactly.
     pub(super) trait Rows {
-        /// Values `k..k + 16` of row `r` (`cols` per row) as sixteen f32 lanes.
-        unsafe fn load16(&self, r: usize, cols: usize, k: usize) -> __m512;
+        /// Values `k..k + V::N` of row `r` (`cols` per row) as one vector.
+        unsafe fn load<V: Lane>(&self, r: usize, cols: usize, k: usize) -> V;
         /// Value `k` of row `r` as f32.
         unsafe fn get(&self, r: usize, cols: usize, k: usize) -> f32;
-        /// Asks for the cache line holding value `k` of row `r` (the kernels read sixteen
-        /// rows side by side, more streams than the hardware prefetcher follows).
+        /// Asks for the cache line holding value `k` of row `r` (the kernels read a vector's
+        /// worth of rows side by side, more streams than the hardware prefetcher follows).
         unsafe fn prefetch(&self, r: usize, cols: usize, k: usize);
     }
 
@@ -479,8 +723,8 @@ mod x86 {
             _mm_prefetch::<_MM_HINT_T0>(self.0.as_ptr().add(r * cols + k).cast());
         }
         #[inline(always)]
-        unsafe fn load16(&self, r: usize, cols: usize, k: usize) -> __m512 {
-            _mm512_loadu_ps(self.0.as_ptr().add(r * cols + k))
+        unsafe fn load<V: Lane>(&self, r: usize, cols: usize, k: usize) -> V {
+            V::load(self.0.as_ptr().add(r * cols + k))
         }
         #[inline(always)]
         unsafe fn get(&self, r: usize, cols: usize, k: usize) -> f32 {
@@ -494,9 +738,8 @@ mod x86 {
             _mm_prefetch::<_MM_HINT_T0>(self.0.as_ptr().add(r * cols + k).cast());
         }
         #[inline(always)]
-        unsafe fn load16(&self, r: usize, cols: usize, k: usize) -> __m512 {
-            let h = _mm256_loadu_si256(self.0.as_ptr().add(r * cols + k).cast());
-            _mm512_castsi512_ps(_mm512_slli_epi32::<16>(_mm512_cvtepu16_epi32(h)))
+        unsafe fn load<V: Lane>(&self, r: usize, cols: usize, k: usize) -> V {
+            V::load_bf16(self.0.as_ptr().add(r * cols + k))
         }
         #[inline(always)]
         unsafe fn get(&self, r: usize, cols: usize, k: usize) -> f32 {
@@ -510,8 +753,8 @@ mod x86 {
             _mm_prefetch::<_MM_HINT_T0>(self.0.as_ptr().add(r * cols + k).cast());
         }
         #[inline(always)]
-        unsafe fn load16(&self, r: usize, cols: usize, k: usize) -> __m512 {
-            _mm512_cvtph_ps(_mm256_loadu_si256(self.0.as_ptr().add(r * cols + k).cast()))
+        unsafe fn load<V: Lane>(&self, r: usize, cols: usize, k: usize) -> V {
+            V::load_f16(self.0.as_ptr().add(r * cols + k))
         }
         #[inline(always)]
         unsafe fn get(&self, r: usize, cols: usize, k: usize) -> f32 {
@@ -519,17 +762,65 @@ mod x86 {
         }
     }
 
+    /// [`token_panels`] on the instruction set `simd`.
+    ///
+    /// # Safety
+    /// The CPU runs `simd`; `x` holds `tokens × cols` values, `out` `tokens × range.len()`
+    /// zeros, and `range` lies within the weight's rows.
+    #[allow(clippy::too_many_arguments)]
+    pub(super) unsafe fn token_panels_on<R: Rows>(
+        simd: Simd,
+        w: &R,
+        cols: usize,
+        x: &[f32],
+        tokens: usize,
+        panels: &[usize],
+        range: Range<usize>,
+        out: &mut [f32],
+    ) {
+        match simd {
+            Simd::Avx512 => token_panels_avx512(w, cols, x, tokens, panels, range, out),
+            Simd::Avx2 => token_panels_avx2(w, cols, x, tokens, panels, range, out),
+        }
+    }
+
+    #[target_feature(enable = "avx512f,avx512bw,f16c,fma")]
+    unsafe fn token_panels_avx512<R: Rows>(
+        w: &R,
+        cols: usize,
+        x: &[f32],
+        tokens: usize,
+        panels: &[usize],
+        range: Range<usize>,
+        out: &mut [f32],
+    ) {
+        token_panels::<__m512, R>(w, cols, x, tokens, panels, range, out)
+    }
+
+    #[target_feature(enable = "avx2,f16c,fma")]
+    unsafe fn token_panels_avx2<R: Rows>(
+        w: &R,
+        cols: usize,
+        x: &[f32],
+        tokens: usize,
+        panels: &[usize],
+        range: Range<usize>,
+        out: &mut [f32],
+    ) {
+        token_panels::<__m256, R>(w, cols, x, tokens, panels, range, out)
+    }
+
     /// Per panel one FMA chain per output and token in `k` order, the panels added in order
     /// (OpenBLAS's GEMM driver for f32; one panel of the whole depth is MLX's `simd_gemm` for
-    /// 16-bit weights). Sixteen outputs run side by side: a 16×16 block of weights transposed in
-    /// registers gives, for each `k`, the sixteen outputs' weights as one vector, which then
-    /// meets up to eight tokens (one broadcast value each) before the next block is read, so
-    /// the weights are read and transposed once per eight tokens. Outputs past the last whole
-    /// group of sixteen, and depths past the last whole block, are done one value at a time in
-    /// the same order. `out` (`tokens × range.len()`) must start at zero: each panel's sums are
+    /// 16-bit weights). `V::N` outputs run side by side: an `N × N` block of weights transposed
+    /// in registers gives, for each `k`, the outputs' weights as one vector, which then meets up
+    /// to `V::TOKEN_BLOCK` tokens (one broadcast value each) before the next block is read, so
+    /// the weights are read and transposed once per that many tokens. Outputs past the last
+    /// whole group, and depths past the last whole block, are done one value at a time in the
+    /// same order. `out` (`tokens × range.len()`) must start at zero: each panel's sums are
     /// added to it.
-    #[target_feature(enable = "avx512f,avx512bw,f16c,fma")]
-    pub(super) unsafe fn token_panels<R: Rows>(
+    #[inline(always)]
+    unsafe fn token_panels<V: Lane, R: Rows>(
         w: &R,
         cols: usize,
         x: &[f32],
@@ -540,83 +831,92 @@ mod x86 {
     ) {
         let mut t0 = 0;
         while t0 < tokens {
-            let n = (tokens - t0).min(TOKEN_BLOCK);
+            let n = (tokens - t0).min(V::TOKEN_BLOCK);
             let at = TokenBlock {
                 x: &x[t0 * cols..(t0 + n) * cols],
                 out: &mut out[t0 * range.len()..(t0 + n) * range.len()],
             };
             match n {
-                1 => token_block::<R, 1>(w, cols, at, panels, range.clone()),
-                2 => token_block::<R, 2>(w, cols, at, panels, range.clone()),
-                3 => token_block::<R, 3>(w, cols, at, panels, range.clone()),
-                4 => token_block::<R, 4>(w, cols, at, panels, range.clone()),
-                5 => token_block::<R, 5>(w, cols, at, panels, range.clone()),
-                6 => token_block::<R, 6>(w, cols, at, panels, range.clone()),
-                7 => token_block::<R, 7>(w, cols, at, panels, range.clone()),
-                _ => token_block::<R, 8>(w, cols, at, panels, range.clone()),
+                1 => token_block::<V, R, 1>(w, cols, at, panels, range.clone()),
+                2 => token_block::<V, R, 2>(w, cols, at, panels, range.clone()),
+                3 => token_block::<V, R, 3>(w, cols, at, panels, range.clone()),
+                4 => token_block::<V, R, 4>(w, cols, at, panels, range.clone()),
+                5 => token_block::<V, R, 5>(w, cols, at, panels, range.clone()),
+                6 => token_block::<V, R, 6>(w, cols, at, panels, range.clone()),
+                7 => token_block::<V, R, 7>(w, cols, at, panels, range.clone()),
+                _ => token_block::<V, R, 8>(w, cols, at, panels, range.clone()),
             }
             t0 += n;
         }
     }
 
-    /// Tokens [`token_panels`] takes through one pass over the weights (their accumulators and
-    /// a transposed block fill the 32 vector registers with room to spare).
-    const TOKEN_BLOCK: usize = 8;
-
-    /// Up to [`TOKEN_BLOCK`] tokens (`x`, `N × cols`) and their outputs (`N × range.len()`).
+    /// Up to eight tokens (`x`, `N × cols`) and their outputs (`N × range.len()`).
     struct TokenBlock<'a> {
         x: &'a [f32],
         out: &'a mut [f32],
     }
 
     /// [`token_panels`] for exactly `N` tokens.
-    #[target_feature(enable = "avx512f,avx512bw,f16c,fma")]
-    unsafe fn token_block<R: Rows, const N: usize>(
+    #[inline(always)]
+    unsafe fn token_block<V: Lane, R: Rows, const N: usize>(
         w: &R,
         cols: usize,
         at: TokenBlock<'_>,
         panels: &[usize],
         range: Range<usize>,
     ) {
+        let lanes = V::N;
         let len = range.len();
         let (x, out) = (at.x.as_ptr(), at.out.as_mut_ptr());
         let mut r = range.start;
-        while r + LANES <= range.end {
+        while r + lanes <= range.end {
             let o = r - range.start;
             let mut k0 = 0;
             for &depth in panels {
-                let mut acc = [_mm512_setzero_ps(); N];
+                let mut acc = [V::zero(); N];
                 let mut k = k0;
-                while k + LANES <= k0 + depth {
-                    if r + 2 * LANES <= range.end {
-                        for g in 0..LANES {
-                            w.prefetch(r + LANES + g, cols, k);
+                while k + lanes <= k0 + depth {
+                    if r + 2 * lanes <= range.end {
+                        for g in 0..lanes {
+                            w.prefetch(r + lanes + g, cols, k);
                         }
                     }
-                    let rows: [__m512; LANES] = std::array::from_fn(|g| w.load16(r + g, cols, k));
-                    for (j, c) in transpose16(rows).iter().enumerate() {
+                    let rows: [V; LANES] = std::array::from_fn(|g| {
+                        if g < lanes {
+                            w.load::<V>(r + g, cols, k)
+                        } else {
+                            V::zero()
+                        }
+                    });
+                    for (j, c) in V::transpose(rows).iter().enumerate().take(lanes) {
                         for (t, a) in acc.iter_mut().enumerate() {
-                            let xv = _mm512_set1_ps(*x.add(t * cols + k + j));
-                            *a = _mm512_fmadd_ps(*c, xv, *a);
+                            let xv = V::splat(*x.add(t * cols + k + j));
+                            *a = V::fmadd(*c, xv, *a);
                         }
                     }
-                    k += LANES;
+                    k += lanes;
                 }
                 while k < k0 + depth {
-                    let col: [f32; LANES] = std::array::from_fn(|g| w.get(r + g, cols, k));
-                    let c = _mm512_loadu_ps(col.as_ptr());
+                    let col: [f32; LANES] = std::array::from_fn(|g| {
+                        if g < lanes {
+                            w.get(r + g, cols, k)
+                        } else {
+                            0.0
+                        }
+                    });
+                    let c = V::load(col.as_ptr());
                     for (t, a) in acc.iter_mut().enumerate() {
-                        *a = _mm512_fmadd_ps(c, _mm512_set1_ps(*x.add(t * cols + k)), *a);
+                        *a = V::fmadd(c, V::splat(*x.add(t * cols + k)), *a);
                     }
                     k += 1;
                 }
                 for (t, a) in acc.iter().enumerate() {
                     let dst = out.add(t * len + o);
-                    _mm512_storeu_ps(dst, _mm512_add_ps(_mm512_loadu_ps(dst), *a));
+                    V::store(dst, V::add(V::load(dst), *a));
                 }
                 k0 += depth;
             }
-            r += LANES;
+            r += lanes;
         }
         while r < range.end {
             for t in 0..N {
@@ -636,18 +936,12 @@ mod x86 {
         }
     }
 
-    /// Tokens [`packed_rows`] runs past a packed group of rows at once (one accumulator each,
-    /// plus the weight vector: half the vector registers).
-    const PACKED_TOKENS: usize = 14;
-
-    /// One f32 chain per output and token over the whole depth in `k` order (MLX's 16-bit
-    /// order) for many tokens: each group of sixteen rows is widened and transposed once into a
-    /// `cols × 16` buffer (one vector per `k`, in the second-level cache), which every token
-    /// then reads [`PACKED_TOKENS`] at a time. Rows past the last whole group of sixteen are
-    /// done one value at a time in the same order. Writes every output of `out`
-    /// (`tokens × range.len()`).
-    #[target_feature(enable = "avx512f,avx512bw,f16c,fma")]
-    pub(super) unsafe fn packed_rows<R: Rows>(
+    /// [`packed_rows`] on the instruction set `simd`.
+    ///
+    /// # Safety
+    /// As for [`token_panels_on`] (`out` need not start at zero).
+    pub(super) unsafe fn packed_rows_on<R: Rows>(
+        simd: Simd,
         w: &R,
         cols: usize,
         x: &[f32],
@@ -655,14 +949,59 @@ mod x86 {
         range: Range<usize>,
         out: &mut [f32],
     ) {
+        match simd {
+            Simd::Avx512 => packed_rows_avx512(w, cols, x, tokens, range, out),
+            Simd::Avx2 => packed_rows_avx2(w, cols, x, tokens, range, out),
+        }
+    }
+
+    #[target_feature(enable = "avx512f,avx512bw,f16c,fma")]
+    unsafe fn packed_rows_avx512<R: Rows>(
+        w: &R,
+        cols: usize,
+        x: &[f32],
+        tokens: usize,
+        range: Range<usize>,
+        out: &mut [f32],
+    ) {
+        packed_rows::<__m512, R>(w, cols, x, tokens, range, out)
+    }
+
+    #[target_feature(enable = "avx2,f16c,fma")]
+    unsafe fn packed_rows_avx2<R: Rows>(
+        w: &R,
+        cols: usize,
+        x: &[f32],
+        tokens: usize,
+        range: Range<usize>,
+        out: &mut [f32],
+    ) {
+        packed_rows::<__m256, R>(w, cols, x, tokens, range, out)
+    }
+
+    /// One f32 chain per output and token over the whole depth in `k` order (MLX's 16-bit
+    /// order) for many tokens: each group of `V::N` rows is widened and transposed once into a
+    /// `cols × N` buffer (one vector per `k`, in the second-level cache), which every token then
+    /// reads `V::PACKED_TOKENS` at a time. Rows past the last whole group are done one value at
+    /// a time in the same order. Writes every output of `out` (`tokens × range.len()`).
+    #[inline(always)]
+    unsafe fn packed_rows<V: Lane, R: Rows>(
+        w: &R,
+        cols: usize,
+        x: &[f32],
+        tokens: usize,
+        range: Range<usize>,
+        out: &mut [f32],
+    ) {
+        let lanes = V::N;
         let len = range.len();
-        let mut packed = vec![0.0f32; cols * LANES];
+        let mut packed = vec![0.0f32; cols * lanes];
         let mut r = range.start;
-        while r + LANES <= range.end {
-            pack_rows(w, cols, r, &mut packed);
+        while r + lanes <= range.end {
+            pack_rows::<V, R>(w, cols, r, &mut packed);
             let mut t0 = 0;
             while t0 < tokens {
-                let n = (tokens - t0).min(PACKED_TOKENS);
+                let n = (tokens - t0).min(V::PACKED_TOKENS);
                 let block = PackedBlock {
                     packed: &packed,
                     cols,
@@ -672,24 +1011,24 @@ mod x86 {
                     at: r - range.start,
                 };
                 match n {
-                    PACKED_TOKENS => packed_block::<PACKED_TOKENS>(block),
-                    1 => packed_block::<1>(block),
-                    2 => packed_block::<2>(block),
-                    3 => packed_block::<3>(block),
-                    4 => packed_block::<4>(block),
-                    5 => packed_block::<5>(block),
-                    6 => packed_block::<6>(block),
-                    7 => packed_block::<7>(block),
-                    8 => packed_block::<8>(block),
-                    9 => packed_block::<9>(block),
-                    10 => packed_block::<10>(block),
-                    11 => packed_block::<11>(block),
-                    12 => packed_block::<12>(block),
-                    _ => packed_block::<13>(block),
+                    1 => packed_block::<V, 1>(block),
+                    2 => packed_block::<V, 2>(block),
+                    3 => packed_block::<V, 3>(block),
+                    4 => packed_block::<V, 4>(block),
+                    5 => packed_block::<V, 5>(block),
+                    6 => packed_block::<V, 6>(block),
+                    7 => packed_block::<V, 7>(block),
+                    8 => packed_block::<V, 8>(block),
+                    9 => packed_block::<V, 9>(block),
+                    10 => packed_block::<V, 10>(block),
+                    11 => packed_block::<V, 11>(block),
+                    12 => packed_block::<V, 12>(block),
+                    13 => packed_block::<V, 13>(block),
+                    _ => packed_block::<V, 14>(block),
                 }
                 t0 += n;
             }
-            r += LANES;
+            r += lanes;
         }
         for r in r..range.end {
             for t in 0..tokens {
@@ -703,28 +1042,35 @@ mod x86 {
         }
     }
 
-    /// Rows `r..r + 16` widened to f32 and transposed into `packed` (`cols × 16`: the sixteen
-    /// rows' value `k` side by side at `16 k`).
-    #[target_feature(enable = "avx512f,avx512bw,f16c,fma")]
-    unsafe fn pack_rows<R: Rows>(w: &R, cols: usize, r: usize, packed: &mut [f32]) {
+    /// Rows `r..r + V::N` widened to f32 and transposed into `packed` (`cols × N`: the rows'
+    /// value `k` side by side at `N k`).
+    #[inline(always)]
+    unsafe fn pack_rows<V: Lane, R: Rows>(w: &R, cols: usize, r: usize, packed: &mut [f32]) {
+        let lanes = V::N;
         let dst = packed.as_mut_ptr();
         let mut k = 0;
-        while k + LANES <= cols {
-            let rows: [__m512; LANES] = std::array::from_fn(|g| w.load16(r + g, cols, k));
-            for (j, c) in transpose16(rows).iter().enumerate() {
-                _mm512_storeu_ps(dst.add((k + j) * LANES), *c);
+        while k + lanes <= cols {
+            let rows: [V; LANES] = std::array::from_fn(|g| {
+                if g < lanes {
+                    w.load::<V>(r + g, cols, k)
+                } else {
+                    V::zero()
+                }
+            });
+            for (j, c) in V::transpose(rows).iter().enumerate().take(lanes) {
+                V::store(dst.add((k + j) * lanes), *c);
             }
-            k += LANES;
+            k += lanes;
         }
         for k in k..cols {
-            for g in 0..LANES {
-                *dst.add(k * LANES + g) = w.get(r + g, cols, k);
+            for g in 0..lanes {
+                *dst.add(k * lanes + g) = w.get(r + g, cols, k);
             }
         }
     }
 
-    /// Up to [`PACKED_TOKENS`] tokens (`x`, `N × cols`) past one packed group of sixteen rows;
-    /// their outputs go to columns `at..at + 16` of `out` (`N` rows of `len`).
+    /// Up to fourteen tokens (`x`, `N × cols`) past one packed group of rows; their outputs go
+    /// to columns `at..at + V::N` of `out` (`N` rows of `len`).
     struct PackedBlock<'a> {
         packed: &'a [f32],
         cols: usize,
@@ -735,53 +1081,19 @@ mod x86 {
     }
 
     /// [`packed_rows`] for exactly `N` tokens.
-    #[target_feature(enable = "avx512f,avx512bw,f16c,fma")]
-    unsafe fn packed_block<const N: usize>(b: PackedBlock<'_>) {
+    #[inline(always)]
+    unsafe fn packed_block<V: Lane, const N: usize>(b: PackedBlock<'_>) {
         let (p, x, cols) = (b.packed.as_ptr(), b.x.as_ptr(), b.cols);
-        let mut acc = [_mm512_setzero_ps(); N];
+        let mut acc = [V::zero(); N];
         for k in 0..cols {
-            let wv = _mm512_loadu_ps(p.add(k * LANES));
+            let wv = V::load(p.add(k * V::N));
             for (t, a) in acc.iter_mut().enumerate() {
-                *a = _mm512_fmadd_ps(wv, _mm512_set1_ps(*x.add(t * cols + k)), *a);
+                *a = V::fmadd(wv, V::splat(*x.add(t * cols + k)), *a);
             }
         }
         for (t, a) in acc.iter().enumerate() {
-            _mm512_storeu_ps(b.out.as_mut_ptr().add(t * b.len + b.at), *a);
+            V::store(b.out.as_mut_ptr().add(t * b.len + b.at), *a);
         }
-    }
-
-    /// Sixteen rows of sixteen values, returned as sixteen columns: element `g` of column `j`
-    /// is row `g`'s value `j`.
-    #[inline]
-    #[target_feature(enable = "avx512f,avx512bw,f16c,fma")]
-    unsafe fn transpose16(r: [__m512; LANES]) -> [__m512; LANES] {
-        // 32-bit interleave of row pairs, then 64-bit interleave of pair pairs: `u[4q + e]`
-        // holds, per 128-bit lane L, value 4L + e of rows 4q..4q + 4.
-        let mut u = [_mm512_setzero_ps(); LANES];
-        for q in 0..4 {
-            let (a, b, c, d) = (r[4 * q], r[4 * q + 1], r[4 * q + 2], r[4 * q + 3]);
-            let t0 = _mm512_castps_pd(_mm512_unpacklo_ps(a, b));
-            let t1 = _mm512_castps_pd(_mm512_unpackhi_ps(a, b));
-            let t2 = _mm512_castps_pd(_mm512_unpacklo_ps(c, d));
-            let t3 = _mm512_castps_pd(_mm512_unpackhi_ps(c, d));
-            u[4 * q] = _mm512_castpd_ps(_mm512_unpacklo_pd(t0, t2));
-            u[4 * q + 1] = _mm512_castpd_ps(_mm512_unpackhi_pd(t0, t2));
-            u[4 * q + 2] = _mm512_castpd_ps(_mm512_unpacklo_pd(t1, t3));
-            u[4 * q + 3] = _mm512_castpd_ps(_mm512_unpackhi_pd(t1, t3));
-        }
-        // Gather lane L of the four row quads into column 4L + e.
-        let mut c = [_mm512_setzero_ps(); LANES];
-        for e in 0..4 {
-            let even_lo = _mm512_shuffle_f32x4::<0x88>(u[e], u[4 + e]);
-            let odd_lo = _mm512_shuffle_f32x4::<0xDD>(u[e], u[4 + e]);
-            let even_hi = _mm512_shuffle_f32x4::<0x88>(u[8 + e], u[12 + e]);
-            let odd_hi = _mm512_shuffle_f32x4::<0xDD>(u[8 + e], u[12 + e]);
-            c[e] = _mm512_shuffle_f32x4::<0x88>(even_lo, even_hi);
-            c[8 + e] = _mm512_shuffle_f32x4::<0xDD>(even_lo, even_hi);
-            c[4 + e] = _mm512_shuffle_f32x4::<0x88>(odd_lo, odd_hi);
-            c[12 + e] = _mm512_shuffle_f32x4::<0xDD>(odd_lo, odd_hi);
-        }
-        c
     }
 }
 
@@ -861,24 +1173,56 @@ mod tests {
         assert_eq!(reduce_quads(&b), 1.0 + f32::EPSILON);
     }
 
-    /// [`matvec`]'s product where this CPU runs the kernels. Where it does not (no
-    /// AVX-512/FMA: AVX2-only x86, other architectures) the call must be refused rather than
-    /// run instructions the CPU lacks: that refusal is checked and `None` returned.
-    fn product(
+    /// The instruction sets this CPU runs the kernels on (none on x86 without AVX2/FMA/F16C
+    /// and on other architectures).
+    fn sets() -> Vec<Simd> {
+        [Simd::Avx512, Simd::Avx2]
+            .into_iter()
+            .filter(|s| s.runs_here())
+            .collect()
+    }
+
+    /// [`matmul`]'s product of `tokens` tokens on every set this CPU runs that takes `order`
+    /// (the lane order is AVX-512's only: AVX2 must refuse it). Where no set runs, the call
+    /// must be refused rather than run instructions the CPU lacks.
+    #[allow(clippy::too_many_arguments)]
+    fn products(
         w: Weights<'_>,
         rows: usize,
         cols: usize,
         x: &[f32],
+        tokens: usize,
         order: &Order,
         threads: usize,
-    ) -> Option<Vec<f32>> {
-        let y = matvec(w, rows, cols, x, order, threads);
-        if available() {
-            return Some(y.unwrap());
+    ) -> Vec<(Simd, Vec<f32>)> {
+        if sets().is_empty() {
+            let err = matmul(w, rows, cols, x, tokens, order, threads).unwrap_err();
+            assert!(err.contains("AVX2"), "{order:?}: {err}");
         }
-        let err = y.unwrap_err();
-        assert!(err.contains("AVX-512"), "{order:?}: {err}");
-        None
+        let mut out = Vec::new();
+        for set in sets() {
+            let y = matmul_on(Some(set), w, rows, cols, x, tokens, order, threads);
+            if *order == Order::Lanes && set == Simd::Avx2 {
+                assert!(y.is_err(), "AVX2 must refuse the lane order");
+                continue;
+            }
+            out.push((set, y.unwrap()));
+        }
+        out
+    }
+
+    /// The tests must run the host path wherever the CPU can, not only check that it refuses.
+    #[test]
+    fn x86_cpus_with_avx2_fma_and_f16c_run_the_host_products() {
+        #[cfg(target_arch = "x86_64")]
+        if std::arch::is_x86_feature_detected!("avx2")
+            && std::arch::is_x86_feature_detected!("fma")
+            && std::arch::is_x86_feature_detected!("f16c")
+        {
+            assert!(Simd::Avx2.runs_here());
+            assert!(available());
+            assert!(sets().contains(&Simd::Avx2));
+        }
     }
 
     fn case(rows: usize, cols: usize) -> (Vec<f32>, Vec<f32>) {
@@ -904,14 +1248,13 @@ mod tests {
                 Order::Panels(panels(cols, F32Kernels::Haswell.panel_depth())),
             ] {
                 for threads in [1, 2, 3] {
-                    let Some(y) = product(Weights::F32(&w), rows, cols, &x, &ord, threads) else {
-                        continue;
-                    };
-                    for (r, v) in y.iter().enumerate() {
-                        let want: f64 = (0..cols)
-                            .map(|c| w[r * cols + c] as f64 * x[c] as f64)
-                            .sum();
-                        assert!((*v as f64 - want).abs() <= 1e-4 * (1.0 + want.abs()));
+                    for (_, y) in products(Weights::F32(&w), rows, cols, &x, 1, &ord, threads) {
+                        for (r, v) in y.iter().enumerate() {
+                            let want: f64 = (0..cols)
+                                .map(|c| w[r * cols + c] as f64 * x[c] as f64)
+                                .sum();
+                            assert!((*v as f64 - want).abs() <= 1e-4 * (1.0 + want.abs()));
+                        }
                     }
                 }
             }
@@ -929,15 +1272,14 @@ mod tests {
                 .map(|v| half::f16::from_f32(*v).to_bits())
                 .collect();
             for (name, weights) in [("bf16", Weights::Bf16(&bf)), ("f16", Weights::F16(&hf))] {
-                let Some(y) = product(weights, rows, cols, &x, &Order::Sequential, 2) else {
-                    continue;
-                };
-                for (r, v) in y.iter().enumerate() {
-                    let mut want = 0.0f32;
-                    for c in 0..cols {
-                        want += w[r * cols + c] * x[c];
+                for (set, y) in products(weights, rows, cols, &x, 1, &Order::Sequential, 2) {
+                    for (r, v) in y.iter().enumerate() {
+                        let mut want = 0.0f32;
+                        for c in 0..cols {
+                            want += w[r * cols + c] * x[c];
+                        }
+                        assert_eq!(v.to_bits(), want.to_bits(), "{set:?} {name} row {r}");
                     }
-                    assert_eq!(v.to_bits(), want.to_bits(), "{name} row {r}");
                 }
             }
         }
@@ -945,23 +1287,63 @@ mod tests {
         assert!(matvec(Weights::F32(&f), 2, 2, &f[..2], &Order::Sequential, 1).is_err());
     }
 
+    /// bfloat16 values of either sign in [0.25, 4) from a seeded xorshift: exact in f32, and a
+    /// product of two of them is too, but their sums round.
+    fn rounding_values(seed: u32) -> impl FnMut() -> f32 {
+        let mut seed = seed;
+        move || {
+            seed ^= seed << 13;
+            seed ^= seed >> 17;
+            seed ^= seed << 5;
+            // Sign bit, one of four exponents, seven mantissa bits.
+            let sign = (seed & 1) << 31;
+            let exponent = (125 + (seed >> 1) % 4) << 23;
+            let mantissa = ((seed >> 8) & 0x7f) << 16;
+            f32::from_bits(sign | exponent | mantissa)
+        }
+    }
+
+    /// The panel order with sums that round: for every set this CPU runs, 1 to 16 tokens, rows
+    /// that fill whole vectors and rows past them, every output of every token equals a scalar
+    /// re-computation (per panel a fused multiply-add chain from zero, panels added in order),
+    /// bit for bit.
+    #[test]
+    fn f32_panels_equal_a_scalar_chain_on_every_set() {
+        let mut next = rounding_values(0x9e37_79b9);
+        let (rows, cols) = (45, 700);
+        let w: Vec<f32> = (0..rows * cols).map(|_| next()).collect();
+        let order = Order::Panels(panels(cols, 320));
+        let Order::Panels(cuts) = &order else {
+            unreachable!()
+        };
+        for tokens in [1, 3, 4, 5, 8, 9, 16] {
+            let x: Vec<f32> = (0..tokens * cols).map(|_| next()).collect();
+            for (set, y) in products(Weights::F32(&w), rows, cols, &x, tokens, &order, 2) {
+                for t in 0..tokens {
+                    for r in 0..rows {
+                        let (mut total, mut k0) = (0.0f32, 0);
+                        for depth in cuts {
+                            let mut acc = 0.0f32;
+                            for k in k0..k0 + depth {
+                                acc = w[r * cols + k].mul_add(x[t * cols + k], acc);
+                            }
+                            total += acc;
+                            k0 += depth;
+                        }
+                        let got = y[t * rows + r];
+                        assert_eq!(got.to_bits(), total.to_bits(), "{set:?} x{tokens} {t} {r}");
+                    }
+                }
+            }
+        }
+    }
+
     /// Prompt-sized 16-bit products (the packed kernel, any token count): every output of
     /// every token equals a scalar left-to-right f32 sum of exact products, bit for bit, with
     /// values whose sums round (unlike [`case`]'s); f32 orders refuse them.
     #[test]
     fn long_sixteen_bit_products_sum_left_to_right_for_every_token() {
-        let mut seed = 0x2545_f491_u32;
-        let mut next = move || {
-            seed ^= seed << 13;
-            seed ^= seed >> 17;
-            seed ^= seed << 5;
-            // A bf16 value of either sign in [0.25, 4): sign bit, one of four exponents, seven
-            // mantissa bits (exact in f32; a product of two of them is too).
-            let sign = (seed & 1) << 31;
-            let exponent = (125 + (seed >> 1) % 4) << 23;
-            let mantissa = ((seed >> 8) & 0x7f) << 16;
-            f32::from_bits(sign | exponent | mantissa)
-        };
+        let mut next = rounding_values(0x2545_f491);
         let (rows, cols) = (37, 100);
         let w: Vec<f32> = (0..rows * cols).map(|_| next()).collect();
         let bf: Vec<u16> = w.iter().map(|v| (v.to_bits() >> 16) as u16).collect();
@@ -971,27 +1353,17 @@ mod tests {
             .collect();
         for tokens in [17, 35, 100] {
             let x: Vec<f32> = (0..tokens * cols).map(|_| next()).collect();
-            if !available() {
-                continue;
-            }
-            let y = matmul(
-                Weights::Bf16(&bf),
-                rows,
-                cols,
-                &x,
-                tokens,
-                &Order::Sequential,
-                2,
-            )
-            .unwrap();
-            for t in 0..tokens {
-                for r in 0..rows {
-                    let mut want = 0.0f32;
-                    for c in 0..cols {
-                        want += wide[r * cols + c] * x[t * cols + c];
+            let sequential = &Order::Sequential;
+            for (set, y) in products(Weights::Bf16(&bf), rows, cols, &x, tokens, sequential, 2) {
+                for t in 0..tokens {
+                    for r in 0..rows {
+                        let mut want = 0.0f32;
+                        for c in 0..cols {
+                            want += wide[r * cols + c] * x[t * cols + c];
+                        }
+                        let got = y[t * rows + r];
+                        assert_eq!(got.to_bits(), want.to_bits(), "{set:?} x{tokens} {t} {r}");
                     }
-                    let got = y[t * rows + r];
-                    assert_eq!(got.to_bits(), want.to_bits(), "x{tokens} token {t} row {r}");
                 }
             }
             let f32_order = Order::Panels(vec![cols]);

@@ -208,7 +208,7 @@ impl Path {
     fn fastest() -> Path {
         #[cfg(target_arch = "x86_64")]
         {
-            if super::mlx_order::available() {
+            if super::mlx_order::Simd::Avx512.runs_here() {
                 return Path::Avx512;
             }
             if std::arch::is_x86_feature_detected!("avx2") {
