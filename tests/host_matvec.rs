@@ -24,6 +24,7 @@ mod common;
 
 use mlx_rs::{ops, random, Array, Dtype};
 use mlxb::engine::forks::Forks;
+use mlxb::engine::kernels::attention::host_attention_calls;
 use mlxb::engine::kernels::mlx_order::{self, F32Kernels, Order};
 use mlxb::engine::kernels::quant_order::Path;
 use mlxb::engine::kernels::{
@@ -221,6 +222,7 @@ fn tiny_f32_and_bf16_llamas_decode_on_the_host_path_with_the_same_logits() {
             "{dtype} prefill logits"
         );
         let before = dense_calls();
+        let attention_before = host_attention_calls();
         let mut tok = last_argmax(&la);
         for step in 0..12 {
             let (pa, pb) = t.step(tok);
@@ -243,6 +245,12 @@ fn tiny_f32_and_bf16_llamas_decode_on_the_host_path_with_the_same_logits() {
             assert!(
                 calls >= 12 * 29,
                 "{dtype}: the host path ran {calls} times in 12 steps"
+            );
+            // Every layer's attention too, for bfloat16 (f32 attention stays on MLX).
+            let attention = host_attention_calls() - attention_before;
+            assert!(
+                dtype == "f32" || attention >= 12 * 4,
+                "{dtype}: the host attention ran {attention} times in 12 steps"
             );
         } else {
             eprintln!("{dtype}: the host path ran {calls} times in 12 steps");
@@ -267,11 +275,9 @@ fn a_wrong_order_is_caught_and_the_layer_stays_on_mlx() {
         return;
     }
     // SkylakeX kernels sum this shape in lanes, Haswell's in two panels of 288; a single
-    // sequential chain is neither, and lanes are not Haswell's.
-    let wrong_order = match F32Kernels::here().order(64, 576) {
-        Order::Lanes => Order::Panels(vec![576]),
-        _ => Order::Lanes,
-    };
+    // sequential chain is neither (and every kernel path runs it).
+    let wrong_order = Order::Panels(vec![576]);
+    assert_ne!(F32Kernels::here().order(64, 576), wrong_order);
     let wrong = HostDense::with_order(&w, wrong_order).unwrap();
     assert!(
         wrong.is_none(),

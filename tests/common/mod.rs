@@ -413,9 +413,13 @@ impl Twins {
         n: usize,
         salt: u32,
     ) -> Self {
-        let mut ma = mlxb::engine::models::load(dir, a).unwrap().model;
-        let mut mb = mlxb::engine::models::load(dir, b).unwrap().model;
+        // Each model's caches carry its forks' attention plan, as the generator sets it.
+        let la = mlxb::engine::models::load(dir, a).unwrap();
+        let lb = mlxb::engine::models::load(dir, b).unwrap();
+        let (mut ma, mut mb) = (la.model, lb.model);
         let (mut ca, mut cb) = (ma.make_caches(), mb.make_caches());
+        la.plan.prepare(&mut ca);
+        lb.plan.prepare(&mut cb);
         let prompt: Vec<i32> = prompt_ids(n, 384, salt).iter().map(|&v| v as i32).collect();
         let ids = mlx_rs::Array::from_slice(&prompt, &[1, prompt.len() as i32]);
         let la = ma.forward(&ids, &mut ca).unwrap();
