@@ -38,9 +38,10 @@
 //!   token past them (MLX's own `simd_gemm` copies its tiles element by element, single
 //!   threaded: SmolLM2 bf16 prefilled at ~35 tokens/s on it).
 //!
-//! Nothing here assumes the running library really sums that way: [`super::dense`] compares
-//! each weight shape with MLX's own product before using it, so another BLAS, CPU or version
-//! costs speed, never bits.
+//! The kernels run on AVX-512 or AVX2 ([`Simd`]): each output's chain is the same at either
+//! width. Nothing here assumes the running library really sums that way: [`super::dense`]
+//! compares each weight shape with MLX's own product before using it, so another BLAS, CPU or
+//! version costs speed, never bits.
 
 use super::pair;
 use std::ops::Range;
@@ -219,20 +220,14 @@ impl Simd {
     fn fastest() -> Option<Simd> {
         #[cfg(target_arch = "x86_64")]
         {
-            let has = |f: &str| match f {
-                "avx512f" => std::arch::is_x86_feature_detected!("avx512f"),
-                "avx512bw" => std::arch::is_x86_feature_detected!("avx512bw"),
-                "avx2" => std::arch::is_x86_feature_detected!("avx2"),
-                "f16c" => std::arch::is_x86_feature_detected!("f16c"),
-                _ => std::arch::is_x86_feature_detected!("fma"),
-            };
-            if !(has("f16c") && has("fma")) {
+            use std::arch::is_x86_feature_detected as has;
+            if !(has!("f16c") && has!("fma")) {
                 return None;
             }
-            if has("avx512f") && has("avx512bw") {
+            if has!("avx512f") && has!("avx512bw") {
                 return Some(Simd::Avx512);
             }
-            if has("avx2") {
+            if has!("avx2") {
                 return Some(Simd::Avx2);
             }
         }
