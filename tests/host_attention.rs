@@ -1,12 +1,14 @@
 //! bfloat16 attention on the host (`--host-matvec on`, L1): for every head layout, query and
 //! key count, with and without the causal mask, the host result equals MLX's own
-//! `fast::scaled_dot_product_attention` on the CPU (the op mlx-lm calls) bit for bit; calls it
+//! `fast::scaled_dot_product_attention` on the CPU (the op mlx-lm calls) bit for bit, with
+//! keys and values contiguous and as cache views with room for more keys; calls it
 //! does not reproduce (a mask array, other dtypes) are left to MLX.
 //!
 //! End-to-end parity with mlx-lm on bf16 models is `model_parity`'s and `host_elementwise`'s job.
 
 mod common;
 
+use mlx_rs::ops::indexing::IndexOp;
 use mlx_rs::{random, Array, Dtype};
 use mlxb::engine::cache::AttentionMask;
 use mlxb::engine::cache_attention::host_attention;
@@ -56,8 +58,21 @@ fn host_attention_equals_mlx_sdpa_bit_for_bit() {
             for (i, spread) in [1.0f32, 4.0].into_iter().enumerate() {
                 let seed = (100 * l + 10 * c + i) as u64 * 3;
                 let q = random_bf16(seed, [1, heads, queries, dim], spread);
-                let k = random_bf16(seed + 1, [1, kv_heads, keys, dim], spread);
-                let v = random_bf16(seed + 2, [1, kv_heads, keys, dim], 1.0);
+                // The second spread reads keys and values as a cache holds them: the first
+                // `keys` rows of buffers with room for more (read in place, heads apart).
+                let room = if i == 1 { 40 } else { 0 };
+                let k = random_bf16(seed + 1, [1, kv_heads, keys + room, dim], spread).index((
+                    ..,
+                    ..,
+                    ..keys as i32,
+                    ..,
+                ));
+                let v = random_bf16(seed + 2, [1, kv_heads, keys + room, dim], 1.0).index((
+                    ..,
+                    ..,
+                    ..keys as i32,
+                    ..,
+                ));
                 let mask = if causal {
                     AttentionMask::Causal
                 } else {

@@ -135,18 +135,58 @@ fn host_attention_unchecked(
 ) -> Result<Array> {
     // The scaled queries exactly as MLX's fallback forms them (one bfloat16 multiply).
     let qs = q.multiply(weak_scalar(scale as f64, q)?)?.contiguous()?;
-    let (kc, vc) = (k.contiguous()?, v.contiguous()?);
-    mlx_rs::transforms::eval([&qs, &kc, &vc])?;
+    mlx_rs::transforms::eval([&qs, k, v])?;
     fn read(a: &Array) -> Result<&[half::bf16]> {
         a.try_as_slice::<half::bf16>().map_err(|e| {
             EngineError::Runtime(format!("host attention cannot read its input ({e})"))
         })
     }
-    let (qh, kh, vh) = (read(&qs)?, read(&kc)?, read(&vc)?);
+    let qh = read(&qs)?;
+    // The cache's keys and values are read where they are (a view with room for more keys);
+    // a layout such a view cannot have is copied first.
+    let (kc, vc);
+    let (k, v) = match (cache_rows(k, shape), cache_rows(v, shape)) {
+        (Some(kr), Some(vr)) if kr.1 == vr.1 => (kr, vr),
+        _ => {
+            (kc, vc) = (k.contiguous()?, v.contiguous()?);
+            mlx_rs::transforms::eval([&kc, &vc])?;
+            let stride = shape.keys * shape.dim;
+            ((read(&kc)?, stride), (read(&vc)?, stride))
+        }
+    };
     let mut out = vec![half::bf16::ZERO; qh.len()];
-    kernels::attention::attend_bf16(qh, kh, vh, shape, causal, &mut out)
+    kernels::attention::attend_bf16(qh, (k.0, v.0, k.1), shape, causal, &mut out)
         .map_err(|e| EngineError::Runtime(format!("host attention: {e}")))?;
     Ok(Array::from_slice(&out, q.shape()))
+}
+
+/// An evaluated bfloat16 `[1, heads, keys, dim]` array's values as one slice from its first
+/// head's first row to its last head's last row, with the distance between heads, when each
+/// head's rows are contiguous (a cache view with room for more keys is); `None` otherwise.
+fn cache_rows(a: &Array, shape: AttentionShape) -> Option<(&[half::bf16], usize)> {
+    use mlx_rs::ArrayElement;
+    let (keys, dim) = (shape.keys, shape.dim);
+    let (st, dims) = (a.strides(), a.shape());
+    if a.dtype() != Dtype::Bfloat16 || dims.len() != 4 || st.len() != 4 || keys == 0 || dim == 0 {
+        return None;
+    }
+    let heads = dims[1] as usize;
+    let rows_contiguous = (st[3] == 1 || dim == 1) && (st[2] == dim || keys == 1);
+    if dims[0] != 1 || heads == 0 || !rows_contiguous || (heads > 1 && st[1] < keys * dim) {
+        return None;
+    }
+    let stride = if heads > 1 { st[1] } else { keys * dim };
+    let data = half::bf16::array_data(a);
+    if data.is_null() {
+        return None;
+    }
+    // SAFETY: `a` is evaluated and alive for the returned borrow; its buffer holds every head's
+    // `keys × dim` rows `stride` apart (checked from its strides), so the range from the first
+    // value to the last head's last row lies within it.
+    Some((
+        unsafe { std::slice::from_raw_parts(data, (heads - 1) * stride + keys * dim) },
+        stride,
+    ))
 }
 
 /// Whether the host attention gives MLX's SDPA bits for this head layout and scale, on two

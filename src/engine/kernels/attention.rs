@@ -40,14 +40,14 @@ pub struct AttentionShape {
     pub dim: usize,
 }
 
-/// Attention of scaled queries `q` (`[heads, queries, dim]`) over `k` and `v`
-/// (`[kv_heads, keys, dim]`), all row-major bfloat16, into `out` (`[heads, queries, dim]`);
-/// `causal` masks key `s` from query `t` when `s > keys - queries + t`. Errors when the lengths
-/// disagree with `shape` or the CPU lacks the product kernels.
+/// Attention of scaled queries `q` (`[heads, queries, dim]`) over `k` and `v` (`kv_heads`
+/// heads of `keys × dim` row-major values each, the heads `kv_stride` values apart: a cache
+/// view read in place), all bfloat16, into `out` (`[heads, queries, dim]`); `causal` masks key
+/// `s` from query `t` when `s > keys - queries + t`. Errors when the lengths disagree with
+/// `shape` or the CPU lacks the product kernels.
 pub fn attend_bf16(
     q: &[bf16],
-    k: &[bf16],
-    v: &[bf16],
+    (k, v, kv_stride): (&[bf16], &[bf16], usize),
     shape: AttentionShape,
     causal: bool,
     out: &mut [bf16],
@@ -64,12 +64,14 @@ pub fn attend_bf16(
         || queries > keys
         || dim == 0
         || queries == 0
+        || kv_stride < keys * dim
     {
         return Err(format!(
             "{shape:?} is not an attention layout the host takes"
         ));
     }
-    let (q_len, kv_len) = (heads * queries * dim, kv_heads * keys * dim);
+    let q_len = heads * queries * dim;
+    let kv_len = (kv_heads - 1) * kv_stride + keys * dim;
     if q.len() != q_len || out.len() != q_len || k.len() != kv_len || v.len() != kv_len {
         return Err(format!("{shape:?}: array lengths disagree with the layout"));
     }
@@ -77,8 +79,8 @@ pub fn attend_bf16(
     CALLS.fetch_add(1, Ordering::Relaxed);
     let head = |h: usize, out: &mut [bf16]| -> Result<(), String> {
         let g = h / rep;
-        let kg = &k[g * keys * dim..(g + 1) * keys * dim];
-        let vg = &v[g * keys * dim..(g + 1) * keys * dim];
+        let kg = &k[g * kv_stride..g * kv_stride + keys * dim];
+        let vg = &v[g * kv_stride..g * kv_stride + keys * dim];
         let qh: Vec<f32> = q[h * queries * dim..(h + 1) * queries * dim]
             .iter()
             .map(|x| x.to_f32())
