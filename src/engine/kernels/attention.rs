@@ -23,7 +23,7 @@ use std::sync::atomic::{AtomicUsize, Ordering};
 /// fallback writes where the mask is false).
 const LOWEST: u16 = 0xFF7F;
 /// Work (heads × queries × keys) below which one thread does all heads.
-const PARALLEL_MIN_SCORES: usize = 1 << 14;
+const PARALLEL_MIN_SCORES: usize = 1 << 12;
 
 /// Head layout of one attention call (batch 1).
 #[derive(Debug, Clone, Copy, PartialEq, Eq, Hash)]
