@@ -96,7 +96,6 @@ pub fn attend_bf16(
             &Order::Sequential,
             1,
         )?;
-        let vf: Vec<f32> = vg.iter().map(|x| x.to_f32()).collect();
         let mut row = vec![0.0f32; keys];
         let mut acc = vec![0.0f32; dim];
         for t in 0..queries {
@@ -117,9 +116,10 @@ pub fn attend_bf16(
                 if *p == 0.0 {
                     continue;
                 }
-                let vs = &vf[s * dim..(s + 1) * dim];
+                // Each value widened where it is read (a shift), not copied out per head.
+                let vs = &vg[s * dim..(s + 1) * dim];
                 for (a, x) in acc.iter_mut().zip(vs) {
-                    *a += p * x;
+                    *a += p * f32::from_bits(u32::from(x.to_bits()) << 16);
                 }
             }
             for (o, a) in out[t * dim..(t + 1) * dim].iter_mut().zip(&acc) {
