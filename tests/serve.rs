@@ -916,7 +916,7 @@ fn batched_drafting_answers_as_alone() {
     ];
     for flags in &drafters {
         for policy in ["all", "cost"] {
-            let rounds = concurrent_drafted_answers(flags, policy, &prompts, &expected);
+            let rounds = concurrent_drafted_answers(model, flags, policy, &prompts, &expected);
             assert!(
                 rounds > 0 || policy == "cost",
                 "{flags:?}: no request drafted"
@@ -925,10 +925,29 @@ fn batched_drafting_answers_as_alone() {
     }
 }
 
+/// The same on a model with sliding-window layers (window 8, which every request wraps): rows
+/// roll back by restoring their caches and replaying what they kept.
+#[test]
+fn batched_drafting_answers_as_alone_past_a_sliding_window() {
+    let prompts: Vec<String> = (0..6)
+        .map(|i| format!("Round {i}: one two three one two three one two three. {PROMPT}"))
+        .collect();
+    let tmp = tempfile::tempdir().unwrap();
+    common::make_model(tmp.path(), &common::tiny_gemma3(), "f32", None);
+    let model = tmp.path().to_str().unwrap();
+    let plain = Server::start_model(model, &[], &["--max-batch", "1"]);
+    let expected = answers_alone(&plain, &prompts, 40);
+    drop(plain);
+    let ngram = ["--draft-kind", "ngram", "--num-draft-tokens", "3"];
+    let rounds = concurrent_drafted_answers(model, &ngram, "all", &prompts, &expected);
+    assert!(rounds > 0, "no request drafted");
+}
+
 /// Sends `prompts` at once to a batched server drafting with `drafter`
 /// (`--draft-policy policy`), checks every answer against `expected` and the counters;
 /// returns the verify rounds that carried a draft.
 fn concurrent_drafted_answers(
+    model: &str,
     drafter: &[&str],
     policy: &str,
     prompts: &[String],
@@ -936,7 +955,7 @@ fn concurrent_drafted_answers(
 ) -> u64 {
     let mut flags = drafter.to_vec();
     flags.extend(["--max-batch", "6", "--draft-policy", policy]);
-    let s = Server::start(&flags);
+    let s = Server::start_model(model, &[], &flags);
     let url = s.url("/v1/completions");
     let handles: Vec<_> = prompts
         .iter()

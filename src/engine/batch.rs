@@ -12,9 +12,14 @@
 //!
 //! A speculative batch ([`BatchGenerator::speculative`]) hands out each token as soon as it is
 //! sampled and, at each decoding step, verifies the blocks its caller drafted per row
-//! (`batch_verify`): a row then gains between 1 and k + 1 tokens per step.
+//! (`batch_verify`): a row then gains between 1 and k + 1 tokens per step, on every cache kind
+//! that batches.
 
-use super::batch_verify::{block, confirmed, rewind_rows, rows_can_rewind, Verified};
+use super::batch_verify::{
+    block, checkpoint, confirmed, padded_input, replay_kept, restore, rewind_rows, rows_can_rewind,
+    Verified,
+};
+use super::cache::CacheSnapshot;
 use super::cache::{BatchKvCache, BatchRows, KvCache};
 use super::error::{EngineError, Result};
 use super::models::{Caches, ForwardOpts, LanguageModel};
@@ -185,6 +190,17 @@ pub struct DecodingRow {
 pub type Proposer<'a> =
     dyn FnMut(&[DecodingRow], &mut dyn LanguageModel) -> Result<HashMap<usize, Vec<u32>>> + 'a;
 
+/// A verify forward's results, for [`BatchGenerator::accept_blocks`]: each row's block, the
+/// token sampled at each position (row-major, `width` per row), the logprobs `[rows, width,
+/// V]`, and the caches as they were before it when rows cannot drop positions in place.
+struct VerifiedBlocks<'a> {
+    blocks: &'a [Vec<u32>],
+    picks: &'a [u32],
+    logprobs: &'a Array,
+    width: usize,
+    before: Option<Vec<CacheSnapshot>>,
+}
+
 /// Rows being prefilled together, with their batched caches (empty when there are no rows).
 #[derive(Default)]
 struct PromptBatch {
@@ -257,6 +273,9 @@ pub struct BatchGenerator {
     captured: Vec<(usize, PrefixKv)>,
     /// Whether decoding steps verify drafted blocks (tokens handed out as soon as sampled).
     speculative: bool,
+    /// Whether a verify step's rejected positions are dropped in place (every layer full
+    /// attention) rather than by restoring the caches and replaying the kept tokens.
+    rewind_in_place: bool,
     verified: Vec<Verified>,
     /// Decoding forwards (plain or verify) run so far.
     decode_forwards: usize,
@@ -448,6 +467,7 @@ impl BatchGenerator {
             capture: false,
             captured: Vec::new(),
             speculative: false,
+            rewind_in_place: true,
             verified: Vec::new(),
             decode_forwards: 0,
             prompt_rounds: 0,
@@ -465,14 +485,10 @@ impl BatchGenerator {
 
     /// Makes every decoding step a verify step for the blocks given to
     /// [`BatchGenerator::next_tokens_drafted`], each token handed out as soon as it is sampled.
-    /// Needs a model whose every layer is full attention (rows then drop different numbers of
-    /// rejected positions exactly).
+    /// Rows drop their rejected positions in place when every layer is full attention, else by
+    /// a second forward (see `batch_verify`).
     pub fn speculative(mut self, model: &dyn LanguageModel) -> Result<Self> {
-        if !rows_can_rewind(&mut fresh_caches(model, &self.plan, 1)?) {
-            return Err(EngineError::Input(
-                "drafting in a batch needs a model whose every layer is full attention; use --max-batch 1".into(),
-            ));
-        }
+        self.rewind_in_place = rows_can_rewind(&mut fresh_caches(model, &self.plan, 1)?);
         self.speculative = true;
         Ok(self)
     }
@@ -520,14 +536,14 @@ impl BatchGenerator {
             let mut best = f64::INFINITY;
             for _ in 0..2 {
                 let block = ops::zeros::<i32>(&[rows as i32, width as i32])?;
+                // Put back after: a ring or recurrent state cannot be trimmed.
+                let before = checkpoint(&caches);
                 let started = std::time::Instant::now();
                 let logits = model.forward(&block, &mut caches)?;
                 let logprobs = logits.subtract(logits.logsumexp_axis(-1, true)?)?;
                 eval([&logprobs])?;
                 best = best.min(started.elapsed().as_secs_f64());
-                for c in caches.iter_mut() {
-                    c.trim(width as i32);
-                }
+                restore(&mut caches, before)?;
             }
             seconds.push(best);
         }
@@ -1003,8 +1019,16 @@ impl BatchGenerator {
         if blocks.is_empty() {
             return Ok(out);
         }
+        let before = (!self.rewind_in_place).then(|| checkpoint(&self.decode.caches));
         let (picks, logprobs, width) = self.verify_blocks(model, &blocks)?;
-        self.accept_blocks(&blocks, &picks, &logprobs, width, &mut out)?;
+        let verified = VerifiedBlocks {
+            blocks: &blocks,
+            picks: &picks,
+            logprobs: &logprobs,
+            width,
+            before,
+        };
+        self.accept_blocks(model, verified, &mut out)?;
         Ok(out)
     }
 
@@ -1058,17 +1082,8 @@ impl BatchGenerator {
         model: &mut dyn LanguageModel,
         blocks: &[Vec<u32>],
     ) -> Result<(Vec<u32>, Array, usize)> {
-        let width = blocks.iter().map(Vec::len).max().unwrap_or(1);
-        let ids: Vec<i32> = blocks
-            .iter()
-            .flat_map(|b| {
-                b.iter()
-                    .map(|&t| t as i32)
-                    .chain(std::iter::repeat_n(b[0] as i32, width - b.len()))
-            })
-            .collect();
+        let (input, width) = padded_input(blocks);
         let rows = blocks.len();
-        let input = Array::from_slice(&ids, &[rows as i32, width as i32]);
         self.decode_forwards += 1;
         let spans: Vec<(usize, usize)> = self
             .decode
@@ -1104,12 +1119,17 @@ impl BatchGenerator {
     /// anchor, and the positions it rejected are dropped from its caches.
     fn accept_blocks(
         &mut self,
-        blocks: &[Vec<u32>],
-        picks: &[u32],
-        logprobs: &Array,
-        width: usize,
+        model: &mut dyn LanguageModel,
+        verified: VerifiedBlocks<'_>,
         out: &mut Vec<BatchToken>,
     ) -> Result<()> {
+        let VerifiedBlocks {
+            blocks,
+            picks,
+            logprobs,
+            width,
+            before,
+        } = verified;
         let rows = blocks.len();
         self.decode.next_tokens = None;
         self.decode.next_logprobs = None;
@@ -1118,6 +1138,7 @@ impl BatchGenerator {
         let mut next_logprobs = Vec::with_capacity(rows);
         let mut next = Vec::with_capacity(rows);
         let mut drop = Vec::with_capacity(rows);
+        let mut kept_tokens = Vec::with_capacity(rows);
         for (i, (row, block)) in rows_out.iter_mut().zip(blocks).enumerate() {
             let picked = &picks[i * width..i * width + block.len()];
             let accepted = confirmed(&block[1..], picked);
@@ -1147,9 +1168,18 @@ impl BatchGenerator {
                 next.push(picked[accepted] as i32);
                 next_logprobs.push(logprobs.index((i as i32, accepted as i32, ..)));
                 drop.push((width - 1 - accepted) as i32);
+                kept_tokens.push(block[..=accepted].to_vec());
             }
         }
         self.decode.rows = rows_out;
+        // Put back before rows are filtered: the saved caches hold every row the forward ran.
+        let replay = match before {
+            Some(saved) if drop.iter().any(|&d| d > 0) => {
+                restore(&mut self.decode.caches, saved)?;
+                true
+            }
+            _ => false,
+        };
         if keep.len() < rows {
             self.decode.keep(&keep)?;
         }
@@ -1157,7 +1187,11 @@ impl BatchGenerator {
             self.decode.next_tokens = Some(Array::from_slice(&next, &[next.len() as i32]));
             // Kept beside the handed-out anchors so rows joining later line up with them.
             self.decode.next_logprobs = Some(ops::stack(&next_logprobs, 0)?);
-            rewind_rows(&mut self.decode.caches, &drop)?;
+            if replay {
+                replay_kept(model, &mut self.decode.caches, &kept_tokens)?;
+            } else if self.rewind_in_place {
+                rewind_rows(&mut self.decode.caches, &drop)?;
+            }
             eval_caches(&self.decode.caches)?;
         }
         Ok(())

@@ -9,10 +9,21 @@
 //! buffer, hidden from later queries by the mask and taken out of the row's RoPE position
 //! (`BatchKvCache::hide_tail`; moving every row's keys instead would copy the whole cache each
 //! step). A row's RoPE positions and visible keys are then exactly those of its kept tokens.
+//!
+//! Sliding-window rings and recurrent state cannot hide a tail (a ring may have overwritten the
+//! positions a rejected draft evicted; a recurrent state has no positions at all), so models
+//! with such layers roll back the way a single stream does when it cannot trim: the caches as
+//! they were before the verify forward are put back and each row's kept tokens (its anchor and
+//! kept drafts) are run again, right-padded to the longest as in a batched prefill: rings and
+//! recurrent state take the padding as a prefill's (`prepare`/`finalize`: masked out of the
+//! state, rolled to the left of the ring), full-attention layers hide it. That second forward
+//! is the price of drafting on such models; the draft-length policy sees it in the step's wall
+//! time.
 
-use super::cache::BatchKvCache;
+use super::cache::{BatchKvCache, CacheSnapshot};
 use super::error::{EngineError, Result};
-use super::models::Caches;
+use super::models::{Caches, LanguageModel};
+use mlx_rs::Array;
 
 /// What one row's block became: how many drafts it proposed and how many were kept.
 #[derive(Debug, Clone, Copy, PartialEq, Eq)]
@@ -26,7 +37,7 @@ pub struct Verified {
 }
 
 /// Whether every layer's batched cache is a full-attention one, the kind whose rows can drop
-/// different numbers of positions (sliding-window and recurrent caches cannot yet).
+/// different numbers of positions in place (others restore and replay).
 pub fn rows_can_rewind(caches: &mut Caches) -> bool {
     caches.iter_mut().all(|c| {
         c.as_batch_mut()
@@ -46,6 +57,71 @@ pub fn block(anchor: u32, drafts: &[u32], room: usize) -> Vec<u32> {
 /// the leading positions where the token sampled after a prefix equals the next draft.
 pub fn confirmed(drafts: &[u32], picks: &[u32]) -> usize {
     drafts.iter().zip(picks).take_while(|(d, p)| d == p).count()
+}
+
+/// Blocks of ids right-padded (with each block's first id) to the longest, as `[rows, width]`,
+/// and that width.
+pub fn padded_input(blocks: &[Vec<u32>]) -> (Array, usize) {
+    let width = blocks.iter().map(Vec::len).max().unwrap_or(1);
+    let ids: Vec<i32> = blocks
+        .iter()
+        .flat_map(|b| {
+            b.iter()
+                .map(|&t| t as i32)
+                .chain(std::iter::repeat_n(b[0] as i32, width - b.len()))
+        })
+        .collect();
+    let input = Array::from_slice(&ids, &[blocks.len() as i32, width as i32]);
+    (input, width)
+}
+
+/// Every cache's state before a verify forward, for models whose rows cannot drop positions in
+/// place.
+pub fn checkpoint(caches: &Caches) -> Vec<CacheSnapshot> {
+    caches.iter().map(|c| c.snapshot()).collect()
+}
+
+/// Puts back the caches saved by [`checkpoint`] (all the rows the verify forward ran).
+pub fn restore(caches: &mut Caches, saved: Vec<CacheSnapshot>) -> Result<()> {
+    for (c, s) in caches.iter_mut().zip(saved) {
+        c.restore(s)?;
+    }
+    Ok(())
+}
+
+/// Runs each row's `kept` tokens (its anchor and kept drafts) through restored caches, padded
+/// as the module docs say; the logits are not needed (the verify forward gave them).
+pub fn replay_kept(
+    model: &mut dyn LanguageModel,
+    caches: &mut Caches,
+    kept: &[Vec<u32>],
+) -> Result<()> {
+    let (input, width) = padded_input(kept);
+    let lengths: Vec<i32> = kept.iter().map(|b| b.len() as i32).collect();
+    let padding: Vec<i32> = lengths.iter().map(|&n| width as i32 - n).collect();
+    let padded = padding.iter().any(|&p| p > 0);
+    if padded {
+        for c in caches.iter_mut() {
+            if let Some(b) = c.as_batch_mut() {
+                if !b.as_any_mut().is::<BatchKvCache>() {
+                    b.prepare(&lengths, &padding);
+                }
+            }
+        }
+    }
+    model.forward(&input, caches)?;
+    if padded {
+        for c in caches.iter_mut() {
+            let Some(b) = c.as_batch_mut() else {
+                continue;
+            };
+            match b.as_any_mut().downcast_mut::<BatchKvCache>() {
+                Some(full) => full.hide_tail(&padding)?,
+                None => b.finalize()?,
+            }
+        }
+    }
+    Ok(())
 }
 
 /// Drops the last `drop[i]` positions of row `i` from every layer's cache after a verify

@@ -287,7 +287,14 @@ impl KvCache for BatchRotatingKvCache {
         let offset = (self.max_size - 1).min(self.written);
         let mask = super::causal_mask(n, offset, Some(window))?;
         let mut shift = 0;
-        let trim = self.idx - self.max_size + i32::from(n > 1);
+        // A block of several tokens after single-token steps have wrapped the ring (a verify
+        // block; mlx-lm only prefills blocks before the ring wraps) is appended to the ring in
+        // temporal order, whose write position is the ring's full length.
+        let idx = match &self.keys {
+            Some(k) if n > 1 && self.rotated => k.shape()[2],
+            _ => self.idx,
+        };
+        let trim = idx - self.max_size + i32::from(n > 1);
         if trim > 0 {
             shift += trim;
         }
