@@ -3,18 +3,25 @@
 //! the window, with both head kinds), drafting leaves the target's caches byte-identical, its
 //! drafted tokens and logits match an independent numpy reference of the spec's equations
 //! (tests/oracle/gemma4_assistant.py), malformed checkpoints are refused with exit 2, and the
-//! draft length comes from the checkpoint's generation_config when not given.
+//! draft length comes from the checkpoint's generation_config when not given. In a batch, each
+//! row's assistant reads that row's keys and values (lent by the batch) and drafts what it would
+//! draft over a single stream of the same tokens.
 
 mod common;
+mod serve_harness;
 
+use mlxb::engine::batch::{BatchGenerator, BatchSettings, DecodingRow, SequenceRequest};
 use mlxb::engine::forks::Forks;
-use mlxb::engine::models::ForwardOpts;
+use mlxb::engine::models::{ForwardOpts, LanguageModel};
+use mlxb::engine::sample::{Sampler, SamplerConfig};
 use mlxb::engine::session::Session;
 use mlxb::spec::assistant::config;
 use mlxb::spec::assistant::drafter::AssistantSource;
 use mlxb::spec::factory::{open_source, DraftKind, SpecOptions};
+use mlxb::spec::slots::row_caches;
 use mlxb::spec::source::{DraftSource, TargetView};
 use serde_json::{json, Value};
+use std::collections::HashMap;
 use std::path::Path;
 
 const GEN: usize = 40;
@@ -248,6 +255,190 @@ fn one_round_matches_the_numpy_reference_and_leaves_the_target_cache_untouched()
             "centroid head {centroids}: logits differ by {worst} (scale {scale})"
         );
     }
+}
+
+/// The assistant's `n` drafted tokens and logits after `sequence` over a single stream: the
+/// target prefilled afresh on all of `sequence` but its anchor.
+fn single_stream_draft(
+    model: &mut dyn LanguageModel,
+    source: &mut AssistantSource,
+    sequence: &[u32],
+    n: usize,
+) -> (Vec<u32>, mlx_rs::Array) {
+    let context = &sequence[..sequence.len() - 1];
+    let mut caches = model.make_caches();
+    let ids: Vec<i32> = context.iter().map(|&t| t as i32).collect();
+    let x = mlx_rs::Array::from_slice(&ids, &[1, ids.len() as i32]);
+    let opts = ForwardOpts {
+        exit_after: None,
+        taps: source.tap_layers(),
+    };
+    let out = model.forward_ext(&x, &mut caches, &opts).unwrap();
+    source.observe_taps(0, out.taps).unwrap();
+    let view = TargetView {
+        model,
+        caches: &caches,
+    };
+    source.draft_logits(view, sequence, n).unwrap()
+}
+
+/// Drafting per slot: three prompts of different lengths decode together past the window
+/// (the batch verifies the assistant's drafts, the right continuation or that spoiled at its
+/// end, so rows keep different numbers of drafts: full layers hide positions and the batch
+/// restores and replays); at every proposal each row's
+/// assistant, reading the keys and values the batch lends that row, drafts the tokens it drafts
+/// over a single stream of the same tokens (logits within 1e-4 of the largest), and each row's
+/// ids equal its greedy ids alone.
+#[test]
+fn batched_rows_draft_as_a_single_stream() {
+    let dir = target_with(&target_config());
+    let asst = assistant(&assistant_config(false), 3, &[]);
+    let mut session = Session::open(dir.path(), Forks::default()).unwrap();
+    let open = || AssistantSource::open(asst.path(), dir.path(), Forks::default()).unwrap();
+    let prompts = [
+        prompt(),
+        common::prompt_ids(13, VOCAB, 6),
+        common::prompt_ids(27, VOCAB, 7),
+    ];
+    let (budget, k) = (24, 3);
+    let model = session.model.model.as_mut();
+    let want: Vec<Vec<i32>> = prompts
+        .iter()
+        .map(|p| common::greedy_ids(&mut *model, p, None, 0, budget).0)
+        .collect();
+    let template = open();
+    let settings = BatchSettings {
+        prefill_batch_size: 2,
+        completion_batch_size: 4,
+        prefill_step_size: 8,
+    };
+    let mut gen = BatchGenerator::new(
+        &*model,
+        &session.model.plan,
+        Sampler::new(&SamplerConfig::default()).unwrap(),
+        vec![],
+        settings,
+    )
+    .unwrap()
+    .speculative(&*model)
+    .unwrap()
+    .tapping(template.tap_layers())
+    .lending_kv(template.kv_layers());
+    let requests = prompts
+        .iter()
+        .map(|p| SequenceRequest::new(p.clone(), budget))
+        .collect();
+    let uids = gen.insert(requests).unwrap();
+    let row_of: HashMap<usize, usize> = uids.iter().enumerate().map(|(i, &u)| (u, i)).collect();
+    let mut slots: Vec<AssistantSource> = prompts.iter().map(|_| open()).collect();
+    let mut reference = open();
+    let mut got: Vec<Vec<u32>> = vec![Vec::new(); prompts.len()];
+    let (mut compared, mut uneven) = (0, 0);
+    for step in 0.. {
+        let mut propose = |rows: &[DecodingRow], m: &mut dyn LanguageModel| {
+            let mut drafts = HashMap::new();
+            for r in rows {
+                let i = row_of[&r.uid];
+                for t in &r.tapped {
+                    slots[i].observe_taps(t.first_position, t.layers.clone())?;
+                }
+                let mut sequence: Vec<u32> = prompts[i].iter().chain(&got[i]).copied().collect();
+                match (r.next_pending, r.next) {
+                    (true, Some(next)) => sequence.push(next),
+                    // Unread: a placeholder asks for the proposal again once it is read.
+                    (true, None) => {
+                        drafts.insert(r.uid, vec![0; k + 1]);
+                        continue;
+                    }
+                    (false, _) => {}
+                }
+                let n = k.min(r.room.saturating_sub(1 + usize::from(r.next.is_some())));
+                if n == 0 {
+                    continue;
+                }
+                let caches = row_caches(r, sequence.len() - 1);
+                let view = TargetView {
+                    model: &mut *m,
+                    caches: &caches,
+                };
+                let (tokens, logits) = slots[i].draft_logits(view, &sequence, n)?;
+                let (want_tokens, want_logits) =
+                    single_stream_draft(&mut *m, &mut reference, &sequence, n);
+                assert_eq!(tokens, want_tokens, "row {i} at {}", sequence.len());
+                let scale = want_logits.abs()?.max(None)?.item_exact::<f32>().max(1.0);
+                let worst = logits
+                    .subtract(&want_logits)?
+                    .abs()?
+                    .max(None)?
+                    .item_exact::<f32>();
+                assert!(worst <= 1e-4 * scale, "row {i}: logits off by {worst}");
+                compared += 1;
+                // What the batch verifies: the assistant's drafts, the right continuation, or
+                // that with its last token spoiled, in turns that differ by row.
+                let right = || {
+                    let from = sequence.len() - prompts[i].len();
+                    want[i].iter().skip(from).take(n).map(|&t| t as u32)
+                };
+                let proposal: Vec<u32> = match (step + i) % 3 {
+                    0 => tokens,
+                    1 => right().collect(),
+                    _ => {
+                        let mut d: Vec<u32> = right().collect();
+                        if let Some(last) = d.last_mut() {
+                            *last = 3 + (*last + 1) % (VOCAB - 3);
+                        }
+                        d
+                    }
+                };
+                drafts.insert(r.uid, r.next.into_iter().chain(proposal).collect());
+            }
+            Ok(drafts)
+        };
+        let tokens = gen.next_tokens_drafted(&mut *model, &mut propose).unwrap();
+        if tokens.is_empty() {
+            break;
+        }
+        for t in tokens {
+            got[row_of[&t.uid]].push(t.token);
+        }
+        let kept: Vec<usize> = gen.take_verified().iter().map(|v| v.accepted).collect();
+        if kept.iter().any(|&a| a != kept[0]) {
+            uneven += 1;
+        }
+    }
+    assert!(
+        compared > 20 && uneven > 2,
+        "{compared} proposals, {uneven} uneven steps"
+    );
+    for (i, (got, want)) in got.iter().zip(&want).enumerate() {
+        let got: Vec<i32> = got.iter().map(|&t| t as i32).collect();
+        assert_eq!(&got, want, "row {i}: ids differ from the prompt alone");
+    }
+}
+
+/// Served: six concurrent greedy requests to `serve --max-batch 6` with the assistant, each
+/// drafting for itself in the batch, answer exactly as the same prompts asked one at a time of
+/// a server without a drafter.
+#[test]
+fn served_in_a_batch_answers_as_alone() {
+    let dir = target_with(&target_config());
+    let asst = assistant(&assistant_config(true), 4, &[]);
+    let target = dir.path().to_str().unwrap();
+    let prompts: Vec<String> = (0..6)
+        .map(|i| format!("Round {i}: {}", serve_harness::PROMPT))
+        .collect();
+    let plain = serve_harness::Server::start_model(target, &[], &["--max-batch", "1"]);
+    let expected = serve_harness::answers_alone(&plain, &prompts, 40);
+    drop(plain);
+    let drafter = [
+        "--draft-model",
+        asst.path().to_str().unwrap(),
+        "--num-draft-tokens",
+        "3",
+    ];
+    let rounds =
+        serve_harness::concurrent_drafted_answers(target, &drafter, "all", &prompts, &expected);
+    assert!(rounds > 0, "no request drafted");
 }
 
 /// A change to an assistant's config.json.

@@ -9,7 +9,7 @@ use crate::engine::error::EngineError;
 use crate::engine::sample::LogitsProcessors;
 use crate::spec::dspark::checkpoint;
 use crate::spec::executor::Speculation;
-use crate::spec::factory::{concrete_kind, drafts_per_slot, open_source, DraftKind, SpecOptions};
+use crate::spec::factory::{concrete_kind, open_source, DraftKind, SpecOptions};
 use crate::spec::policy::DraftPolicy;
 use crate::spec::source::VerifyMode;
 use crate::spec::trace::{JsonlTrace, TraceSink};
@@ -91,7 +91,7 @@ fn dspark_temperatures(opts: &SpecOptions) -> anyhow::Result<Option<Vec<f64>>> {
 
 /// Why `--n-parallel N` cannot measure these settings, if it cannot (checked before any model
 /// loads).
-fn batch_refusal(args: &MeasureArgs, opts: &SpecOptions) -> anyhow::Result<Option<String>> {
+fn batch_refusal(args: &MeasureArgs) -> anyhow::Result<Option<String>> {
     if args.n_parallel == 0 {
         return Ok(Some("--n-parallel must be at least 1".into()));
     }
@@ -99,9 +99,7 @@ fn batch_refusal(args: &MeasureArgs, opts: &SpecOptions) -> anyhow::Result<Optio
         return Ok(None);
     }
     let params = args.sampling.text_params(&args.model);
-    Ok(if !drafts_per_slot(opts) {
-        Some("measure --n-parallel drafts per sequence in a batch, which every drafter but the assistant does; measure this drafter one stream at a time (--n-parallel 1)".into())
-    } else if params.sampler.temp != 0.0 {
+    Ok(if params.sampler.temp != 0.0 {
         Some("measure --n-parallel compares greedy batches (--temp 0): sampled rows of a batch share one random stream, so the two batches could not be compared".into())
     } else if !LogitsProcessors::new(&params.processors)?.is_empty() {
         Some("measure --n-parallel decodes without logits processors (no repetition, presence or frequency penalty, logit bias)".into())
@@ -120,7 +118,7 @@ pub fn run(args: MeasureArgs) -> anyhow::Result<()> {
     // Every input is checked before the models load.
     let prompts = PromptFile::read(&args.data)?;
     let opts = spec_options(&args)?;
-    if let Some(why) = batch_refusal(&args, &opts)? {
+    if let Some(why) = batch_refusal(&args)? {
         return Err(EngineError::Input(why).into());
     }
     let report = if args.n_parallel > 1 {

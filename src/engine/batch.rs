@@ -181,6 +181,12 @@ pub struct DecodingRow {
     /// included; rejected verify positions too, which a later round's tokens replace); empty
     /// unless the generator taps layers.
     pub tapped: Vec<TappedRows>,
+    /// Positions in its cache (its next fed token goes in at this position).
+    pub cached: usize,
+    /// Per target layer, its keys and values as its own cache would hold them (`[1, H, n,
+    /// D]`, ending at position `cached`) for the layers lent to drafters
+    /// ([`BatchGenerator::lending_kv`]), `None` elsewhere; empty unless some are lent.
+    pub kv: Vec<Option<(Array, Array)>>,
 }
 
 /// What proposes the drafts of a speculative batch's step: given the decoding rows, the ids
@@ -284,6 +290,9 @@ pub struct BatchGenerator {
     /// Layers whose outputs every forward hands to the rows it ran (see
     /// [`BatchGenerator::tapping`]).
     taps: Vec<usize>,
+    /// Layers whose keys and values each proposal sees per row (see
+    /// [`BatchGenerator::lending_kv`]).
+    lent: Vec<usize>,
 }
 
 /// One forward of `input` `[B, W]` on `caches`; with `taps`, also each row's outputs at those
@@ -318,6 +327,22 @@ fn forward_tapped(
         })
         .collect();
     Ok((out.logits, tapped))
+}
+
+/// Row `row`'s keys and values at each layer in `layers` (`None` at every other layer).
+fn lent_kv(
+    caches: &mut Caches,
+    layers: &[usize],
+    row: usize,
+) -> Result<Vec<Option<(Array, Array)>>> {
+    caches
+        .iter_mut()
+        .enumerate()
+        .map(|(l, c)| match c.as_batch_mut() {
+            Some(b) if layers.contains(&l) => b.row_kv(row),
+            _ => Ok(None),
+        })
+        .collect()
 }
 
 /// Per-layer batched caches, all rows empty.
@@ -472,6 +497,7 @@ impl BatchGenerator {
             decode_forwards: 0,
             prompt_rounds: 0,
             taps: Vec::new(),
+            lent: Vec::new(),
         })
     }
 
@@ -504,18 +530,33 @@ impl BatchGenerator {
                 next_pending: !r.anchor_out,
                 next: None,
                 tapped: Vec::new(),
+                cached: r.cached,
+                kv: Vec::new(),
             })
             .collect()
     }
 
     /// [`BatchGenerator::decoding_rows`] with the tapped outputs each row has gathered since
     /// they were last handed out.
-    fn rows_to_propose(&mut self) -> Vec<DecodingRow> {
+    fn rows_to_propose(&mut self) -> Result<Vec<DecodingRow>> {
         let mut rows = self.decoding_rows();
         for (row, r) in rows.iter_mut().zip(self.decode.rows.iter_mut()) {
             row.tapped = std::mem::take(&mut r.tapped);
         }
-        rows
+        if !self.lent.is_empty() {
+            for (i, row) in rows.iter_mut().enumerate() {
+                row.kv = lent_kv(&mut self.decode.caches, &self.lent, i)?;
+            }
+        }
+        Ok(rows)
+    }
+
+    /// Hands each decoding row's keys and values at target layers `layers` to its proposals
+    /// ([`DecodingRow::kv`]): for drafters that attend the target's keys (the Gemma 4
+    /// assistant).
+    pub fn lending_kv(mut self, layers: Vec<usize>) -> Self {
+        self.lent = layers;
+        self
     }
 
     /// Seconds one forward of `rows` sequences × `width` tokens takes on this machine, for
@@ -994,7 +1035,7 @@ impl BatchGenerator {
         model: &mut dyn LanguageModel,
         propose: &mut Proposer<'_>,
     ) -> Result<Vec<BatchToken>> {
-        let mut rows = self.rows_to_propose();
+        let mut rows = self.rows_to_propose()?;
         let mut drafts = propose(&rows, model)?;
         let offers = |r: &DecodingRow| {
             drafts

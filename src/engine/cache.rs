@@ -110,10 +110,12 @@ mod arrays;
 mod batch;
 mod batch_rotating;
 mod quantized;
+mod row_view;
 pub use arrays::ArraysCache;
 pub use batch::{BatchKvCache, BatchRows};
 pub use batch_rotating::BatchRotatingKvCache;
 pub use quantized::{QuantizedCache, QuantizedKv, KV_BITS};
+pub use row_view::RowKvView;
 
 /// The mask an attention call receives, as mlx-lm passes it to SDPA.
 #[derive(Debug, Clone)]

@@ -209,7 +209,11 @@ fn serve_batch(
     let taps = drafters
         .as_ref()
         .map_or(Vec::new(), SlotDrafters::tap_layers);
-    let mut gen = gen.tapping(taps);
+    // The assistant also reads each row's keys and values at its donor layers.
+    let lent = drafters
+        .as_ref()
+        .map_or(Vec::new(), SlotDrafters::kv_layers);
+    let mut gen = gen.tapping(taps).lending_kv(lent);
     let Session {
         model, tokenizer, ..
     } = session;

@@ -20,7 +20,7 @@ use crate::engine::session::Session;
 use crate::engine::startup::StartupTrace;
 use crate::engine::text::{generate_text, TextEvent, TextParams};
 use crate::spec::executor::Speculation;
-use crate::spec::factory::{drafts_per_slot, open_source, SpecOptions};
+use crate::spec::factory::{open_source, SpecOptions};
 use crate::spec::policy::DraftPolicy;
 use crate::spec::source::DraftSource;
 use mlx_rs::Dtype;
@@ -301,21 +301,15 @@ impl State {
             };
             info.backend = format!("{}, {} ranks ({split})", info.backend, group.size());
         }
-        let slot_drafting = cfg.spec.as_ref().filter(|o| drafts_per_slot(o)).cloned();
+        // Every drafter drafts per slot of a batch.
+        let slot_drafting = cfg.spec.clone();
         if ranks.is_some() && cfg.max_batch > 1 {
             info.batch_note =
                 Some("requests decode one at a time across ranks (as mlx-lm's server)".into());
         } else if cfg.max_batch > 1 {
-            if info.drafter.is_some() && slot_drafting.is_none() {
-                info.batch_note = Some(
-                    "this drafter reads the target's caches of each request, so its requests decode one at a time (every drafter but the assistant drafts per slot)"
-                        .into(),
-                );
-            } else {
-                match batching::batch_size(&session, cfg.max_batch, slot_drafting.as_ref()) {
-                    Ok(n) => info.max_batch = n,
-                    Err(why) => info.batch_note = Some(why),
-                }
+            match batching::batch_size(&session, cfg.max_batch, slot_drafting.as_ref()) {
+                Ok(n) => info.max_batch = n,
+                Err(why) => info.batch_note = Some(why),
             }
         }
         let kept = if prefix_reuse {

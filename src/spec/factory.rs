@@ -204,16 +204,3 @@ fn open_dspark(
             .with_prune(opts.dspark_prune),
     ))
 }
-
-/// Whether drafters of these options can draft for one slot of a batched engine
-/// ([`DraftSource::fork`]): those that propose from a sequence's tokens alone (n-gram), from
-/// its tokens and the target's tapped outputs, which the batch hands to each row (DSpark), or
-/// from caches of their own (a draft model, whose weights the slots share; the target's first
-/// K layers). The assistant reads the target's caches of one sequence, which a batch does not
-/// hand out per row; its requests decode one at a time.
-pub fn drafts_per_slot(opts: &SpecOptions) -> bool {
-    matches!(
-        concrete_kind(opts),
-        Ok(DraftKind::Ngram | DraftKind::Dspark | DraftKind::Model | DraftKind::SelfLayers)
-    )
-}

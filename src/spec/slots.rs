@@ -1,8 +1,9 @@
 //! Drafting per slot of the batched engine: one drafter per sequence, proposing from the
-//! tokens that sequence has so far (and, for DSpark, the target's tapped outputs of its
-//! positions, which the batch hands to each row); the engine verifies every slot's block in
-//! one batched forward and says per slot how many drafts it kept (`engine::batch_verify`).
-//! Each slot keeps its own acceptance counters, reported with its request.
+//! tokens that sequence has so far (and, for DSpark and the Gemma 4 assistant, the target's
+//! tapped outputs of its positions; for the assistant also its keys and values at the donor
+//! layers: the batch hands each row its own); the engine verifies every slot's block in one
+//! batched forward and says per slot how many drafts it kept (`engine::batch_verify`). Each
+//! slot keeps its own acceptance counters, reported with its request.
 
 use super::factory::SpecOptions;
 use super::metrics::SpecMetrics;
@@ -10,6 +11,7 @@ use super::policy::{DraftLengthPolicy, RowOutlook, StepCost};
 use super::source::{DraftSource, TargetView};
 use crate::engine::batch::{BatchGenerator, BatchToken, DecodingRow};
 use crate::engine::batch_verify::Verified;
+use crate::engine::cache::{KvCache, RowKvView};
 use crate::engine::error::{EngineError, Result};
 use crate::engine::models::{Caches, LanguageModel};
 use std::collections::HashMap;
@@ -65,18 +67,26 @@ pub struct SlotDrafters {
     step_started: Option<(Instant, (usize, usize))>,
 }
 
-/// Slot drafters read nothing of the target's caches (see `factory::drafts_per_slot`), so
-/// they are shown the model with no caches.
-fn view<'a>(model: &'a mut dyn LanguageModel, none: &'a Caches) -> TargetView<'a> {
-    TargetView {
-        model,
-        caches: none,
-    }
+/// The target as a slot's drafter sees it: the model, and the row's own keys and values at
+/// the layers its drafter reads (none for most drafters).
+fn view<'a>(model: &'a mut dyn LanguageModel, caches: &'a Caches) -> TargetView<'a> {
+    TargetView { model, caches }
+}
+
+/// Row `row`'s lent keys and values as the caches of a single sequence whose anchor is at
+/// `anchor` (the positions from it on cut); empty when the batch lends none.
+pub fn row_caches(row: &DecodingRow, anchor: usize) -> Caches {
+    row.kv
+        .iter()
+        .map(|kv| -> Box<dyn KvCache> {
+            Box::new(RowKvView::new(kv.clone(), row.cached as i32).truncated(anchor as i32))
+        })
+        .collect()
 }
 
 impl SlotDrafters {
     /// A drafter forked from `template` (the drafter `opts` opens) for each slot, sized by
-    /// `policy`. The template's kind must draft per slot (`factory::drafts_per_slot`).
+    /// `policy`.
     pub fn new(
         opts: &SpecOptions,
         policy: DraftLengthPolicy,
@@ -97,6 +107,12 @@ impl SlotDrafters {
     /// ([`BatchGenerator::tapping`]); empty for drafters that read tokens only.
     pub fn tap_layers(&self) -> Vec<usize> {
         self.template.tap_layers()
+    }
+
+    /// The target layers whose keys and values the batch must lend each row
+    /// ([`BatchGenerator::lending_kv`]); empty for drafters that read none.
+    pub fn kv_layers(&self) -> Vec<usize> {
+        self.template.kv_layers()
     }
 
     /// The block width the policy chose for the step under way (1: no drafts); `None` when
@@ -158,7 +174,6 @@ impl SlotDrafters {
         rows: &[DecodingRow],
         model: &mut dyn LanguageModel,
     ) -> Result<HashMap<usize, Vec<u32>>> {
-        let none = Vec::new();
         for row in rows {
             if let Some(slot) = self.slots.get_mut(&row.uid) {
                 for t in &row.tapped {
@@ -189,15 +204,26 @@ impl SlotDrafters {
                 let started = Instant::now();
                 if let Some(next) = row.next {
                     slot.sequence.push(next);
+                    let caches = row_caches(row, slot.sequence.len() - 1);
                     let draft = slot
                         .source
-                        .draft(view(&mut *model, &none), &slot.sequence, n);
+                        .draft(view(&mut *model, &caches), &slot.sequence, n);
                     slot.sequence.pop();
                     proposed = std::iter::once(next).chain(draft?.tokens).collect();
+                } else if pending > 0 && !row.kv.is_empty() {
+                    // A drafter that attends the row's keys cannot guess its unread token (a
+                    // sliding window no longer holds the oldest position it would attend):
+                    // placeholders of its whole limit say it wants to draft, and the step
+                    // asks again once the pending tokens are read.
+                    let last = slot.sequence.last().copied().unwrap_or_default();
+                    proposed = vec![last; n + pending];
                 } else {
-                    let draft =
-                        slot.source
-                            .draft(view(&mut *model, &none), &slot.sequence, n + pending)?;
+                    let caches = row_caches(row, slot.sequence.len() - 1);
+                    let draft = slot.source.draft(
+                        view(&mut *model, &caches),
+                        &slot.sequence,
+                        n + pending,
+                    )?;
                     proposed = draft.tokens;
                 }
                 slot.metrics.draft_seconds += started.elapsed().as_secs_f64();

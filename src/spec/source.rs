@@ -84,10 +84,16 @@ pub trait DraftSource {
 
     /// Another drafter like this one, with no sequence of its own yet, for another sequence of
     /// the same target: one per slot of a batch (sharing weights where the kind can). `None`
-    /// for kinds that read the target's caches of one sequence, which a batch does not hand
-    /// out per row.
+    /// for kinds that cannot draft for one row of a batch.
     fn fork(&self) -> Result<Option<Box<dyn DraftSource>>> {
         Ok(None)
+    }
+
+    /// Target layers whose keys and values [`Self::draft`] reads from [`TargetView::caches`]
+    /// (the Gemma 4 assistant's donor layers): a batch then hands each row's own to its
+    /// drafter. Empty for drafters that read none.
+    fn kv_layers(&self) -> Vec<usize> {
+        Vec::new()
     }
 }
 
@@ -127,6 +133,9 @@ impl<T: DraftSource + ?Sized> DraftSource for &mut T {
     }
     fn fork(&self) -> Result<Option<Box<dyn DraftSource>>> {
         (**self).fork()
+    }
+    fn kv_layers(&self) -> Vec<usize> {
+        (**self).kv_layers()
     }
 }
 

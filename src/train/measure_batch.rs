@@ -87,7 +87,8 @@ impl BatchedMeasure<'_> {
                 let d = SlotDrafters::new(self.opts, policy.clone(), template);
                 gen = gen
                     .speculative(model.model.as_ref())?
-                    .tapping(d.tap_layers());
+                    .tapping(d.tap_layers())
+                    .lending_kv(d.kv_layers());
                 Some((d, policy))
             }
             None => None,

@@ -298,3 +298,69 @@ pub fn stream_text(events: &[String]) -> (String, Option<String>, Option<Value>)
     }
     (text, finish, usage)
 }
+
+/// Each prompt's non-streamed greedy text, asked one request at a time.
+pub fn answers_alone(s: &Server, prompts: &[String], max_tokens: usize) -> Vec<String> {
+    prompts
+        .iter()
+        .map(|p| {
+            let body = json!({"prompt": p, "max_tokens": max_tokens});
+            let (status, v) = s.post("/v1/completions", &body);
+            assert_eq!(status, 200, "{v}");
+            v["choices"][0]["text"].as_str().unwrap().to_owned()
+        })
+        .collect()
+}
+
+/// Sends `prompts` at once to a batched server drafting with `drafter`
+/// (`--draft-policy policy`), checks every answer against `expected` and the counters;
+/// returns the verify rounds that carried a draft.
+pub fn concurrent_drafted_answers(
+    model: &str,
+    drafter: &[&str],
+    policy: &str,
+    prompts: &[String],
+    expected: &[String],
+) -> u64 {
+    let mut flags = drafter.to_vec();
+    flags.extend(["--max-batch", "6", "--draft-policy", policy]);
+    let s = Server::start_model(model, &[], &flags);
+    let url = s.url("/v1/completions");
+    let handles: Vec<_> = prompts
+        .iter()
+        .map(|p| {
+            let (agent, url, p) = (s.agent.clone(), url.clone(), p.clone());
+            std::thread::spawn(move || -> Result<Value, String> {
+                let body = json!({"prompt": p, "max_tokens": 40});
+                let r = agent
+                    .post(&url)
+                    .send_json(body)
+                    .map_err(|e| e.to_string())?;
+                r.into_json().map_err(|e| e.to_string())
+            })
+        })
+        .collect();
+    let mut rounds = 0;
+    for (i, (h, want)) in handles.into_iter().zip(expected).enumerate() {
+        let v = h
+            .join()
+            .unwrap()
+            .unwrap_or_else(|e| panic!("client {i}: {e}"));
+        assert_eq!(
+            v["choices"][0]["text"].as_str().unwrap(),
+            want,
+            "{drafter:?} {policy}: client {i}"
+        );
+        rounds += v["timings"]["draft_rounds"].as_u64().unwrap_or(0);
+    }
+    assert_eq!(rounds as f64, s.metric("mlxb:spec_decode_num_drafts_total"));
+    let widths: f64 = (1..=4)
+        .map(|w| {
+            s.metric(&format!(
+                "mlxb:spec_decode_block_width_total{{width=\"{w}\"}}"
+            ))
+        })
+        .sum();
+    assert!(widths > 0.0, "{}", s.metrics());
+    rounds
+}

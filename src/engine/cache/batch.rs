@@ -10,6 +10,7 @@ use super::{append_kv, AttentionMask, KvCache};
 use crate::engine::cache_attention::AttentionPlan;
 use crate::engine::error::{EngineError, Result};
 use mlx_rs::ops::indexing::{Ellipsis, IndexOp};
+use mlx_rs::transforms::eval;
 use mlx_rs::{ops, Array};
 
 /// Batched full-attention cache (see the module docs).
@@ -246,6 +247,13 @@ pub trait BatchRows {
     fn extend(&mut self, other: &mut dyn BatchRows) -> Result<()>;
     /// Itself, for [`BatchRows::extend`] to find the other side's kind.
     fn as_any_mut(&mut self) -> &mut dyn std::any::Any;
+    /// Row `row`'s keys and values `[1, H, n, D]` as its own single-sequence cache would
+    /// hold them (its real, visible positions, oldest first), for drafters that attend the
+    /// target's keys (the Gemma 4 assistant); `None` for kinds that hold none (recurrent) or
+    /// before the first update.
+    fn row_kv(&self, _row: usize) -> Result<Option<(Array, Array)>> {
+        Ok(None)
+    }
 }
 
 /// `other` as a cache of kind `T` (the other side of an `extend`).
@@ -286,6 +294,32 @@ pub(super) fn take_rows(a: &Array, keep: &[usize]) -> Result<Array> {
 }
 
 impl BatchRows for BatchKvCache {
+    /// The row's positions past its padding, less those a verify step hid.
+    fn row_kv(&self, row: usize) -> Result<Option<(Array, Array)>> {
+        let Some(visible) = self.visible_to(self.idx)? else {
+            return self.extract(row);
+        };
+        let (Some(k), Some(v)) = (&self.keys, &self.values) else {
+            return Ok(None);
+        };
+        let (r, first) = (row as i32, self.left_padding[row].max(0));
+        let shown = visible
+            .index((r, first..self.idx))
+            .as_dtype(mlx_rs::Dtype::Uint8)?;
+        eval([&shown])?;
+        let kept: Vec<i32> = shown
+            .try_as_slice::<u8>()
+            .map_err(|e| EngineError::Runtime(format!("cannot read a row's visible keys ({e})")))?
+            .iter()
+            .enumerate()
+            .filter(|(_, &s)| s != 0)
+            .map(|(i, _)| first + i as i32)
+            .collect();
+        let at = Array::from_slice(&kept, &[kept.len() as i32]);
+        let pick = |a: &Array| a.index((r..r + 1, .., .., ..)).take_axis(&at, 2);
+        Ok(Some((pick(k)?, pick(v)?)))
+    }
+
     fn prepare(&mut self, _lengths: &[i32], right_padding: &[i32]) {
         if right_padding.iter().any(|&p| p > 0) {
             self.right_padding = Some(right_padding.to_vec());

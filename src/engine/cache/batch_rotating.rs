@@ -265,6 +265,26 @@ impl BatchRows for BatchRotatingKvCache {
     fn as_any_mut(&mut self) -> &mut dyn std::any::Any {
         self
     }
+
+    /// The ring in temporal order from the row's first real position (its padding, counted
+    /// from the oldest position, may already have been evicted).
+    fn row_kv(&self, row: usize) -> Result<Option<(Array, Array)>> {
+        let (Some(k), Some(v)) = (&self.keys, &self.values) else {
+            return Ok(None);
+        };
+        let (r, first) = (row as i32, self.left_padding[row].max(0));
+        let ordered = |a: &Array| -> Result<Array> {
+            let a = a.index((r..r + 1, .., .., ..));
+            Ok(if self.rotated {
+                roll(&a, -self.idx, 2)?
+            } else {
+                a.index((Ellipsis, ..self.idx.min(a.shape()[2]), ..))
+            })
+        };
+        let (k, v) = (ordered(k)?, ordered(v)?);
+        let cut = |a: &Array| a.index((Ellipsis, first.., ..));
+        Ok(Some((cut(&k), cut(&v))))
+    }
 }
 
 impl KvCache for BatchRotatingKvCache {

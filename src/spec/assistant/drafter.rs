@@ -10,7 +10,8 @@
 //!    argmax and its post-projected hidden to the next; one evaluation at the end.
 //!
 //! The drafter writes nothing to the target; verification, acceptance and rollback are the
-//! shared executor's.
+//! shared executor's. In a batch each slot has its own fork (the network shared), reading its
+//! own row's keys and values, which the batch lends per row.
 
 use super::config::{self, TargetLayout};
 use super::module::{AssistantModule, DonorKv};
@@ -22,11 +23,14 @@ use crate::spec::source::{Draft, DraftSource, TargetView};
 use mlx_rs::ops::indexing::{argmax_axis, IndexOp};
 use mlx_rs::transforms::eval;
 use mlx_rs::Array;
+use std::cell::RefCell;
 use std::path::Path;
+use std::rc::Rc;
 
 /// The `assistant` drafter.
 pub struct AssistantSource {
-    module: AssistantModule,
+    /// Shared by the forks of one server's slots, which draft in turn.
+    module: Rc<RefCell<AssistantModule>>,
     /// The target layer whose output (before the final norm) is the hidden state.
     last_layer: usize,
     /// Tapped last-layer rows not yet used: (first position, `[1, L, B]`).
@@ -64,7 +68,7 @@ impl AssistantSource {
     /// Wraps a built module for a target whose last layer is `last_layer`.
     pub fn new(module: AssistantModule, last_layer: usize) -> Self {
         Self {
-            module,
+            module: Rc::new(RefCell::new(module)),
             last_layer,
             pending: Vec::new(),
         }
@@ -89,8 +93,9 @@ impl AssistantSource {
 
     /// The donor keys/values each drafter layer type sees for an anchor at `position`.
     fn donors(&self, caches: &Caches, position: usize) -> Result<Vec<DonorKv>> {
-        let window = self.module.sliding_window().max(1) as usize;
-        self.module
+        let module = self.module.borrow();
+        let window = module.sliding_window().max(1) as usize;
+        module
             .donor_slots()
             .iter()
             .map(|&(full, index)| {
@@ -144,7 +149,10 @@ impl AssistantSource {
         let mut embedding = target.model.embed(&ids(&[anchor]))?;
         let mut chain = Vec::with_capacity(n);
         for i in 0..n {
-            let (logits, next) = self.module.step(&embedding, &hidden, p as i32, &donors)?;
+            let (logits, next) = self
+                .module
+                .borrow_mut()
+                .step(&embedding, &hidden, p as i32, &donors)?;
             let tok = argmax_axis(logits.index((.., -1, ..)), -1, false)?;
             if i + 1 < n {
                 embedding = target.model.embed(&tok.reshape(&[1, 1])?)?;
@@ -223,6 +231,23 @@ impl DraftSource for AssistantSource {
             tokens,
             probs: None,
         })
+    }
+
+    fn fork(&self) -> Result<Option<Box<dyn DraftSource>>> {
+        Ok(Some(Box::new(Self {
+            module: Rc::clone(&self.module),
+            last_layer: self.last_layer,
+            pending: Vec::new(),
+        })))
+    }
+
+    fn kv_layers(&self) -> Vec<usize> {
+        let module = self.module.borrow();
+        module
+            .donor_slots()
+            .iter()
+            .map(|&(_, index)| index)
+            .collect()
     }
 
     fn commit(&mut self, _target: TargetView<'_>, committed: usize) -> Result<()> {
