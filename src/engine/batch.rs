@@ -19,8 +19,7 @@ use super::batch_verify::{
     block, checkpoint, confirmed, padded_input, replay_kept, restore, rewind_rows, rows_can_rewind,
     Verified,
 };
-use super::cache::CacheSnapshot;
-use super::cache::{BatchKvCache, BatchRows, KvCache};
+use super::cache::{BatchKvCache, BatchRows, CacheSnapshot, KvCache};
 use super::error::{EngineError, Result};
 use super::models::{Caches, ForwardOpts, LanguageModel};
 use super::plan::ForkPlan;
@@ -537,7 +536,7 @@ impl BatchGenerator {
     }
 
     /// [`BatchGenerator::decoding_rows`] with the tapped outputs each row has gathered since
-    /// they were last handed out.
+    /// they were last handed out, and its lent keys and values.
     fn rows_to_propose(&mut self) -> Result<Vec<DecodingRow>> {
         let mut rows = self.decoding_rows();
         for (row, r) in rows.iter_mut().zip(self.decode.rows.iter_mut()) {

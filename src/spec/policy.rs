@@ -12,7 +12,8 @@
 //! unread offers a guess of it first: that guess counts as one more draft to be kept.
 //! W = 1 is plain batched decoding, so drafting turns itself off wherever batching alone hands
 //! out more tokens per second; one step in [`EXPLORE_EVERY`] with drafts on offer still
-//! verifies two-token blocks, so the acceptance keeps being measured.
+//! verifies two-token blocks where they are estimated close to paying ([`EXPLORE_WITHIN`]), so
+//! the acceptance keeps being measured.
 
 use crate::engine::batch::BatchGenerator;
 use crate::engine::error::Result;
@@ -217,6 +218,12 @@ pub struct DraftLengthPolicy {
 /// few unlucky early drafts would otherwise turn drafting off for good.
 const EXPLORE_EVERY: usize = 16;
 
+/// An exploring step is taken only where two-token blocks are estimated to hand out at least
+/// this share of plain decoding's tokens per second: one far below could hardly change the
+/// decision, and every row of the batch pays for it (with eight rows on two cores, exploring
+/// regardless cost the n-gram server about a tenth of its throughput).
+const EXPLORE_WITHIN: f64 = 0.8;
+
 impl DraftLengthPolicy {
     /// A policy over `table`.
     pub fn new(table: CostTable) -> Self {
@@ -299,7 +306,8 @@ impl DraftLengthPolicy {
 
     /// The block width (1 = no drafts) that hands out the most expected tokens per second
     /// for these rows (2 every [`EXPLORE_EVERY`]-th step with drafts on offer that would
-    /// otherwise be plain).
+    /// otherwise be plain, where two-token blocks are estimated within [`EXPLORE_WITHIN`] of
+    /// it).
     pub fn width(&mut self, rows: &[RowOutlook]) -> usize {
         let widest = rows.iter().map(|r| r.proposed + 1).max().unwrap_or(1);
         let Some(table) = &self.table else {
@@ -307,9 +315,13 @@ impl DraftLengthPolicy {
         };
         let prior = self.prior();
         let mut best = (1, 0.0);
+        let mut two_blocks = 0.0;
         for w in 1..=widest.min(table.max_width()) {
             let tokens: f64 = rows.iter().map(|r| r.expected_tokens(w - 1, prior)).sum();
             let rate = tokens / self.cost(rows.len(), w).max(f64::MIN_POSITIVE);
+            if w == 2 {
+                two_blocks = rate;
+            }
             if rate > best.1 {
                 best = (w, rate);
             }
@@ -323,7 +335,7 @@ impl DraftLengthPolicy {
             return 2;
         }
         self.plain_since_verify += 1;
-        if self.plain_since_verify >= EXPLORE_EVERY {
+        if self.plain_since_verify >= EXPLORE_EVERY && two_blocks >= EXPLORE_WITHIN * best.1 {
             self.plain_since_verify = 0;
             self.exploring = true;
             return 2;
@@ -449,6 +461,23 @@ mod tests {
         assert_eq!(widths, want);
         // A row's own record still outweighs the pool once it has one.
         assert_eq!(policy.width(&[row(1, 18, 20)]), 2);
+    }
+
+    #[test]
+    fn no_exploring_where_drafting_is_far_from_paying() {
+        // A block of 2 costs 2x a plain step and a fifth of the drafts are kept: two-token
+        // blocks would hand out 0.6x the tokens per second, so no step explores them...
+        let table = CostTable::from_times(vec![1], vec![vec![1.0, 2.0]]);
+        let mut policy = DraftLengthPolicy::new(table);
+        for _ in 0..10 {
+            policy.observe_acceptance(5, 1);
+        }
+        assert!((0..3 * EXPLORE_EVERY).all(|_| policy.width(&[row(1, 0, 0)]) == 1));
+        // ...until a row's record (two in three kept: 0.83x) brings them within reach.
+        let widths: Vec<usize> = (0..EXPLORE_EVERY)
+            .map(|_| policy.width(&[row(1, 14, 20)]))
+            .collect();
+        assert!(widths.contains(&2), "{widths:?}");
     }
 
     #[test]
