@@ -10,10 +10,6 @@
 //! a verify step also gives up the overlap of a plain step's forward with handing out the
 //! previous tokens; steps that also prefilled are left out). A row whose next token is still
 //! unread offers a guess of it first: that guess counts as one more draft to be kept.
-//! Drafting itself costs time (a DSpark block is a forward of the drafter): whether a step
-//! drafts at all is asked first, every row charged the drafting time per row seen so far
-//! ([`DraftLengthPolicy::drafting_pays`]); once drafts are made that time is spent and the
-//! width is chosen on the forwards alone.
 //! W = 1 is plain batched decoding, so drafting turns itself off wherever batching alone hands
 //! out more tokens per second; one step in [`EXPLORE_EVERY`] with drafts on offer still
 //! verifies two-token blocks where they are estimated close to paying ([`EXPLORE_WITHIN`]), so
@@ -215,8 +211,6 @@ pub struct DraftLengthPolicy {
     /// An exploring width was given and its step may ask again (once its pending tokens are
     /// read): the answer stays 2.
     exploring: bool,
-    /// Running average of what drafting costs per row in a step (unknown until a step drafts).
-    drafting: Option<f64>,
 }
 
 /// With drafts on offer, one step in this many verifies two-token blocks even where the
@@ -244,7 +238,6 @@ impl DraftLengthPolicy {
             groups: GroupAcceptance::default(),
             plain_since_verify: 0,
             exploring: false,
-            drafting: None,
         }
     }
 
@@ -311,26 +304,21 @@ impl DraftLengthPolicy {
         }
     }
 
-    /// Takes in what drafting cost one row in a step (the drafter's own work, before any
-    /// verify forward).
-    pub fn observe_drafting(&mut self, seconds_per_row: f64) {
-        let avg = self.drafting.get_or_insert(seconds_per_row);
-        *avg += NEWEST_STEP_WEIGHT * (seconds_per_row - *avg);
-    }
-
-    /// The best width for `rows` by expected tokens per second, that rate, and the rate of
-    /// two-token blocks, each width above 1 also paying `drafting` seconds per row on offer.
-    fn rates(&self, rows: &[RowOutlook], drafting: f64) -> (usize, f64, f64) {
+    /// The block width (1 = no drafts) that hands out the most expected tokens per second
+    /// for these rows (2 every [`EXPLORE_EVERY`]-th step with drafts on offer that would
+    /// otherwise be plain, where two-token blocks are estimated within [`EXPLORE_WITHIN`] of
+    /// it).
+    pub fn width(&mut self, rows: &[RowOutlook]) -> usize {
         let widest = rows.iter().map(|r| r.proposed + 1).max().unwrap_or(1);
-        let max_width = self.table.as_ref().map_or(1, CostTable::max_width);
-        let drafting_rows = rows.iter().filter(|r| r.proposed > 0).count() as f64;
+        let Some(table) = &self.table else {
+            return widest;
+        };
         let prior = self.prior();
         let mut best = (1, 0.0);
         let mut two_blocks = 0.0;
-        for w in 1..=widest.min(max_width) {
+        for w in 1..=widest.min(table.max_width()) {
             let tokens: f64 = rows.iter().map(|r| r.expected_tokens(w - 1, prior)).sum();
-            let extra = if w > 1 { drafting * drafting_rows } else { 0.0 };
-            let rate = tokens / (self.cost(rows.len(), w) + extra).max(f64::MIN_POSITIVE);
+            let rate = tokens / self.cost(rows.len(), w).max(f64::MIN_POSITIVE);
             if w == 2 {
                 two_blocks = rate;
             }
@@ -338,54 +326,16 @@ impl DraftLengthPolicy {
                 best = (w, rate);
             }
         }
-        (best.0, best.1, two_blocks)
-    }
-
-    /// Whether the rows should draft this step, were each to offer what `rows` says: a width
-    /// above 1 hands out more tokens per second counting what drafting costs, or an exploring
-    /// step is under way or due. A step that will not draft counts towards the next exploring
-    /// one.
-    pub fn drafting_pays(&mut self, rows: &[RowOutlook]) -> bool {
-        if rows.iter().all(|r| r.proposed == 0) {
-            return false;
-        }
-        if self.table.is_none() || self.exploring {
-            return true;
-        }
-        let (best, best_rate, _) = self.rates(rows, self.drafting.unwrap_or(0.0));
-        if best > 1 {
-            return true;
-        }
-        // As `width` decides once the drafts are made (their cost then spent).
-        let (_, _, two_blocks) = self.rates(rows, 0.0);
-        let due = self.plain_since_verify + 1 >= EXPLORE_EVERY;
-        if due && two_blocks >= EXPLORE_WITHIN * best_rate {
-            return true;
-        }
-        self.plain_since_verify += 1;
-        false
-    }
-
-    /// The block width (1 = no drafts) that hands out the most expected tokens per second
-    /// for these rows, their drafts already made (2 every [`EXPLORE_EVERY`]-th step with
-    /// drafts on offer that would otherwise be plain, where two-token blocks are estimated
-    /// within [`EXPLORE_WITHIN`] of it).
-    pub fn width(&mut self, rows: &[RowOutlook]) -> usize {
-        let widest = rows.iter().map(|r| r.proposed + 1).max().unwrap_or(1);
-        if self.table.is_none() {
-            return widest;
-        }
-        let (best, best_rate, two_blocks) = self.rates(rows, 0.0);
-        if best > 1 || widest == 1 {
+        if best.0 > 1 || widest == 1 {
             self.plain_since_verify = 0;
             self.exploring = false;
-            return best;
+            return best.0;
         }
         if std::mem::take(&mut self.exploring) {
             return 2;
         }
         self.plain_since_verify += 1;
-        if self.plain_since_verify >= EXPLORE_EVERY && two_blocks >= EXPLORE_WITHIN * best_rate {
+        if self.plain_since_verify >= EXPLORE_EVERY && two_blocks >= EXPLORE_WITHIN * best.1 {
             self.plain_since_verify = 0;
             self.exploring = true;
             return 2;
@@ -528,28 +478,6 @@ mod tests {
             .map(|_| policy.width(&[row(1, 14, 20)]))
             .collect();
         assert!(widths.contains(&2), "{widths:?}");
-    }
-
-    #[test]
-    fn rows_do_not_draft_where_drafting_would_not_be_repaid() {
-        // Blocks of 2 cost 1.2x a plain step and rows keep five drafts in six: drafting pays...
-        let table = CostTable::from_times(vec![2], vec![vec![1.0, 1.2]]);
-        let mut policy = DraftLengthPolicy::new(table);
-        let rows = [row(1, 9, 10), row(1, 9, 10)];
-        assert!(policy.drafting_pays(&rows));
-        assert_eq!(policy.width(&rows), 2);
-        // ...but not once drafting itself costs each row half a plain step...
-        policy.observe_drafting(0.5);
-        assert!(!policy.drafting_pays(&rows));
-        // ...though drafts already made are still worth verifying (their cost is spent)...
-        assert_eq!(policy.width(&rows), 2);
-        // ...and an exploring step still comes round.
-        let asked: Vec<bool> = (0..EXPLORE_EVERY)
-            .map(|_| policy.drafting_pays(&rows))
-            .collect();
-        assert!(!asked[0] && asked.contains(&true), "{asked:?}");
-        // Nothing on offer: nothing to draft.
-        assert!(!policy.drafting_pays(&[row(0, 9, 10)]));
     }
 
     #[test]

@@ -65,9 +65,6 @@ pub struct SlotDrafters {
     /// When the step under way (see [`SlotDrafters::step`]) started, and the generator's
     /// decoding forwards and prompt rounds then.
     step_started: Option<(Instant, (usize, usize))>,
-    /// Seconds the step under way has spent drafting so far, and the most rows that drafted
-    /// in one of its proposals.
-    step_drafting: (f64, usize),
 }
 
 /// The target as a slot's drafter sees it: the model, and the row's own keys and values at
@@ -103,7 +100,6 @@ impl SlotDrafters {
             idle: Vec::new(),
             last_step: None,
             step_started: None,
-            step_drafting: (0.0, 0),
         }
     }
 
@@ -187,13 +183,12 @@ impl SlotDrafters {
             }
         }
         // Drafting costs time of its own (a DSpark block is a forward of the drafter): when no
-        // width would pay for it even if every row offered its whole limit, the step stays
-        // plain without drafting.
-        if !self.policy.drafting_pays(&self.best_case(rows)) {
+        // width would pay even if every row offered its whole limit, the step stays plain
+        // without drafting.
+        if self.policy.width(&self.best_case(rows)) == 1 {
             self.last_step = Some((rows.len(), 1));
             return Ok(HashMap::new());
         }
-        let (mut drafting, mut drafted_rows) = (0.0, 0);
         let mut drafts = HashMap::with_capacity(rows.len());
         let mut outlook = Vec::with_capacity(rows.len());
         for row in rows {
@@ -205,11 +200,6 @@ impl SlotDrafters {
             let n = slot.room_for_drafts(row);
             let mut proposed = Vec::new();
             let mut keep = Vec::new();
-            // A drafter that attends the row's keys cannot guess its unread token (a sliding
-            // window no longer holds the oldest position it would attend): placeholders of its
-            // whole limit say it wants to draft, and the step asks again once the pending
-            // tokens are read.
-            let placeholder = pending > 0 && row.next.is_none() && !row.kv.is_empty();
             if n > 0 {
                 let started = Instant::now();
                 if let Some(next) = row.next {
@@ -220,7 +210,11 @@ impl SlotDrafters {
                         .draft(view(&mut *model, &caches), &slot.sequence, n);
                     slot.sequence.pop();
                     proposed = std::iter::once(next).chain(draft?.tokens).collect();
-                } else if placeholder {
+                } else if pending > 0 && !row.kv.is_empty() {
+                    // A drafter that attends the row's keys cannot guess its unread token (a
+                    // sliding window no longer holds the oldest position it would attend):
+                    // placeholders of its whole limit say it wants to draft, and the step
+                    // asks again once the pending tokens are read.
                     let last = slot.sequence.last().copied().unwrap_or_default();
                     proposed = vec![last; n + pending];
                 } else {
@@ -232,11 +226,7 @@ impl SlotDrafters {
                     )?;
                     proposed = draft.tokens;
                 }
-                let took = started.elapsed().as_secs_f64();
-                slot.metrics.draft_seconds += took;
-                drafting += took;
-                // Placeholders say nothing of what drafting costs.
-                drafted_rows += usize::from(!placeholder);
+                slot.metrics.draft_seconds += started.elapsed().as_secs_f64();
                 proposed.truncate(n + pending);
                 // The drafter's confidences follow what it drafted: a guess of an unread
                 // pending token first, then the drafts (a read one is not drafted). A drafter
@@ -257,10 +247,6 @@ impl SlotDrafters {
                 drafts.insert(row.uid, (proposed, pending));
             }
         }
-        // A step may draft twice (guesses of unread tokens, then again once they are read):
-        // the policy is told the step's whole drafting time when it ends.
-        self.step_drafting.0 += drafting;
-        self.step_drafting.1 = self.step_drafting.1.max(drafted_rows);
         let width = self.policy.width(&outlook);
         self.last_step = Some((rows.len(), width));
         let drafts = drafts
@@ -294,18 +280,12 @@ impl SlotDrafters {
         model: &mut dyn LanguageModel,
     ) -> Result<Vec<BatchToken>> {
         let now = (gen.decode_forwards(), gen.prompt_rounds());
-        // The drafting is the policy's to weigh apart: forwards cost what they cost.
-        let (drafting, rows) = std::mem::take(&mut self.step_drafting);
-        if rows > 0 {
-            self.policy.observe_drafting(drafting / rows as f64);
-        }
         if let Some((t, before)) = self.step_started {
             // A generator replaced since (a failed batch) starts counting again: no forwards.
             let forwards = now.0.saturating_sub(before.0);
             // A step that also prefilled says nothing of what decoding costs.
             if now.1 == before.1 {
-                let seconds = (t.elapsed().as_secs_f64() - drafting).max(0.0);
-                self.step_took(seconds, forwards);
+                self.step_took(t.elapsed().as_secs_f64(), forwards);
             } else {
                 self.last_step = None;
             }
