@@ -215,7 +215,9 @@ pub struct DraftLengthPolicy {
 
 /// With drafts on offer, one step in this many verifies two-token blocks even where the
 /// estimates say plain decoding is faster, so acceptance keeps being measured: estimates from a
-/// few unlucky early drafts would otherwise turn drafting off for good.
+/// few unlucky early drafts would otherwise turn drafting off for good. (A step whose rows'
+/// next tokens are unread asks again once they are read, and is then no longer exploring: see
+/// serving.md.)
 const EXPLORE_EVERY: usize = 16;
 
 /// An exploring step is taken only where two-token blocks are estimated to hand out at least
