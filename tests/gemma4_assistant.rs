@@ -130,13 +130,13 @@ fn lossless_with_both_heads_past_the_window() {
     }
 }
 
-/// Prefills the target on `prompt` with the drafter's tap and hands the rows over.
-fn prefill(
-    session: &mut Session,
+/// Runs the target on `prompt` from empty caches with the drafter's tap and hands the drafter
+/// the tapped rows; returns the caches.
+fn forward_tapped(
+    model: &mut dyn LanguageModel,
     source: &mut AssistantSource,
     prompt: &[u32],
 ) -> mlxb::engine::models::Caches {
-    let model = session.model.model.as_mut();
     let mut caches = model.make_caches();
     let ids: Vec<i32> = prompt.iter().map(|&t| t as i32).collect();
     let x = mlx_rs::Array::from_slice(&ids, &[1, ids.len() as i32]);
@@ -148,6 +148,17 @@ fn prefill(
     let state: Vec<_> = caches.iter().flat_map(|c| c.state()).collect();
     mlx_rs::transforms::eval(&state).unwrap();
     source.observe_taps(0, out.taps).unwrap();
+    caches
+}
+
+/// Prefills the target on `prompt` with the drafter's tap and hands the rows over.
+fn prefill(
+    session: &mut Session,
+    source: &mut AssistantSource,
+    prompt: &[u32],
+) -> mlxb::engine::models::Caches {
+    let model = session.model.model.as_mut();
+    let caches = forward_tapped(&mut *model, source, prompt);
     source
         .begin(
             TargetView {
@@ -265,16 +276,7 @@ fn single_stream_draft(
     sequence: &[u32],
     n: usize,
 ) -> (Vec<u32>, mlx_rs::Array) {
-    let context = &sequence[..sequence.len() - 1];
-    let mut caches = model.make_caches();
-    let ids: Vec<i32> = context.iter().map(|&t| t as i32).collect();
-    let x = mlx_rs::Array::from_slice(&ids, &[1, ids.len() as i32]);
-    let opts = ForwardOpts {
-        exit_after: None,
-        taps: source.tap_layers(),
-    };
-    let out = model.forward_ext(&x, &mut caches, &opts).unwrap();
-    source.observe_taps(0, out.taps).unwrap();
+    let caches = forward_tapped(&mut *model, source, &sequence[..sequence.len() - 1]);
     let view = TargetView {
         model,
         caches: &caches,
