@@ -328,17 +328,14 @@ fn forward_tapped(
     Ok((out.logits, tapped))
 }
 
-/// Row `row`'s keys and values at each layer in `layers` (`None` at every other layer).
-fn lent_kv(
-    caches: &mut Caches,
-    layers: &[usize],
-    row: usize,
-) -> Result<Vec<Option<(Array, Array)>>> {
+/// Per layer, each row's keys and values at the layers in `layers` (`None` at every other
+/// layer).
+fn lent_kv(caches: &mut Caches, layers: &[usize]) -> Result<Vec<Option<Vec<(Array, Array)>>>> {
     caches
         .iter_mut()
         .enumerate()
         .map(|(l, c)| match c.as_batch_mut() {
-            Some(b) if layers.contains(&l) => b.row_kv(row),
+            Some(b) if layers.contains(&l) => b.rows_kv(),
             _ => Ok(None),
         })
         .collect()
@@ -543,8 +540,12 @@ impl BatchGenerator {
             row.tapped = std::mem::take(&mut r.tapped);
         }
         if !self.lent.is_empty() {
+            let layers = lent_kv(&mut self.decode.caches, &self.lent)?;
             for (i, row) in rows.iter_mut().enumerate() {
-                row.kv = lent_kv(&mut self.decode.caches, &self.lent, i)?;
+                row.kv = layers
+                    .iter()
+                    .map(|rows| rows.as_ref().map(|r| r[i].clone()))
+                    .collect();
             }
         }
         Ok(rows)

@@ -247,11 +247,11 @@ pub trait BatchRows {
     fn extend(&mut self, other: &mut dyn BatchRows) -> Result<()>;
     /// Itself, for [`BatchRows::extend`] to find the other side's kind.
     fn as_any_mut(&mut self) -> &mut dyn std::any::Any;
-    /// Row `row`'s keys and values `[1, H, n, D]` as its own single-sequence cache would
-    /// hold them (its real, visible positions, oldest first), for drafters that attend the
-    /// target's keys (the Gemma 4 assistant); `None` for kinds that hold none (recurrent) or
-    /// before the first update.
-    fn row_kv(&self, _row: usize) -> Result<Option<(Array, Array)>> {
+    /// Each row's keys and values `[1, H, n, D]` as its own single-sequence cache would hold
+    /// them (its real, visible positions, oldest first), for drafters that attend the target's
+    /// keys (the Gemma 4 assistant); `None` for kinds that hold none (recurrent) or before the
+    /// first update.
+    fn rows_kv(&self) -> Result<Option<Vec<(Array, Array)>>> {
         Ok(None)
     }
 }
@@ -294,30 +294,35 @@ pub(super) fn take_rows(a: &Array, keep: &[usize]) -> Result<Array> {
 }
 
 impl BatchRows for BatchKvCache {
-    /// The row's positions past its padding, less those a verify step hid.
-    fn row_kv(&self, row: usize) -> Result<Option<(Array, Array)>> {
-        let Some(visible) = self.visible_to(self.idx)? else {
-            return self.extract(row);
-        };
+    /// Each row's positions past its padding, less those a verify step hid (the mask of
+    /// hidden positions read once for all rows).
+    fn rows_kv(&self) -> Result<Option<Vec<(Array, Array)>>> {
         let (Some(k), Some(v)) = (&self.keys, &self.values) else {
             return Ok(None);
         };
-        let (r, first) = (row as i32, self.left_padding[row].max(0));
-        let shown = visible
-            .index((r, first..self.idx))
-            .as_dtype(mlx_rs::Dtype::Uint8)?;
+        let Some(visible) = self.visible_to(self.idx)? else {
+            // Keys are held, so every row has its own.
+            let rows = (0..self.rows()).filter_map(|r| self.extract(r).transpose());
+            return Ok(Some(rows.collect::<Result<_>>()?));
+        };
+        let shown = visible.as_dtype(mlx_rs::Dtype::Uint8)?;
         eval([&shown])?;
-        let kept: Vec<i32> = shown
-            .try_as_slice::<u8>()
-            .map_err(|e| EngineError::Runtime(format!("cannot read a row's visible keys ({e})")))?
-            .iter()
-            .enumerate()
-            .filter(|(_, &s)| s != 0)
-            .map(|(i, _)| first + i as i32)
-            .collect();
-        let at = Array::from_slice(&kept, &[kept.len() as i32]);
-        let pick = |a: &Array| a.index((r..r + 1, .., .., ..)).take_axis(&at, 2);
-        Ok(Some((pick(k)?, pick(v)?)))
+        let shown = shown.try_as_slice::<u8>().map_err(|e| {
+            EngineError::Runtime(format!("cannot read the rows' visible keys ({e})"))
+        })?;
+        let width = self.idx.max(0) as usize;
+        let mut out = Vec::with_capacity(self.rows());
+        for (row, &padding) in self.left_padding.iter().enumerate() {
+            let (r, first) = (row as i32, padding.max(0) as usize);
+            let kept: Vec<i32> = (first..width)
+                .filter(|&p| shown[row * width + p] != 0)
+                .map(|p| p as i32)
+                .collect();
+            let at = Array::from_slice(&kept, &[kept.len() as i32]);
+            let pick = |a: &Array| a.index((r..r + 1, .., .., ..)).take_axis(&at, 2);
+            out.push((pick(k)?, pick(v)?));
+        }
+        Ok(Some(out))
     }
 
     fn prepare(&mut self, _lengths: &[i32], right_padding: &[i32]) {

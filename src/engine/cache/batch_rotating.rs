@@ -266,24 +266,27 @@ impl BatchRows for BatchRotatingKvCache {
         self
     }
 
-    /// The ring in temporal order from the row's first real position (its padding, counted
-    /// from the oldest position, may already have been evicted).
-    fn row_kv(&self, row: usize) -> Result<Option<(Array, Array)>> {
+    /// The ring in temporal order (put in order once for all rows), each row from its first
+    /// real position (its padding, counted from the oldest position, may already have been
+    /// evicted).
+    fn rows_kv(&self) -> Result<Option<Vec<(Array, Array)>>> {
         let (Some(k), Some(v)) = (&self.keys, &self.values) else {
             return Ok(None);
         };
-        let (r, first) = (row as i32, self.left_padding[row].max(0));
         let ordered = |a: &Array| -> Result<Array> {
-            let a = a.index((r..r + 1, .., .., ..));
             Ok(if self.rotated {
-                roll(&a, -self.idx, 2)?
+                roll(a, -self.idx, 2)?
             } else {
                 a.index((Ellipsis, ..self.idx.min(a.shape()[2]), ..))
             })
         };
         let (k, v) = (ordered(k)?, ordered(v)?);
-        let cut = |a: &Array| a.index((Ellipsis, first.., ..));
-        Ok(Some((cut(&k), cut(&v))))
+        let rows = self.left_padding.iter().enumerate().map(|(row, &padding)| {
+            let (r, first) = (row as i32, padding.max(0));
+            let cut = |a: &Array| a.index((r..r + 1, .., first.., ..));
+            (cut(&k), cut(&v))
+        });
+        Ok(Some(rows.collect()))
     }
 }
 

@@ -1,6 +1,6 @@
 //! One row of a batched cache seen as a single sequence's cache, read-only: what a drafter
 //! that attends the target's keys and values (the Gemma 4 assistant) reads for its own
-//! sequence when that sequence decodes in a batch ([`super::BatchRows::row_kv`]).
+//! sequence when that sequence decodes in a batch ([`super::BatchRows::rows_kv`]).
 
 use super::{AttentionMask, KvCache};
 use crate::engine::error::{EngineError, Result};
