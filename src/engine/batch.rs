@@ -328,9 +328,12 @@ fn forward_tapped(
     Ok((out.logits, tapped))
 }
 
+/// One layer's keys and values, a pair per row.
+type LayerRows = Vec<(Array, Array)>;
+
 /// Per layer, each row's keys and values at the layers in `layers` (`None` at every other
 /// layer).
-fn lent_kv(caches: &mut Caches, layers: &[usize]) -> Result<Vec<Option<Vec<(Array, Array)>>>> {
+fn lent_kv(caches: &mut Caches, layers: &[usize]) -> Result<Vec<Option<LayerRows>>> {
     caches
         .iter_mut()
         .enumerate()

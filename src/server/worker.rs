@@ -302,12 +302,11 @@ impl State {
             info.backend = format!("{}, {} ranks ({split})", info.backend, group.size());
         }
         // Every drafter drafts per slot of a batch.
-        let slot_drafting = cfg.spec.clone();
         if ranks.is_some() && cfg.max_batch > 1 {
             info.batch_note =
                 Some("requests decode one at a time across ranks (as mlx-lm's server)".into());
         } else if cfg.max_batch > 1 {
-            match batching::batch_size(&session, cfg.max_batch, slot_drafting.as_ref()) {
+            match batching::batch_size(&session, cfg.max_batch, cfg.spec.as_ref()) {
                 Ok(n) => info.max_batch = n,
                 Err(why) => info.batch_note = Some(why),
             }
@@ -319,9 +318,7 @@ impl State {
         };
         let mut batching = batching::Batching::new(info.max_batch, cfg.prefill_step_size, kept);
         batching.prompt_concurrency = cfg.prompt_concurrency;
-        if let (Some(opts), Some((source, _)), true) =
-            (&slot_drafting, &drafter, info.max_batch > 1)
-        {
+        if let (Some(opts), Some((source, _)), true) = (&cfg.spec, &drafter, info.max_batch > 1) {
             // Each slot's drafter is forked from one of the single-stream drafter's.
             let template = source.fork()?.ok_or_else(|| {
                 EngineError::Runtime(format!(
