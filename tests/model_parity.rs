@@ -7,6 +7,7 @@ mod common;
 use common::{tiny_qwen3_5, with};
 use mlxb::engine::forks::Forks;
 use mlxb::engine::generate::{Flow, GenerateConfig, Generator};
+use mlxb::engine::kernels::exact_steps_here;
 use mlxb::engine::models;
 use mlxb::engine::sample::{LogitsProcessors, ProcessorConfig, Sampler, SamplerConfig};
 use serde_json::json;
@@ -16,14 +17,27 @@ const GEN_TOKENS: usize = 32;
 
 /// Builds the model with mlx-lm, then compares prompt logits and greedy generation.
 fn check(config: serde_json::Value, dtype: &str, quant_bits: Option<u32>, prefill_step: usize) {
+    let lengths = (PROMPT_LEN, GEN_TOKENS);
+    check_lengths(config, dtype, quant_bits, prefill_step, lengths);
+}
+
+/// [`check`] for a prompt and a generation of these lengths; returns how many of the greedy
+/// steps the L1 host step (`--host-step on`) computed.
+fn check_lengths(
+    config: serde_json::Value,
+    dtype: &str,
+    quant_bits: Option<u32>,
+    prefill_step: usize,
+    (prompt_len, gen_tokens): (usize, usize),
+) -> usize {
     let dir = tempfile::tempdir().unwrap();
     common::make_model(dir.path(), &config, dtype, quant_bits);
     let vocab = config["vocab_size"].as_u64().unwrap() as u32;
-    let prompt = common::prompt_ids(PROMPT_LEN, vocab, 1);
+    let prompt = common::prompt_ids(prompt_len, vocab, 1);
     let oracle = common::oracle_trace(&json!({
         "model": dir.path(),
         "prompt_ids": prompt,
-        "max_tokens": GEN_TOKENS,
+        "max_tokens": gen_tokens,
         "prefill_step_size": prefill_step,
         "prompt_logits": true,
     }));
@@ -35,7 +49,7 @@ fn check(config: serde_json::Value, dtype: &str, quant_bits: Option<u32>, prefil
     assert_eq!(logits.dtype(), want.dtype(), "prompt logits dtype");
     let (got_bits, want_bits) = (common::bits(&logits), common::bits(want));
     let row = want.shape()[1] as usize;
-    let first_bad = (0..PROMPT_LEN)
+    let first_bad = (0..prompt_len)
         .find(|&p| got_bits[p * row..(p + 1) * row] != want_bits[p * row..(p + 1) * row]);
     assert_eq!(
         first_bad, None,
@@ -45,9 +59,10 @@ fn check(config: serde_json::Value, dtype: &str, quant_bits: Option<u32>, prefil
     let mut sampler = Sampler::new(&SamplerConfig::default()).unwrap();
     let mut processors = LogitsProcessors::new(&ProcessorConfig::default()).unwrap();
     let cfg = GenerateConfig {
-        max_tokens: GEN_TOKENS,
+        max_tokens: gen_tokens,
         prefill_step_size: prefill_step,
     };
+    let steps_before = exact_steps_here();
     let mut ids = vec![];
     let mut lps = vec![];
     Generator::new(loaded.model.as_mut(), &mut sampler, &mut processors)
@@ -68,6 +83,7 @@ fn check(config: serde_json::Value, dtype: &str, quant_bits: Option<u32>, prefil
             "logprobs differ from mlx-lm at step {i}"
         );
     }
+    exact_steps_here() - steps_before
 }
 
 use mlx_rs::ops::indexing::IndexOp;
@@ -85,16 +101,41 @@ fn llama_bf16() {
     check(llama(json!({})), "bf16", None, 2048);
 }
 
+/// Every greedy step after the first (which runs on MLX alone) of a dense f32 llama with heads
+/// `head_dim` wide is the L1 host step's (`--host-step on`, a default), unless this machine's
+/// OpenBLAS sums attention in an order the step does not reproduce (its `Haswell` kernels, or
+/// no AVX2 host kernels at all): then none is.
+fn assert_host_steps(steps: usize, gen_tokens: usize, head_dim: usize) {
+    if mlxb::engine::kernels::attention::f32_values_fit(1, 1, head_dim) {
+        assert_eq!(
+            steps,
+            gen_tokens - 1,
+            "decode steps taken by the L1 host step"
+        );
+    } else {
+        eprintln!("this machine's OpenBLAS sums attention otherwise: checked off the host step");
+        assert_eq!(steps, 0);
+    }
+}
+
 #[test]
 fn llama_f32_untied_llama3_rope() {
     let rope = json!({"rope_type": "llama3", "factor": 8.0, "low_freq_factor": 1.0,
         "high_freq_factor": 4.0, "original_max_position_embeddings": 16});
-    check(
-        llama(json!({"tie_word_embeddings": false, "rope_scaling": rope, "head_dim": 32})),
-        "f32",
-        None,
-        2048,
-    );
+    let config = llama(json!({"tie_word_embeddings": false, "rope_scaling": rope, "head_dim": 32}));
+    let steps = check_lengths(config, "f32", None, 2048, (PROMPT_LEN, GEN_TOKENS));
+    assert_host_steps(steps, GEN_TOKENS, 32);
+}
+
+/// The L1 host step on a tied f32 llama with three query heads per key/value head (SmolLM2's
+/// grouping), decoding from 1,010 to 1,210 positions: past the step's first rope table (1,024
+/// positions, so it is rebuilt larger) and past 1,200 keys, where OpenBLAS stops summing the
+/// attention scores on its small-matrix kernel.
+#[test]
+fn llama_f32_host_step_across_rope_table_growth_and_long_attention() {
+    let config = llama(json!({"num_attention_heads": 6, "num_key_value_heads": 2, "head_dim": 32}));
+    let steps = check_lengths(config, "f32", None, 512, (1010, 200));
+    assert_host_steps(steps, 200, 32);
 }
 
 #[test]

@@ -230,6 +230,92 @@ fn host_attention_matches_mlx(shape: AttentionShape, scale: f32) -> Result<bool>
     Ok(same)
 }
 
+/// Whether the L1 host step's f32 attention ([`kernels::attention::attend_f32_query`]) gives
+/// MLX's SDPA bits for this head layout and scale: one query over key counts on both sides of
+/// OpenBLAS's switch from its small-matrix kernel to panels (and up to a few panels of the
+/// values' depth), the keys split as the step splits them (the cache's rows, then the new one);
+/// decided once per process.
+pub fn exact_attention_matches_mlx(heads: kernels::HeadShape) -> Result<bool> {
+    type Verdicts = std::sync::Mutex<std::collections::HashMap<(usize, usize, usize, u32), bool>>;
+    static VERDICTS: std::sync::OnceLock<Verdicts> = std::sync::OnceLock::new();
+    let kernels::HeadShape {
+        n_heads,
+        n_kv_heads,
+        head_dim: dim,
+        scale,
+    } = heads;
+    let key = (n_heads, n_kv_heads, dim, scale.to_bits());
+    let verdicts = VERDICTS.get_or_init(Default::default);
+    if let Some(v) = kernels::lock(verdicts).get(&key) {
+        return Ok(*v);
+    }
+    if n_kv_heads == 0 || !n_heads.is_multiple_of(n_kv_heads) || !kernels::mlx_order::available() {
+        return Ok(false);
+    }
+    let read = |a: &Array| -> Result<Vec<f32>> {
+        let a = a.contiguous()?;
+        a.eval()?;
+        a.try_as_slice::<f32>()
+            .map(<[f32]>::to_vec)
+            .map_err(|e| EngineError::Runtime(format!("cannot read an attention check ({e})")))
+    };
+    let mut same = true;
+    for (i, keys) in [1usize, 2, 37, 300, 700, 1300].into_iter().enumerate() {
+        if !kernels::attention::f32_values_fit(1, keys, dim) {
+            continue;
+        }
+        let random = |seed: u64, h: usize| -> Result<Array> {
+            let key = mlx_rs::random::key(seed)?;
+            let dims = [
+                1,
+                h as i32,
+                if h == n_heads { 1 } else { keys as i32 },
+                dim as i32,
+            ];
+            Ok(mlx_rs::random::normal::<f32>(&dims[..], 0.0, 1.5, &key)?)
+        };
+        let seed = 0x51ed_270b + 3 * i as u64;
+        let (q, k, v) = (
+            random(seed, n_heads)?,
+            random(seed + 1, n_kv_heads)?,
+            random(seed + 2, n_kv_heads)?,
+        );
+        let theirs = read(&sdpa(&q, &k, &v, scale, &AttentionMask::None)?)?;
+        let (qh, kh, vh) = (read(&q)?, read(&k)?, read(&v)?);
+        let order = kernels::mlx_order::F32Kernels::here().block_order(keys, dim, 1);
+        let mut scores = Vec::new();
+        let mut out = vec![0.0f32; dim];
+        for h in 0..n_heads {
+            let g = h / (n_heads / n_kv_heads);
+            let scaled: Vec<f32> = qh[h * dim..(h + 1) * dim]
+                .iter()
+                .map(|x| scale * x)
+                .collect();
+            let head = |a: &[f32], rows: std::ops::Range<usize>| {
+                a[(g * keys + rows.start) * dim..(g * keys + rows.end) * dim].to_vec()
+            };
+            let (past, new) = (0..keys - 1, keys - 1..keys);
+            kernels::attention::attend_f32_query(
+                &scaled,
+                (&head(&kh, past.clone()), &head(&vh, past)),
+                (&head(&kh, new.clone()), &head(&vh, new)),
+                keys,
+                keys,
+                &order,
+                &mut scores,
+                &mut out,
+            )
+            .map_err(EngineError::Runtime)?;
+            same &= out
+                .iter()
+                .map(|x| x.to_bits())
+                .eq(theirs[h * dim..(h + 1) * dim].iter().map(|x| x.to_bits()));
+        }
+    }
+    kernels::lock(verdicts).insert(key, same);
+    Ok(same)
+}
+
 /// Query heads grouped per key/value head (`[B, Hkv, rep, L, D]`) when there is more than
 /// one query head per key/value head; returns the grouped query and the repeat count.
 fn group_heads(q: &Array, n_kv: i32) -> Result<(Array, i32)> {

@@ -207,6 +207,12 @@ pub static FORKS: &[Fork] = &[
         help: "CPU backend: f32 and bf16 element-wise work runs on the host computing exactly what MLX's CPU kernels compute, so bit-identical: the SwiGLU of llama-family MLPs (MLX's scalar sigmoid, its polynomial exp, in AVX-512 or AVX2 lanes: ~1/4 of a prompt's time on MLX), and RMSNorms and residual adds whose input is already on the host (a decode step then waits for MLX once per layer, not three times); each compared with MLX once per process and left to MLX if it differs; not under --compiled-decode",
     },
     Fork {
+        name: "host-step",
+        domain: Domain::Choices(ON_OFF_EXACT),
+        defaults: ["on", "on", "on"],
+        help: "CPU backend, with --host-matvec and --host-elementwise on: a single-token decode step of a dense f32 llama-family model runs whole on the host, embedding to logits (RoPE, attention over the cache read in place and every product, norm and SwiGLU in MLX's own order), so MLX is waited on once per token instead of once per layer; bit-identical, each part compared with MLX at first use and the per-layer path kept if one differs; not under --compiled-decode",
+    },
+    Fork {
         name: "fused-decode",
         domain: Domain::Choices(&[
             keep("off", Tier::L1, Output::Identical),
@@ -301,6 +307,8 @@ pub struct Forks {
     /// f32 SwiGLU, RMSNorm and residual adds on the host, operation for operation as MLX's CPU
     /// kernels (bit-exact).
     pub host_elementwise: bool,
+    /// Whole f32 decode steps on the host in MLX's order (bit-exact).
+    pub host_step: bool,
 }
 
 impl Default for Forks {
@@ -359,6 +367,7 @@ impl Forks {
             fused_decode: on("fused-decode"),
             host_matvec: on("host-matvec"),
             host_elementwise: on("host-elementwise"),
+            host_step: on("host-step"),
         }
     }
 
@@ -383,6 +392,7 @@ impl Forks {
                 "fused-decode" => on(self.fused_decode),
                 "host-matvec" => on(self.host_matvec),
                 "host-elementwise" => on(self.host_elementwise),
+                "host-step" => on(self.host_step),
                 other => format!("<no field for {other}>"),
             })
             .collect()
@@ -405,6 +415,13 @@ impl Forks {
     /// `--host-elementwise on` on the CPU backend, except inside compiled steps.
     pub fn host_elem(&self) -> bool {
         self.cpu_host(self.host_elementwise)
+    }
+
+    /// Whether a dense f32 decode step runs whole on the host in MLX's order
+    /// ([`crate::engine::kernels::step`]): `--host-step on` with the two forks it is made of,
+    /// on the CPU backend, except inside compiled steps.
+    pub fn host_exact_step(&self) -> bool {
+        self.cpu_host(self.host_step && self.host_matvec && self.host_elementwise)
     }
 
     /// An L1 host fork in effect: on, on the CPU backend (the host kernels read MLX's CPU

@@ -7,7 +7,7 @@ use super::kernels::{elementwise, ready_bf16, ready_f32};
 use super::kernels::{
     HostDense, HostDenseCell, HostQDense, HostQDenseCell, HostQuant, HostQuantCell,
 };
-use super::kernels::{HostF32, HostProj, ProjWeight};
+use super::kernels::{HostF32, HostForm, HostProj, ProjWeight};
 use super::weights::{QuantSpec, WeightStore};
 use mlx_rs::{fast, ops, Array, Dtype};
 use std::rc::Rc;
@@ -171,7 +171,11 @@ fn host_proj(
     w: &LinearWeight,
     host: Option<&HostCell>,
     bias: Option<&Array>,
+    form: HostForm,
 ) -> Result<Option<HostProj>> {
+    if form == HostForm::Exact {
+        return exact_proj(w, host, bias);
+    }
     let weight = match (pinned(w, host)?, w) {
         (Some(h), _) => Some(ProjWeight::Affine(h.clone())),
         (
@@ -187,6 +191,27 @@ fn host_proj(
         (None, LinearWeight::Dense(weight)) => HostF32::new(weight)?.map(ProjWeight::Dense),
     };
     weight.map(|w| HostProj::new(w, bias)).transpose()
+}
+
+/// An unbiased dense f32 weight for the L1 host step: its pinned host product, once the product
+/// of one token matched MLX's (`None` for anything else, and where it differed).
+fn exact_proj(
+    w: &LinearWeight,
+    host: Option<&HostCell>,
+    bias: Option<&Array>,
+) -> Result<Option<HostProj>> {
+    let (Some(HostCell::Dense(cell)), LinearWeight::Dense(weight), None) = (host, w, bias) else {
+        return Ok(None);
+    };
+    if weight.dtype() != Dtype::Float32 {
+        return Ok(None);
+    }
+    match cell.get(weight)? {
+        Some(dense) if dense.accepts(1)? => {
+            HostProj::new(ProjWeight::Exact(dense.clone()), None).map(Some)
+        }
+        _ => Ok(None),
+    }
 }
 
 /// The host product of `x @ W.T` when this layer's host kernel takes `x`; `None` leaves it
@@ -412,13 +437,13 @@ impl Linear {
         matmul_transposed(x, &self.weight, self.host.as_deref())
     }
 
-    /// The layer pinned for the host decode step (`--perf-kernel on`), bias included, when its
-    /// weight is one the step multiplies by ([`HostProj`]); `None` otherwise.
-    pub fn host_proj(&self) -> Result<Option<HostProj>> {
+    /// The layer pinned for a host decode step of `form`, bias included, when its weight is one
+    /// that step multiplies by ([`HostProj`]); `None` otherwise.
+    pub fn host_proj(&self, form: HostForm) -> Result<Option<HostProj>> {
         if self.all_sum.is_some() || self.bias.as_ref().is_some_and(|b| b.ndim() != 1) {
             return Ok(None);
         }
-        host_proj(&self.weight, self.host.as_deref(), self.bias.as_ref())
+        host_proj(&self.weight, self.host.as_deref(), self.bias.as_ref(), form)
     }
 
     /// The weight's rows `[n, in]` for output ids `[n]` (dequantized when quantized), or `None`
@@ -453,10 +478,13 @@ impl Linear {
 }
 
 /// Every layer's [`Linear::host_proj`], or `None` when any one has none.
-pub fn host_projs<const N: usize>(layers: [&Linear; N]) -> Result<Option<[HostProj; N]>> {
+pub fn host_projs<const N: usize>(
+    layers: [&Linear; N],
+    form: HostForm,
+) -> Result<Option<[HostProj; N]>> {
     let mut pinned = Vec::with_capacity(N);
     for l in layers {
-        match l.host_proj()? {
+        match l.host_proj(form)? {
             Some(h) => pinned.push(h),
             None => return Ok(None),
         }
@@ -484,10 +512,10 @@ impl Embedding {
         self.weight.rows(ids)
     }
 
-    /// The table pinned for the host decode step (`--perf-kernel on`) when its weight is one
-    /// the step reads ([`HostProj`]); `None` otherwise.
-    pub fn host_proj(&self) -> Result<Option<HostProj>> {
-        host_proj(&self.weight, self.host.as_deref(), None)
+    /// The table pinned for a host decode step of `form` when its weight is one that step reads
+    /// ([`HostProj`]); `None` otherwise.
+    pub fn host_proj(&self, form: HostForm) -> Result<Option<HostProj>> {
+        host_proj(&self.weight, self.host.as_deref(), None, form)
     }
 
     /// The tied LM head: `x @ weight.T`.
@@ -542,10 +570,14 @@ impl RmsNorm {
         })
     }
 
-    /// The weight and epsilon on the host, for the host decode step; `None` unless the
-    /// weight is f32 (the step computes in f32 only).
-    pub fn host_weight(&self) -> Result<Option<(Vec<f32>, f32)>> {
+    /// The weight and epsilon on the host, for a host decode step of `form`; `None` unless the
+    /// weight is f32 (the step computes in f32 only) and, for the exact step, the host norm
+    /// matched MLX's.
+    pub fn host_weight(&self, form: HostForm) -> Result<Option<(Vec<f32>, f32)>> {
         if self.weight.dtype() != Dtype::Float32 {
+            return Ok(None);
+        }
+        if form == HostForm::Exact && !self.host_matches_mlx()? {
             return Ok(None);
         }
         Ok(Some((

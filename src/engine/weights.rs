@@ -118,6 +118,7 @@ pub struct WeightStore {
     host_kernel: bool,
     host_matvec: bool,
     host_elementwise: bool,
+    host_step: bool,
     share: Option<RankShare>,
 }
 
@@ -154,6 +155,7 @@ impl WeightStore {
             host_kernel: false,
             host_matvec: false,
             host_elementwise: false,
+            host_step: false,
             share,
         })
     }
@@ -192,6 +194,17 @@ impl WeightStore {
         self.host_elementwise
     }
 
+    /// Makes models loaded from here run dense f32 decode steps whole on the host in MLX's
+    /// order (`--host-step on`, see [`crate::engine::kernels::step`]).
+    pub fn set_host_step(&mut self, on: bool) {
+        self.host_step = on;
+    }
+
+    /// Whether dense f32 decode steps run whole on the host.
+    pub fn host_step(&self) -> bool {
+        self.host_step
+    }
+
     /// Number of ranks each layer is split over (1 without tensor parallelism).
     pub fn tensor_ranks(&self) -> usize {
         self.share.as_ref().map_or(1, RankShare::tensor_ranks)
@@ -226,6 +239,7 @@ impl WeightStore {
             host_kernel: false,
             host_matvec: false,
             host_elementwise: false,
+            host_step: false,
             share: None,
         }
     }

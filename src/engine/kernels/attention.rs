@@ -167,3 +167,122 @@ static CALLS: AtomicUsize = AtomicUsize::new(0);
 pub fn host_attention_calls() -> usize {
     CALLS.load(Ordering::Relaxed)
 }
+
+/// Whether [`attend_f32_query`] computes an f32 attention of `queries` queries over `keys` keys
+/// of width `dim` as MLX's CPU backend does, here: the scores' order is one this CPU's kernels
+/// run ([`mlx_order::takes_tokens`]), and MLX sums the values on OpenBLAS's small-matrix `NN`
+/// kernel (one fused multiply-add chain over the keys per output), which its `SKYLAKEX` and
+/// `COOPERLAKE` kernel sets take up to `M·N·K = 10⁶`. Past that, or on `HASWELL` kernels, the
+/// GEMM driver cuts the keys into panels the host does not reproduce (the caller keeps MLX's
+/// attention).
+pub fn f32_values_fit(queries: usize, keys: usize, dim: usize) -> bool {
+    let kernels = mlx_order::F32Kernels::here();
+    kernels != mlx_order::F32Kernels::Haswell
+        && (queries * keys * dim) as f64 <= 1e6
+        && mlx_order::takes_tokens(&kernels.block_order(keys, dim, queries), queries)
+}
+
+/// One scaled query `q` (`dim` values) of f32 attention over one key/value head, in MLX's CPU
+/// SDPA order: the head's keys lie in two buffers, the cache's rows (`past`) then the step's
+/// new ones (`new`), which together are the one product MLX forms; `keys` is their total and
+/// the first `visible` are not masked. Each score is the host product in `order` (the order
+/// OpenBLAS sums the whole `q · Kᵀ` in, see [`mlx_order::F32Kernels::block_order`]); then
+/// MLX's precise softmax (the maximum, `exp(x - max)` summed left to right, each times
+/// `1 / sum`); then each output is one fused multiply-add chain over the keys from zero
+/// ([`f32_values_fit`] says where MLX sums so). `scores` is scratch.
+#[allow(clippy::too_many_arguments)]
+pub fn attend_f32_query(
+    q: &[f32],
+    (past_k, past_v): (&[f32], &[f32]),
+    (new_k, new_v): (&[f32], &[f32]),
+    keys: usize,
+    visible: usize,
+    order: &Order,
+    scores: &mut Vec<f32>,
+    out: &mut [f32],
+) -> Result<(), String> {
+    let dim = q.len();
+    let past = past_k.len() / dim.max(1);
+    if dim == 0
+        || out.len() != dim
+        || past_v.len() != past_k.len()
+        || new_v.len() != new_k.len()
+        || past + new_k.len() / dim != keys
+        || visible == 0
+        || visible > keys
+    {
+        return Err(format!(
+            "an f32 query of {dim} over {keys} keys ({visible} visible) from buffers of {} and {} values",
+            past_k.len(),
+            new_k.len()
+        ));
+    }
+    scores.resize(keys, 0.0);
+    mlx_order::token_rows(past_k, 0, keys, dim, q, order, 0..past, &mut scores[..past])?;
+    let new = keys - past;
+    mlx_order::token_rows(
+        new_k,
+        past,
+        keys,
+        dim,
+        q,
+        order,
+        0..new,
+        &mut scores[past..],
+    )?;
+    // Masked keys take the lowest finite value, as MLX's `where` writes: their exponential is
+    // then exactly zero.
+    for s in &mut scores[visible..] {
+        *s = f32::MIN;
+    }
+    let max = scores.iter().fold(f32::NEG_INFINITY, |m, x| m.max(*x));
+    for s in scores.iter_mut() {
+        *s -= max;
+    }
+    exp_mlx_slice(scores);
+    let mut sum = 0.0f32;
+    for e in scores.iter() {
+        sum += e;
+    }
+    let inv = 1.0 / sum;
+    for e in scores.iter_mut() {
+        *e *= inv;
+    }
+    out.fill(0.0);
+    let rows = |s: usize| {
+        if s < past {
+            &past_v[s * dim..(s + 1) * dim]
+        } else {
+            &new_v[(s - past) * dim..(s - past + 1) * dim]
+        }
+    };
+    for (s, p) in scores.iter().enumerate().take(visible) {
+        // A zero weight adds a signed zero to a chain that starts at +0 (see `attend_bf16`).
+        if *p != 0.0 {
+            fma_row(out, *p, rows(s));
+        }
+    }
+    CALLS.fetch_add(1, Ordering::Relaxed);
+    Ok(())
+}
+
+/// `acc[d] = fma(w, v[d], acc[d])` for every `d`, each rounded once.
+fn fma_row(acc: &mut [f32], w: f32, v: &[f32]) {
+    #[cfg(target_arch = "x86_64")]
+    if mlx_order::available() {
+        // SAFETY: the host kernels run only where the CPU has AVX2 and FMA.
+        unsafe { fma_row_avx2(acc, w, v) };
+        return;
+    }
+    for (a, x) in acc.iter_mut().zip(v) {
+        *a = w.mul_add(*x, *a);
+    }
+}
+
+#[cfg(target_arch = "x86_64")]
+#[target_feature(enable = "avx2,fma")]
+unsafe fn fma_row_avx2(acc: &mut [f32], w: f32, v: &[f32]) {
+    for (a, x) in acc.iter_mut().zip(v) {
+        *a = w.mul_add(*x, *a);
+    }
+}

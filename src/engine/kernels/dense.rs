@@ -111,6 +111,22 @@ impl HostDense {
         }
     }
 
+    /// The pinned f32 weight (`rows × cols`, row-major) and its shape, for the host decode
+    /// step; `None` for a 16-bit weight.
+    pub fn f32_weight(&self) -> Option<(&[f32], usize, usize)> {
+        match &self.pinned {
+            Pinned::F32(s) => Some((s.get(), self.rows, self.cols)),
+            _ => None,
+        }
+    }
+
+    /// Whether a product of `tokens` tokens through this weight is summed on the host in MLX's
+    /// order on this CPU and matched MLX's own (checked once per shape and token count).
+    pub fn accepts(&self, tokens: usize) -> Result<bool> {
+        Ok(mlx_order::takes_tokens(&self.order(tokens), tokens)
+            && self.matches_mlx(checked_tokens(tokens), None)?)
+    }
+
     /// Whether `x` (`[..., cols]`) is a product the host path may reproduce: 16-bit tokens of
     /// any number, f32 up to [`MAX_TOKENS`] (checked before a weight is pinned, so long f32
     /// prompts never pin).

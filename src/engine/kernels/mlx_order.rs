@@ -416,7 +416,8 @@ fn rows_into(
                     for t in 0..tokens {
                         let xt = &x[t * cols..(t + 1) * cols];
                         let o = t * len + r - range.start;
-                        x86::lanes(w, rows, cols, xt, r..end, &mut out[o..o + end - r]);
+                        let quads_end = rows & !3;
+                        x86::lanes(w, quads_end, cols, xt, r..end, &mut out[o..o + end - r]);
                     }
                     r = end;
                 }
@@ -443,6 +444,66 @@ fn rows_into(
         let _ = (simd, w, rows, cols, x, tokens, order, range, out);
         unreachable!("matmul refuses CPUs without the kernels");
     }
+}
+
+/// Outputs `range` of one f32 token's product `x · Wᵀ` in `order` into `out` (`range.len()`
+/// values), on this thread, where `w` holds the rows of a product `rows` outputs wide that start
+/// at output `first` (the small-matrix order reduces an output by where it sits in the whole
+/// product). What the host decode step ([`super::step`]) and its attention run per share of
+/// rows: an attention's keys lie in two buffers (the cache and the step's new ones) yet are one
+/// product. Errors when the CPU lacks the kernels for `order` or the lengths disagree.
+#[allow(clippy::too_many_arguments)]
+pub fn token_rows(
+    w: &[f32],
+    first: usize,
+    rows: usize,
+    cols: usize,
+    x: &[f32],
+    order: &Order,
+    range: Range<usize>,
+    out: &mut [f32],
+) -> Result<(), String> {
+    let Some(simd) = simd().filter(|s| s.runs_here()) else {
+        return Err("this CPU has neither AVX-512 nor AVX2 for the host product".into());
+    };
+    if cols == 0 || !takes_tokens_on(Some(simd), order, 1) || *order == Order::Sequential {
+        return Err(format!("an f32 token in {order:?} on {simd:?}"));
+    }
+    if range.end * cols > w.len()
+        || x.len() != cols
+        || out.len() != range.len()
+        || first + range.end > rows
+    {
+        return Err(format!(
+            "rows {range:?} (from {first} of {rows}) of {} values at depth {cols}, input {}, output {}",
+            w.len(),
+            x.len(),
+            out.len()
+        ));
+    }
+    #[cfg(target_arch = "x86_64")]
+    // SAFETY: checked just above: the CPU runs `simd` (AVX-512 for the lane order) and every
+    // length fits.
+    unsafe {
+        match order {
+            Order::Lanes => {
+                let quads_end = (rows & !3).saturating_sub(first);
+                x86::lanes(w, quads_end, cols, x, range, out);
+            }
+            Order::Panels(panels) => {
+                // The panel kernel adds each panel's sum to the output.
+                out.fill(0.0);
+                x86::token_panels_on(simd, &x86::RowsF32(w), cols, x, 1, panels, range, out)
+            }
+            Order::Sequential => unreachable!("refused above"),
+        }
+    }
+    #[cfg(not(target_arch = "x86_64"))]
+    {
+        let _ = (w, first, rows, cols, x, order, range, out, simd);
+        unreachable!("no kernels off x86_64");
+    }
+    Ok(())
 }
 
 /// Sums sixteen lane totals the way the small-matrix kernel's 4×4-transpose reduction does.
@@ -476,18 +537,17 @@ mod x86 {
     /// weights stay in the first-level cache between tokens).
     pub(super) const LANE_ROWS: usize = 2 * GROUP;
 
-    /// The small-matrix kernel's order for outputs `range` (`rows` in all decide which outputs
-    /// are in whole groups of four).
+    /// The small-matrix kernel's order for outputs `range` (rows of `w` before `quads_end`, the
+    /// product's whole groups of four, take the 4×4-transpose reduction).
     #[target_feature(enable = "avx512f")]
     pub(super) unsafe fn lanes(
         w: &[f32],
-        rows: usize,
+        quads_end: usize,
         cols: usize,
         x: &[f32],
         range: Range<usize>,
         out: &mut [f32],
     ) {
-        let quads_end = rows & !3;
         let full = cols / LANES * LANES;
         let tail = (cols - full) as u32;
         let mask: __mmask16 = ((1u32 << tail) - 1) as __mmask16;

@@ -26,6 +26,7 @@ pub mod pair;
 pub mod proj;
 pub mod qdense;
 pub mod quant_order;
+pub mod rope_table;
 pub mod step;
 pub mod team;
 pub mod vecops;
@@ -35,9 +36,12 @@ pub use affine::{KernelPath, Prepared, QMatrix, BITS, MAX_M};
 pub use dense::{dense_calls, refused_blocks, refused_shapes, HostDense, HostDenseCell};
 pub use dispatch::{best_path, matmul, selection, Selection};
 pub use host::{check_bits, host_calls, ready_bf16, ready_f32, HostQuant, HostQuantCell};
-pub use proj::{HostF32, HostProj, ProjWeight};
+pub use proj::{HostF32, HostForm, HostProj, ProjWeight};
 pub use qdense::{qdense_calls, HostQDense, HostQDenseCell};
-pub use step::{host_steps, HostDecoder, HostLayer, PastKv, StepOut, StepPlan};
+pub use rope_table::RopeTable;
+pub use step::{
+    exact_steps_here, host_steps, HostDecoder, HostLayer, Numerics, PastKv, StepOut, StepPlan,
+};
 pub use vecops::{HeadShape, HostRope};
 pub use vnni::Int8Input;
 

@@ -12,8 +12,10 @@
 //! bits of single-token steps (what keeps speculative decoding lossless under the host step).
 
 use super::affine::{row_fits, rows_into as affine_rows_into, Prepared, QMatrix};
+use super::dense::HostDense;
 use super::dispatch::Selection;
 use super::host::{widened, HostQuant, HostSlice};
+use super::mlx_order::{token_rows, F32Kernels};
 use super::qdense::HostQDense;
 use super::quant_order::{self, Path, QuantWeights};
 use super::vecops::dot_lanes;
@@ -46,6 +48,15 @@ impl HostF32 {
     }
 }
 
+/// Which host step a layer is pinned for.
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub enum HostForm {
+    /// `--perf-kernel on` (L3): quantized layers on the fast kernels, dense f32 ones beside them.
+    Fast,
+    /// `--host-step on` (L1): unbiased dense f32 layers whose host product matched MLX's.
+    Exact,
+}
+
 /// The weight of a [`HostProj`].
 #[derive(Debug, Clone)]
 pub enum ProjWeight {
@@ -55,13 +66,15 @@ pub enum ProjWeight {
     Packed(HostQDense),
     /// Dense f32.
     Dense(HostF32),
+    /// Dense f32 summed in MLX's own order ([`super::mlx_order`]): the L1 host step's products.
+    Exact(HostDense),
 }
 
 impl ProjWeight {
     /// Whether the weight is quantized (a host step made of dense layers only is not what
     /// `--perf-kernel` is for: such a model stays on its L1 path).
     pub fn quantized(&self) -> bool {
-        !matches!(self, ProjWeight::Dense(_))
+        !matches!(self, ProjWeight::Dense(_) | ProjWeight::Exact(_))
     }
 }
 
@@ -138,6 +151,17 @@ impl HostProj {
                 kind: Kind::Dense(h.data.get()),
                 bias,
             },
+            ProjWeight::Exact(h) => {
+                let (w, rows, cols) = h.f32_weight().ok_or_else(|| {
+                    EngineError::Runtime("host step: an exact product over a 16-bit weight".into())
+                })?;
+                ProjView {
+                    rows,
+                    cols,
+                    kind: Kind::Exact(w),
+                    bias,
+                }
+            }
         })
     }
 }
@@ -147,6 +171,7 @@ enum Kind<'a> {
     Affine(QMatrix<'a>),
     Packed(QuantWeights<'a>),
     Dense(&'a [f32]),
+    Exact(&'a [f32]),
 }
 
 /// A [`HostProj`] as borrowed host memory.
@@ -177,7 +202,7 @@ impl ProjView<'_> {
                 w.dequantize_row(r, out);
                 Ok(())
             }
-            Kind::Dense(w) => {
+            Kind::Dense(w) | Kind::Exact(w) => {
                 out.copy_from_slice(&w[r * self.cols..(r + 1) * self.cols]);
                 Ok(())
             }
@@ -228,6 +253,31 @@ impl ProjView<'_> {
             }
             Kind::Dense(w) => {
                 dense_rows(w, self.cols, x, m, rows, out);
+                Ok(())
+            }
+            Kind::Exact(w) => {
+                let order = F32Kernels::here().block_order(self.rows, self.cols, m);
+                if m == 1 {
+                    return token_rows(w, 0, self.rows, self.cols, x, &order, rows, out);
+                }
+                // Each token alone (every output of every token is its own sum in these
+                // orders), then laid out by output feature.
+                let mut one = vec![0.0f32; rows.len()];
+                for (t, xt) in x.chunks_exact(self.cols).enumerate() {
+                    token_rows(
+                        w,
+                        0,
+                        self.rows,
+                        self.cols,
+                        xt,
+                        &order,
+                        rows.clone(),
+                        &mut one,
+                    )?;
+                    for (r, v) in one.iter().enumerate() {
+                        out[r * m + t] = *v;
+                    }
+                }
                 Ok(())
             }
         }

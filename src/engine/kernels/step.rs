@@ -11,8 +11,12 @@
 //! keys/values in place and appending the new ones (done by the caller).
 
 use super::affine::{Prepared, MAX_M};
+use super::attention::attend_f32_query;
 use super::dispatch::{by_token, selection, Selection};
+use super::elementwise;
+use super::mlx_order::F32Kernels;
 use super::proj::{HostProj, ProjView};
+use super::rope_table::RopeTable;
 use super::team::{run_team, ErrorSlot, Member, Shared};
 use super::vecops::{attend_head, rms_norm, silu_mul, HeadShape, HostRope, KvRows};
 use crate::engine::error::{EngineError, Result};
@@ -46,8 +50,19 @@ pub struct HostDecoder {
     pub eps: f32,
     /// Attention heads and scale.
     pub heads: HeadShape,
-    /// The rotary embedding every layer applies.
-    pub rope: HostRope,
+    /// How everything but the products is computed (the rotary embedding with it).
+    pub numerics: Numerics,
+}
+
+/// How a step computes its norms, rotary embedding, attention and activation (each
+/// projection's kind fixes its own order).
+#[derive(Debug, Clone)]
+pub enum Numerics {
+    /// `--perf-kernel on` (L3): the host's own fast forms.
+    Fast(HostRope),
+    /// `--host-step on` (L1): every operation as MLX's CPU backend computes it, so the step has
+    /// MLX's bits (its projections are [`super::ProjWeight::Exact`]).
+    Mlx(RopeTable),
 }
 
 /// One layer's cached keys and values before the step, read in place from the cache buffers
@@ -97,6 +112,16 @@ static STEPS: std::sync::atomic::AtomicUsize = std::sync::atomic::AtomicUsize::n
 /// check that a forward really took the whole-step path, not the per-projection one).
 pub fn host_steps() -> usize {
     STEPS.load(std::sync::atomic::Ordering::Relaxed)
+}
+
+thread_local! {
+    static EXACT_STEPS: std::cell::Cell<usize> = const { std::cell::Cell::new(0) };
+}
+
+/// How many L1 host steps ([`Numerics::Mlx`]) this thread has run (per thread, so tests running
+/// side by side in one process do not count each other's).
+pub fn exact_steps_here() -> usize {
+    EXACT_STEPS.with(std::cell::Cell::get)
 }
 
 fn runtime(e: String) -> EngineError {
@@ -175,10 +200,75 @@ fn to_cache_layout(x: &[f32], m: usize, heads: usize, hd: usize) -> Vec<f32> {
     out
 }
 
+/// Query head `head` of token `j` (`q`, unscaled) over its key/value head, as MLX's CPU SDPA
+/// computes it ([`attend_f32_query`]): the query scaled as MLX's fallback scales it (one
+/// multiply), the scores summed in the order OpenBLAS sums the whole block's `q · Kᵀ`.
+#[allow(clippy::too_many_arguments)]
+fn mlx_attention(
+    s: HeadShape,
+    head: usize,
+    q: &[f32],
+    keys: KvRows<'_>,
+    values: KvRows<'_>,
+    j: usize,
+    scores: &mut Vec<f32>,
+    out: &mut [f32],
+) -> Result<()> {
+    let hd = s.head_dim;
+    let kvh = head / (s.n_heads / s.n_kv_heads);
+    let m = keys.new_len;
+    let total = keys.len + m;
+    let scaled: Vec<f32> = q.iter().map(|v| s.scale * v).collect();
+    let (past, new) = (
+        (kvh * keys.capacity * hd, keys.len * hd),
+        (kvh * m * hd, m * hd),
+    );
+    let order = F32Kernels::here().block_order(total, hd, m);
+    attend_f32_query(
+        &scaled,
+        (
+            &keys.past[past.0..][..past.1],
+            &values.past[past.0..][..past.1],
+        ),
+        (&keys.new[new.0..][..new.1], &values.new[new.0..][..new.1]),
+        total,
+        keys.len + j + 1,
+        &order,
+        scores,
+        out,
+    )
+    .map_err(runtime)
+}
+
 impl HostDecoder {
     /// Output vocabulary (the LM head's rows).
     pub fn vocab(&self) -> usize {
         self.head.as_ref().unwrap_or(&self.embed).rows()
+    }
+
+    /// Positions the step can rotate (its rope table's, unbounded for the fast form's).
+    pub fn positions(&self) -> usize {
+        match &self.numerics {
+            Numerics::Fast(_) => usize::MAX,
+            Numerics::Mlx(table) => table.positions(),
+        }
+    }
+
+    /// Whether a block of `m` tokens after `past` cached positions is one this step computes:
+    /// any under [`Numerics::Fast`]; under [`Numerics::Mlx`] a single token (verify blocks and
+    /// prompts keep the per-layer path, which also has MLX's bits) within the rope table, whose
+    /// attention sums its values as MLX does ([`super::attention::f32_values_fit`]), on a thread
+    /// where the L1 host kernels may run.
+    pub fn takes(&self, m: usize, past: usize) -> bool {
+        match &self.numerics {
+            Numerics::Fast(_) => true,
+            Numerics::Mlx(table) => {
+                m == 1
+                    && past + m <= table.positions()
+                    && super::attention::f32_values_fit(m, past + m, self.heads.head_dim)
+                    && super::host_allowed()
+            }
+        }
     }
 
     /// Runs the block `ids` (1..=[`MAX_M`] tokens at positions `past[_].len..`) through the
@@ -223,10 +313,13 @@ impl HostDecoder {
             final_norm: &self.final_norm,
             eps: self.eps,
             heads: self.heads,
-            rope: &self.rope,
+            numerics: &self.numerics,
         };
         // Run on a pool thread so the step's many fork/joins stay inside the pool.
         let (out, ()) = rayon::join(|| view.step(sel, ids, past, plan), || ());
+        if out.is_ok() && matches!(self.numerics, Numerics::Mlx(_)) {
+            EXACT_STEPS.with(|c| c.set(c.get() + 1));
+        }
         out
     }
 }
@@ -247,7 +340,7 @@ struct View<'a> {
     final_norm: &'a [f32],
     eps: f32,
     heads: HeadShape,
-    rope: &'a HostRope,
+    numerics: &'a Numerics,
 }
 
 /// The team's shared mat-vec outputs and attention output for one step.
@@ -344,6 +437,38 @@ impl View<'_> {
         })
     }
 
+    /// RMSNorm of each token's row of `h` by `w`, into `out`.
+    fn norm(&self, h: &[f32], w: &[f32], out: &mut [f32]) {
+        match self.numerics {
+            Numerics::Fast(_) => rms_norm(h, w, self.eps, out),
+            Numerics::Mlx(_) => elementwise::rms_norm(h, w, self.eps, out),
+        }
+    }
+
+    /// Rotates one token's heads (`x`: whole heads) for position `pos`.
+    fn rope(&self, x: &mut [f32], pos: usize) -> Result<()> {
+        let hd = self.heads.head_dim;
+        match self.numerics {
+            Numerics::Fast(rope) => {
+                rope.apply(x, hd, pos);
+                Ok(())
+            }
+            Numerics::Mlx(table) => table.apply(x, hd, pos).map_err(runtime),
+        }
+    }
+
+    /// `gate = silu(gate) * up` (`scratch` for the exact form, which writes out of place).
+    fn silu_mul(&self, gate: &mut Vec<f32>, up: &[f32], scratch: &mut Vec<f32>) {
+        match self.numerics {
+            Numerics::Fast(_) => silu_mul(gate, up),
+            Numerics::Mlx(_) => {
+                scratch.resize(gate.len(), 0.0);
+                elementwise::swiglu(gate, up, scratch);
+                std::mem::swap(gate, scratch);
+            }
+        }
+    }
+
     /// One team member's walk through the step. It never returns early: every member meets
     /// every barrier even after an error (reported into `errors`), so none waits forever.
     #[allow(clippy::too_many_arguments)]
@@ -374,14 +499,14 @@ impl View<'_> {
         }
         let mut xn = vec![0.0f32; m * d];
         let (mut q, mut k, mut v, mut t) = (Vec::new(), Vec::new(), Vec::new(), Vec::new());
-        let (mut gate, mut up) = (Vec::new(), Vec::new());
+        let (mut gate, mut up, mut act) = (Vec::new(), Vec::new(), Vec::new());
         let mut scores = Vec::new();
         out.taps = vec![Vec::new(); plan.taps.len()];
         // SAFETY (every `all()` below): the buffer was written before the barrier just passed
         // and is next written only after at least one more barrier.
         for (i, (layer, past)) in self.layers.iter().zip(past).enumerate() {
             let [wq, wk, wv, wo] = &layer.attn;
-            rms_norm(&h, layer.input_norm, self.eps, &mut xn);
+            self.norm(&h, layer.input_norm, &mut xn);
             errors.keep(rows_share(
                 me,
                 sel,
@@ -397,10 +522,8 @@ impl View<'_> {
             wk.add_bias(&mut k);
             wv.add_bias(&mut v);
             for j in 0..m {
-                self.rope
-                    .apply(&mut q[j * qd..(j + 1) * qd], hd, past.len + j);
-                self.rope
-                    .apply(&mut k[j * kvd..(j + 1) * kvd], hd, past.len + j);
+                errors.keep(self.rope(&mut q[j * qd..(j + 1) * qd], past.len + j));
+                errors.keep(self.rope(&mut k[j * kvd..(j + 1) * kvd], past.len + j));
             }
             let (kc, vc) = (
                 to_cache_layout(&k, m, s.n_kv_heads, hd),
@@ -419,9 +542,22 @@ impl View<'_> {
             let attn = unsafe { b.attn.part_mut(items.start * hd..items.end * hd) };
             for (n, out) in items.clone().zip(attn.chunks_exact_mut(hd)) {
                 let (j, head) = (n / s.n_heads, n % s.n_heads);
-                scores.resize(past.len + m, 0.0);
                 let qh = &q[n * hd..(n + 1) * hd];
-                attend_head(s, head, qh, keys, values, j, &mut scores, out);
+                if let Numerics::Mlx(_) = self.numerics {
+                    errors.keep(mlx_attention(
+                        s,
+                        head,
+                        qh,
+                        keys,
+                        values,
+                        j,
+                        &mut scores,
+                        out,
+                    ));
+                } else {
+                    scores.resize(past.len + m, 0.0);
+                    attend_head(s, head, qh, keys, values, j, &mut scores, out);
+                }
             }
             if me.index == 0 {
                 out.keys.push(kc);
@@ -441,14 +577,14 @@ impl View<'_> {
             h.iter_mut().zip(&t).for_each(|(a, b)| *a += b);
 
             let [wg, wu, wd] = &layer.mlp;
-            rms_norm(&h, layer.post_norm, self.eps, &mut xn);
+            self.norm(&h, layer.post_norm, &mut xn);
             errors.keep(rows_share(me, sel, &xn, m, &[(wg, &b.gate), (wu, &b.up)]));
             me.sync();
             by_token(unsafe { b.gate.all() }, m, &mut gate);
             by_token(unsafe { b.up.all() }, m, &mut up);
             wg.add_bias(&mut gate);
             wu.add_bias(&mut up);
-            silu_mul(&mut gate, &up);
+            self.silu_mul(&mut gate, &up, &mut act);
             errors.keep(rows_share(me, sel, &gate, m, &[(wd, &b.down)]));
             me.sync();
             by_token(unsafe { b.down.all() }, m, &mut t);
@@ -461,7 +597,7 @@ impl View<'_> {
             }
         }
         if plan.logits {
-            rms_norm(&h, self.final_norm, self.eps, &mut xn);
+            self.norm(&h, self.final_norm, &mut xn);
             errors.keep(rows_share(me, sel, &xn, m, &[(&self.head, &b.logits)]));
         }
         out.hidden = h;

@@ -160,6 +160,19 @@ impl SwiGlu {
         self.op.call1(&[gate.clone(), x.clone()])
     }
 
+    /// Whether the L1 host step may compute this activation on the host: the host form is on
+    /// and its f32 kernel matched MLX's (checked now if it has not been yet).
+    pub fn host_exact(&self) -> Result<bool> {
+        if !self.host {
+            return Ok(false);
+        }
+        let mut probe = SwiGlu {
+            op: swiglu(false),
+            host: true,
+        };
+        probe.host_matches_mlx()
+    }
+
     /// The host kernel's result, or `None` for inputs it does not take (not f32 or bfloat16,
     /// different shapes, not contiguous) or when it differed from MLX's kernel in this process.
     fn host_apply(&mut self, gate: &Array, x: &Array) -> Result<Option<Array>> {

@@ -8,7 +8,7 @@ use super::rope::Rope;
 use crate::engine::cache::{causal_mask, AttentionMask, KvCache};
 use crate::engine::cache_attention::attend;
 use crate::engine::error::Result;
-use crate::engine::kernels::{HeadShape, HostProj, HostRope};
+use crate::engine::kernels::{HeadShape, HostForm, HostProj};
 use crate::engine::nn::{host_projs, weak_scalar, Linear, RmsNorm};
 use crate::engine::weights::WeightStore;
 use mlx_rs::error::Exception;
@@ -302,7 +302,7 @@ pub struct HostAttention {
     /// Heads and scale.
     pub heads: HeadShape,
     /// The rotary embedding.
-    pub rope: HostRope,
+    pub rope: Rope,
 }
 
 /// A loaded grouped-query attention block.
@@ -370,10 +370,9 @@ impl GqaAttention {
         })
     }
 
-    /// The block for the host decode step (`--perf-kernel on`): `None` unless it is the plain
-    /// llama block (no q/k norms, soft-cap or output gate, unbiased projections the host kernel
-    /// takes).
-    pub fn host_parts(&self) -> Result<Option<HostAttention>> {
+    /// The block for a host decode step of `form`: `None` unless it is the plain llama block (no
+    /// q/k norms, soft-cap or output gate, projections that step takes).
+    pub fn host_parts(&self, form: HostForm) -> Result<Option<HostAttention>> {
         let m = &self.m;
         if m.q_norm.is_some() || m.k_norm.is_some() || m.variant.softcap.is_some() {
             return Ok(None);
@@ -381,7 +380,7 @@ impl GqaAttention {
         if m.variant.output_gate {
             return Ok(None);
         }
-        let Some(proj) = host_projs([&m.q_proj, &m.k_proj, &m.v_proj, &m.o_proj])? else {
+        let Some(proj) = host_projs([&m.q_proj, &m.k_proj, &m.v_proj, &m.o_proj], form)? else {
             return Ok(None);
         };
         let s = &m.shape;
@@ -393,7 +392,7 @@ impl GqaAttention {
                 head_dim: s.head_dim as usize,
                 scale: s.scale,
             },
-            rope: m.rope.host()?,
+            rope: m.rope.clone(),
         }))
     }
 

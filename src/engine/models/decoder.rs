@@ -203,11 +203,12 @@ impl PreNormLayer {
         })
     }
 
-    /// The two norms on the host, for the host decode step (`None` unless both are f32).
-    pub fn host_norms(&self) -> Result<Option<HostNorms>> {
+    /// The two norms on the host, for a host decode step of `form` (`None` unless both are
+    /// f32 and, for the exact step, their host form matched MLX's).
+    pub fn host_norms(&self, form: kernels::HostForm) -> Result<Option<HostNorms>> {
         let (a, b) = (
-            self.input_layernorm.host_weight()?,
-            self.post_attention_layernorm.host_weight()?,
+            self.input_layernorm.host_weight(form)?,
+            self.post_attention_layernorm.host_weight(form)?,
         );
         Ok(match (a, b) {
             (Some((input, eps)), Some((post, _))) => Some(HostNorms { input, post, eps }),

@@ -1,5 +1,7 @@
-//! `--perf-kernel on` for llama-style models: small blocks (a decode token, a speculative
-//! verify block) run as one [`HostDecoder`] step on the host instead of an MLX graph.
+//! The host decode step of llama-style models: under `--perf-kernel on` (L3) small blocks (a
+//! decode token, a speculative verify block) run as one [`HostDecoder`] step on the host
+//! instead of an MLX graph; under `--host-step on` (L1) dense f32 decode tokens do, in MLX's
+//! own order.
 //!
 //! The MLX caches stay the source of truth: the step reads each layer's past keys/values in
 //! place from the cache buffers and appends its new ones through `update_and_fetch`, so
@@ -13,11 +15,15 @@ use crate::engine::cache::{KvCache, StoredKv};
 use crate::engine::error::{EngineError, Result};
 use crate::engine::kernels::{HostDecoder, PastKv, StepOut, StepPlan, MAX_M};
 use mlx_rs::{Array, Dtype};
-use std::cell::OnceCell;
+use std::cell::RefCell;
 
-/// A model's host step, built on first use (`None` inside when the model does not qualify).
+/// A model's host step, built on first use (`None` inside when the model does not qualify), and
+/// built again for more positions when a step needs them ([`HostDecoder::positions`]).
 #[derive(Default)]
-pub struct HostStep(OnceCell<Option<HostDecoder>>);
+pub struct HostStep(RefCell<Option<Option<HostDecoder>>>);
+
+/// Positions the first build of a step covers; each rebuild doubles past what a step needs.
+const FIRST_POSITIONS: usize = 1024;
 
 /// One layer's cache buffers as host slices, or `None` when the step cannot read them.
 fn past_of(stored: StoredKv<'_>, offset: i32) -> Result<Option<PastKv<'_>>> {
@@ -75,7 +81,7 @@ impl HostStep {
     /// MLX path.
     pub fn run(
         &self,
-        build: impl FnOnce() -> Result<Option<HostDecoder>>,
+        build: impl FnOnce(usize) -> Result<Option<HostDecoder>>,
         inputs: &Array,
         caches: &mut Caches,
         opts: &ForwardOpts,
@@ -84,13 +90,24 @@ impl HostStep {
         if shape.len() != 2 || shape[0] != 1 || shape[1] < 1 {
             return Ok(None);
         }
-        if self.0.get().is_none() {
-            let built = build()?;
-            let _ = self.0.set(built);
+        let m = shape[1] as usize;
+        let past = caches.first().map_or(0, |c| c.offset().max(0) as usize);
+        let needed = past + m;
+        let short = match &*self.0.borrow() {
+            None => true,
+            Some(built) => built.as_ref().is_some_and(|d| d.positions() < needed),
+        };
+        if short {
+            let built = build(needed.next_power_of_two().max(FIRST_POSITIONS))?;
+            *self.0.borrow_mut() = Some(built);
         }
-        let Some(decoder) = self.0.get().and_then(Option::as_ref) else {
+        let held = self.0.borrow();
+        let Some(decoder) = held.as_ref().and_then(Option::as_ref) else {
             return Ok(None);
         };
+        if !decoder.takes(m, past) {
+            return Ok(None);
+        }
         let run = opts.layers_to_run(decoder.layers.len(), decoder.layers.len(), caches.len())?;
         let caches = &mut caches[..run];
         if caches

@@ -9,8 +9,9 @@ use super::pipeline::Stage;
 use super::rope::Rope;
 use super::{Caches, ForwardOpts, ForwardOut, LanguageModel, ModelSpec};
 use crate::engine::cache::{AttentionMask, KvCache};
+use crate::engine::cache_attention::exact_attention_matches_mlx;
 use crate::engine::error::Result;
-use crate::engine::kernels::{HostDecoder, HostLayer};
+use crate::engine::kernels::{HostDecoder, HostForm, HostLayer, Numerics};
 use crate::engine::nn::{Embedding, Linear, RmsNorm};
 use crate::engine::shard::{ShardPlan, Sharding};
 use crate::engine::weights::WeightStore;
@@ -105,8 +106,12 @@ pub struct Model {
     swiglu: SwiGlu,
     sliding_window: Option<i32>,
     vocab_size: i32,
-    /// The host decode step (`--perf-kernel on`); `None` where the architecture never has one.
+    /// The host decode step (`--perf-kernel on` or `--host-step on`); `None` where the
+    /// architecture never has one.
     host_step: Option<HostStep>,
+    /// Whether that step is the L1 one, in MLX's order (`--host-step on` without
+    /// `--perf-kernel`).
+    exact_step: bool,
     /// This rank's place in a pipeline-parallel job (its `layers` are its own run of them).
     pipeline: Option<Stage>,
 }
@@ -203,10 +208,11 @@ fn load(
         swiglu: SwiGlu::new(&spec.forks),
         sliding_window: parts.sliding_window,
         vocab_size: vocab,
-        // Only under `--perf-kernel on` (tier L3): every other run keeps MLX's bits. A
+        // Under `--perf-kernel on` (tier L3), or in MLX's order under `--host-step on` (L1). A
         // pipeline stage has no whole model for it to run.
-        host_step: (parts.host_step && w.host_kernel() && pipeline.is_none())
+        host_step: (parts.host_step && (w.host_kernel() || w.host_step()) && pipeline.is_none())
             .then(HostStep::default),
+        exact_step: !w.host_kernel() && w.host_step(),
         pipeline: pipeline.map(|(_, group)| Stage::new(group)),
     }))
 }
@@ -306,33 +312,35 @@ pub fn build(spec: &ModelSpec, w: &mut WeightStore) -> Result<Box<dyn LanguageMo
 }
 
 impl Model {
-    /// The whole model as a host decode step (`--perf-kernel on`), when every layer is the
-    /// plain full-attention llama block with weights the step takes and f32 norms, and some of
-    /// them are quantized (a dense model keeps its L1 path).
-    fn host_decoder(&self) -> Result<Option<HostDecoder>> {
+    /// The whole model as a host decode step of `form` (the exact one rotating `positions`
+    /// positions), when every layer is the plain
+    /// full-attention llama block with weights the step takes and f32 norms: for `--perf-kernel
+    /// on` some of them quantized (a dense model keeps its L1 path), for `--host-step on` all of
+    /// them dense f32 with every part matching MLX.
+    fn host_decoder(&self, form: HostForm, positions: usize) -> Result<Option<HostDecoder>> {
         if self.sliding.iter().any(|&s| s) {
             return Ok(None);
         }
-        let Some(embed) = self.embed_tokens.host_proj()? else {
+        let Some(embed) = self.embed_tokens.host_proj(form)? else {
             return Ok(None);
         };
         let head = match &self.lm_head {
             None => None,
-            Some(h) => match h.host_proj()? {
+            Some(h) => match h.host_proj(form)? {
                 Some(h) => Some(h),
                 None => return Ok(None),
             },
         };
-        let Some((final_norm, eps)) = self.norm.host_weight()? else {
+        let Some((final_norm, eps)) = self.norm.host_weight(form)? else {
             return Ok(None);
         };
         let mut layers = Vec::with_capacity(self.layers.len());
         let mut shape = None;
         for l in &self.layers {
             let (Some(attn), Some(mlp), Some(norms)) = (
-                l.attn.host_parts()?,
-                l.mlp.host_parts()?,
-                l.norms.host_norms()?,
+                l.attn.host_parts(form)?,
+                l.mlp.host_parts(form)?,
+                l.norms.host_norms(form)?,
             ) else {
                 return Ok(None);
             };
@@ -353,9 +361,16 @@ impl Model {
             .chain([&embed])
             .chain(&head)
             .any(|p| p.weight().quantized());
-        if !quantized {
-            return Ok(None);
-        }
+        let numerics = match form {
+            HostForm::Fast if quantized => Numerics::Fast(rope.host()?),
+            HostForm::Exact if self.swiglu.host_exact()? && exact_attention_matches_mlx(heads)? => {
+                match rope.host_table(heads.head_dim, positions)? {
+                    Some(table) => Numerics::Mlx(table),
+                    None => return Ok(None),
+                }
+            }
+            _ => return Ok(None),
+        };
         Ok(Some(HostDecoder {
             layers,
             embed,
@@ -363,7 +378,7 @@ impl Model {
             final_norm,
             eps,
             heads,
-            rope,
+            numerics,
         }))
     }
 }
@@ -394,7 +409,18 @@ impl Decoder for Model {
         let Some(host_step) = &self.host_step else {
             return Ok(None);
         };
-        let Some(out) = host_step.run(|| self.host_decoder(), inputs, caches, opts)? else {
+        let form = if self.exact_step {
+            // Single tokens only, where the L1 host kernels may run (the step is built, and
+            // its parts checked against MLX, at the first such token).
+            if inputs.shape().last() != Some(&1) || !crate::engine::kernels::host_allowed() {
+                return Ok(None);
+            }
+            HostForm::Exact
+        } else {
+            HostForm::Fast
+        };
+        let build = |positions| self.host_decoder(form, positions);
+        let Some(out) = host_step.run(build, inputs, caches, opts)? else {
             return Ok(None);
         };
         let logits = match out.head {

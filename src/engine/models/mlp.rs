@@ -2,7 +2,7 @@
 
 use super::activations::{CompiledOp, SwiGlu};
 use crate::engine::error::Result;
-use crate::engine::kernels::HostProj;
+use crate::engine::kernels::{HostForm, HostProj};
 use crate::engine::nn::{host_projs, Linear};
 use crate::engine::weights::WeightStore;
 use mlx_rs::Array;
@@ -30,9 +30,9 @@ impl GatedMlp {
         })
     }
 
-    /// `[gate, up, down]` pinned for the host decode step, when the host kernel takes all three.
-    pub fn host_parts(&self) -> Result<Option<[HostProj; 3]>> {
-        host_projs([&self.gate_proj, &self.up_proj, &self.down_proj])
+    /// `[gate, up, down]` pinned for a host decode step of `form`, when it takes all three.
+    pub fn host_parts(&self, form: HostForm) -> Result<Option<[HostProj; 3]>> {
+        host_projs([&self.gate_proj, &self.up_proj, &self.down_proj], form)
     }
 
     /// `down(swiglu(gate(x), up(x)))`.

@@ -504,6 +504,7 @@ pub fn load_on_ranks(
     weights.set_host_kernel(forks.host_q4());
     weights.set_host_matvec(forks.host_dense());
     weights.set_host_elementwise(forks.host_elem());
+    weights.set_host_step(forks.host_exact_step());
     let model = builder(&spec, &mut weights)?;
     weights.finish()?;
     let plan =

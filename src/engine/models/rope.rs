@@ -2,7 +2,7 @@
 //! (`nn.RoPE`) and llama3 (frequency array built with the same MLX ops and dtypes).
 
 use crate::engine::error::{EngineError, Result};
-use crate::engine::kernels::HostRope;
+use crate::engine::kernels::{HostRope, RopeTable};
 use mlx_rs::{fast, ops, Array};
 use serde_json::Value;
 
@@ -116,6 +116,50 @@ impl Rope {
         })
     }
 
+    /// MLX's own rotation as a host table for positions `0..positions` of heads `head_dim`
+    /// wide (the L1 host step): the cosines and sines read back from this rope applied to unit
+    /// vectors, then the host rotation compared with this rope's on random heads at positions
+    /// across the table. `None` where they differ (the step is then not used).
+    pub fn host_table(&self, head_dim: usize, positions: usize) -> Result<Option<RopeTable>> {
+        let (dims, traditional) = match self {
+            Rope::Plain {
+                dims, traditional, ..
+            }
+            | Rope::Freqs {
+                dims, traditional, ..
+            } => (*dims as usize, *traditional),
+        };
+        if dims > head_dim || dims % 2 != 0 || positions == 0 {
+            return Ok(None);
+        }
+        let units = RopeTable::unit_input(dims, head_dim, traditional, positions);
+        let shape = [1, 1, positions as i32, head_dim as i32];
+        let rotated = self.apply(&Array::from_slice(&units, &shape), 0)?;
+        let table =
+            RopeTable::from_rotated_units(dims, head_dim, traditional, &read_f32(&rotated)?);
+        let heads = 3;
+        let key = mlx_rs::random::key(0x2f6b_1c3d)?;
+        let dims4 = [1, heads, 1, head_dim as i32];
+        let x = mlx_rs::random::normal::<f32>(&dims4[..], 0.0, 4.0, &key)?;
+        let probe = read_f32(&x)?;
+        for pos in [0, 1, 2, 37, 1000, 4097, positions - 1] {
+            let pos = pos.min(positions - 1);
+            let mut ours = probe.clone();
+            table
+                .apply(&mut ours, head_dim, pos)
+                .map_err(EngineError::Runtime)?;
+            let theirs = read_f32(&self.apply(&x, pos as i32)?)?;
+            let same = ours
+                .iter()
+                .map(|v| v.to_bits())
+                .eq(theirs.iter().map(|v| v.to_bits()));
+            if !same {
+                return Ok(None);
+            }
+        }
+        Ok(Some(table))
+    }
+
     /// Like [`Rope::apply`] with the offset as an MLX array (`offset=mx.array(cache.offset)`).
     pub fn apply_dynamic(&self, x: &Array, offset: &Array) -> Result<Array> {
         self.rotate(x, Offset::Array(offset))
@@ -192,4 +236,13 @@ fn llama3_freqs(dims: i32, base: f64, factor: f64, cfg: &Value) -> Result<Array>
     let denom = f(1.0).subtract(&smooth)?.divide(f(factor))?.add(&smooth)?;
     let smooth_freqs = freqs.divide(&denom)?;
     Ok(ops::select(&is_medium, &smooth_freqs, &freqs)?)
+}
+
+/// An f32 array's values, evaluated and in row order.
+fn read_f32(a: &Array) -> Result<Vec<f32>> {
+    let a = a.as_dtype(mlx_rs::Dtype::Float32)?.contiguous()?;
+    a.eval()?;
+    a.try_as_slice::<f32>()
+        .map(<[f32]>::to_vec)
+        .map_err(|e| EngineError::Runtime(format!("cannot read a rope result ({e})")))
 }
