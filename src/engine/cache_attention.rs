@@ -231,12 +231,13 @@ fn host_attention_matches_mlx(shape: AttentionShape, scale: f32) -> Result<bool>
 }
 
 /// Whether the L1 host step's f32 attention ([`kernels::attention::attend_f32_query`]) gives
-/// MLX's SDPA bits for this head layout and scale: one query over key counts on both sides of
-/// OpenBLAS's switch from its small-matrix kernel to panels (and up to a few panels of the
-/// values' depth), the keys split as the step splits them (the cache's rows, then the new one);
+/// MLX's SDPA bits for this head layout and scale and a block of `queries` queries (causal past
+/// the first): key counts on both sides of OpenBLAS's switch from its small-matrix kernel to
+/// panels, the keys split as the step splits them (the cache's rows, then the block's own);
 /// decided once per process.
-pub fn exact_attention_matches_mlx(heads: kernels::HeadShape) -> Result<bool> {
-    type Verdicts = std::sync::Mutex<std::collections::HashMap<(usize, usize, usize, u32), bool>>;
+pub fn exact_attention_matches_mlx(heads: kernels::HeadShape, queries: usize) -> Result<bool> {
+    type Key = (usize, usize, usize, u32, usize);
+    type Verdicts = std::sync::Mutex<std::collections::HashMap<Key, bool>>;
     static VERDICTS: std::sync::OnceLock<Verdicts> = std::sync::OnceLock::new();
     let kernels::HeadShape {
         n_heads,
@@ -244,12 +245,16 @@ pub fn exact_attention_matches_mlx(heads: kernels::HeadShape) -> Result<bool> {
         head_dim: dim,
         scale,
     } = heads;
-    let key = (n_heads, n_kv_heads, dim, scale.to_bits());
+    let key = (n_heads, n_kv_heads, dim, scale.to_bits(), queries);
     let verdicts = VERDICTS.get_or_init(Default::default);
     if let Some(v) = kernels::lock(verdicts).get(&key) {
         return Ok(*v);
     }
-    if n_kv_heads == 0 || !n_heads.is_multiple_of(n_kv_heads) || !kernels::mlx_order::available() {
+    if n_kv_heads == 0
+        || !n_heads.is_multiple_of(n_kv_heads)
+        || !kernels::mlx_order::available()
+        || queries == 0
+    {
         return Ok(false);
     }
     let read = |a: &Array| -> Result<Vec<f32>> {
@@ -260,18 +265,15 @@ pub fn exact_attention_matches_mlx(heads: kernels::HeadShape) -> Result<bool> {
             .map_err(|e| EngineError::Runtime(format!("cannot read an attention check ({e})")))
     };
     let mut same = true;
-    for (i, keys) in [1usize, 2, 37, 300, 700, 1300].into_iter().enumerate() {
-        if !kernels::attention::f32_values_fit(1, keys, dim) {
+    for (i, past) in [0usize, 1, 36, 300, 700, 1300].into_iter().enumerate() {
+        let keys = past + queries;
+        if !kernels::attention::f32_values_fit(queries, keys, dim) {
             continue;
         }
         let random = |seed: u64, h: usize| -> Result<Array> {
             let key = mlx_rs::random::key(seed)?;
-            let dims = [
-                1,
-                h as i32,
-                if h == n_heads { 1 } else { keys as i32 },
-                dim as i32,
-            ];
+            let len = if h == n_heads { queries } else { keys };
+            let dims = [1, h as i32, len as i32, dim as i32];
             Ok(mlx_rs::random::normal::<f32>(&dims[..], 0.0, 1.5, &key)?)
         };
         let seed = 0x51ed_270b + 3 * i as u64;
@@ -280,27 +282,31 @@ pub fn exact_attention_matches_mlx(heads: kernels::HeadShape) -> Result<bool> {
             random(seed + 1, n_kv_heads)?,
             random(seed + 2, n_kv_heads)?,
         );
-        let theirs = read(&sdpa(&q, &k, &v, scale, &AttentionMask::None)?)?;
+        // mlx-lm asks for the causal mask on blocks of more than one token.
+        let mask = if queries > 1 {
+            AttentionMask::Causal
+        } else {
+            AttentionMask::None
+        };
+        let theirs = read(&sdpa(&q, &k, &v, scale, &mask)?)?;
         let (qh, kh, vh) = (read(&q)?, read(&k)?, read(&v)?);
-        let order = kernels::mlx_order::F32Kernels::here().block_order(keys, dim, 1);
+        let order = kernels::mlx_order::F32Kernels::here().block_order(keys, dim, queries);
         let mut scores = Vec::new();
         let mut out = vec![0.0f32; dim];
-        for h in 0..n_heads {
+        for (h, t) in (0..n_heads).flat_map(|h| (0..queries).map(move |t| (h, t))) {
             let g = h / (n_heads / n_kv_heads);
-            let scaled: Vec<f32> = qh[h * dim..(h + 1) * dim]
-                .iter()
-                .map(|x| scale * x)
-                .collect();
+            let row = (h * queries + t) * dim;
+            let scaled: Vec<f32> = qh[row..row + dim].iter().map(|x| scale * x).collect();
             let head = |a: &[f32], rows: std::ops::Range<usize>| {
                 a[(g * keys + rows.start) * dim..(g * keys + rows.end) * dim].to_vec()
             };
-            let (past, new) = (0..keys - 1, keys - 1..keys);
+            let (cached, block) = (0..past, past..keys);
             kernels::attention::attend_f32_query(
                 &scaled,
-                (&head(&kh, past.clone()), &head(&vh, past)),
-                (&head(&kh, new.clone()), &head(&vh, new)),
+                (&head(&kh, cached.clone()), &head(&vh, cached)),
+                (&head(&kh, block.clone()), &head(&vh, block)),
                 keys,
-                keys,
+                past + t + 1,
                 &order,
                 &mut scores,
                 &mut out,
@@ -309,7 +315,7 @@ pub fn exact_attention_matches_mlx(heads: kernels::HeadShape) -> Result<bool> {
             same &= out
                 .iter()
                 .map(|x| x.to_bits())
-                .eq(theirs[h * dim..(h + 1) * dim].iter().map(|x| x.to_bits()));
+                .eq(theirs[row..row + dim].iter().map(|x| x.to_bits()));
         }
     }
     kernels::lock(verdicts).insert(key, same);

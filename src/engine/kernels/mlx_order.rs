@@ -446,6 +446,45 @@ fn rows_into(
     }
 }
 
+/// Outputs `range` of a block of f32 tokens' product `x · Wᵀ` (`x`: `tokens × cols`) in `order`
+/// into `out` (token-major, `tokens × range.len()`), on this thread: what the host decode step
+/// ([`super::step`]) runs per share of rows for a speculative verify block, each weight read once
+/// per few tokens. Errors when the CPU lacks the kernels for `order` or the lengths disagree.
+#[allow(clippy::too_many_arguments)]
+pub fn block_rows(
+    w: &[f32],
+    rows: usize,
+    cols: usize,
+    x: &[f32],
+    tokens: usize,
+    order: &Order,
+    range: Range<usize>,
+    out: &mut [f32],
+) -> Result<(), String> {
+    let Some(simd) = simd().filter(|s| s.runs_here()) else {
+        return Err("this CPU has neither AVX-512 nor AVX2 for the host product".into());
+    };
+    if cols == 0 || !takes_tokens_on(Some(simd), order, tokens) || *order == Order::Sequential {
+        return Err(format!("{tokens} f32 tokens in {order:?} on {simd:?}"));
+    }
+    if w.len() != rows * cols
+        || range.end > rows
+        || x.len() != tokens * cols
+        || out.len() != tokens * range.len()
+    {
+        return Err(format!(
+            "rows {range:?} of {rows}x{cols} ({} values), input {} for {tokens} tokens, output {}",
+            w.len(),
+            x.len(),
+            out.len()
+        ));
+    }
+    // The panel kernel adds each panel's sum to the output.
+    out.fill(0.0);
+    rows_into(simd, Weights::F32(w), rows, cols, x, tokens, order, range, out);
+    Ok(())
+}
+
 /// Outputs `range` of one f32 token's product `x · Wᵀ` in `order` into `out` (`range.len()`
 /// values), on this thread, where `w` holds the rows of a product `rows` outputs wide that start
 /// at output `first` (the small-matrix order reduces an output by where it sits in the whole

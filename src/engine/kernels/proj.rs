@@ -15,7 +15,7 @@ use super::affine::{row_fits, rows_into as affine_rows_into, Prepared, QMatrix};
 use super::dense::HostDense;
 use super::dispatch::Selection;
 use super::host::{widened, HostQuant, HostSlice};
-use super::mlx_order::{token_rows, F32Kernels};
+use super::mlx_order::{block_rows, token_rows, F32Kernels};
 use super::qdense::HostQDense;
 use super::quant_order::{self, Path, QuantWeights};
 use super::vecops::dot_lanes;
@@ -240,15 +240,9 @@ impl ProjView<'_> {
                 Ok(())
             }
             Kind::Packed(w) => {
-                // The kernel writes token-major; the step's buffers are by output feature.
-                let len = rows.len();
-                let mut by_token = vec![0.0f32; m * len];
+                let mut by_token = vec![0.0f32; m * rows.len()];
                 quant_order::rows_into(Path::best(), w, x, m, rows, &mut by_token);
-                for (t, vals) in by_token.chunks_exact(len.max(1)).enumerate() {
-                    for (r, v) in vals.iter().enumerate() {
-                        out[r * m + t] = *v;
-                    }
-                }
+                by_feature(&by_token, m, out);
                 Ok(())
             }
             Kind::Dense(w) => {
@@ -260,24 +254,9 @@ impl ProjView<'_> {
                 if m == 1 {
                     return token_rows(w, 0, self.rows, self.cols, x, &order, rows, out);
                 }
-                // Each token alone (every output of every token is its own sum in these
-                // orders), then laid out by output feature.
-                let mut one = vec![0.0f32; rows.len()];
-                for (t, xt) in x.chunks_exact(self.cols).enumerate() {
-                    token_rows(
-                        w,
-                        0,
-                        self.rows,
-                        self.cols,
-                        xt,
-                        &order,
-                        rows.clone(),
-                        &mut one,
-                    )?;
-                    for (r, v) in one.iter().enumerate() {
-                        out[r * m + t] = *v;
-                    }
-                }
+                let mut by_token = vec![0.0f32; m * rows.len()];
+                block_rows(w, self.rows, self.cols, x, m, &order, rows, &mut by_token)?;
+                by_feature(&by_token, m, out);
                 Ok(())
             }
         }
@@ -289,6 +268,17 @@ impl ProjView<'_> {
             for row in x.chunks_exact_mut(self.rows) {
                 row.iter_mut().zip(b).for_each(|(v, b)| *v += b);
             }
+        }
+    }
+}
+
+/// A kernel's token-major outputs (`m × rows`) laid out by output feature (`rows × m`), as the
+/// step's buffers hold them.
+fn by_feature(by_token: &[f32], m: usize, out: &mut [f32]) {
+    let len = by_token.len() / m.max(1);
+    for (t, vals) in by_token.chunks_exact(len.max(1)).enumerate() {
+        for (r, v) in vals.iter().enumerate() {
+            out[r * m + t] = *v;
         }
     }
 }

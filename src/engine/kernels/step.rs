@@ -15,7 +15,7 @@ use super::attention::attend_f32_query;
 use super::dispatch::{by_token, selection, Selection};
 use super::elementwise;
 use super::mlx_order::F32Kernels;
-use super::proj::{HostProj, ProjView};
+use super::proj::{HostProj, ProjView, ProjWeight};
 use super::rope_table::RopeTable;
 use super::team::{run_team, ErrorSlot, Member, Shared};
 use super::vecops::{attend_head, rms_norm, silu_mul, HeadShape, HostRope, KvRows};
@@ -255,20 +255,45 @@ impl HostDecoder {
     }
 
     /// Whether a block of `m` tokens after `past` cached positions is one this step computes:
-    /// any under [`Numerics::Fast`]; under [`Numerics::Mlx`] a single token (verify blocks and
-    /// prompts keep the per-layer path, which also has MLX's bits) within the rope table, whose
-    /// attention sums its values as MLX does ([`super::attention::f32_values_fit`]), on a thread
-    /// where the L1 host kernels may run.
+    /// any under [`Numerics::Fast`]; under [`Numerics::Mlx`] a block of up to [`MAX_M`] tokens
+    /// (one block: each product sums in the order MLX uses for the block's size) within the
+    /// rope table, whose attention sums its
+    /// values as MLX does ([`super::attention::f32_values_fit`]), on a thread where the L1 host
+    /// kernels may run (see also [`HostDecoder::exact_ready`]).
     pub fn takes(&self, m: usize, past: usize) -> bool {
         match &self.numerics {
             Numerics::Fast(_) => true,
             Numerics::Mlx(table) => {
-                m == 1
+                m <= MAX_M
                     && past + m <= table.positions()
                     && super::attention::f32_values_fit(m, past + m, self.heads.head_dim)
                     && super::host_allowed()
             }
         }
+    }
+
+    /// Whether the step is the L1 one ([`Numerics::Mlx`]).
+    pub fn is_exact(&self) -> bool {
+        matches!(self.numerics, Numerics::Mlx(_))
+    }
+
+    /// Under [`Numerics::Mlx`], whether every projection's host product of `m` tokens matched
+    /// MLX's (each weight shape checked against MLX once per token count, see
+    /// [`super::dense::HostDense::accepts`]); always under [`Numerics::Fast`].
+    pub fn exact_ready(&self, m: usize) -> Result<bool> {
+        let projections = self
+            .layers
+            .iter()
+            .flat_map(|l| l.attn.iter().chain(&l.mlp))
+            .chain(self.head.as_ref().or(Some(&self.embed)));
+        for p in projections {
+            if let ProjWeight::Exact(dense) = p.weight() {
+                if !dense.accepts(m)? {
+                    return Ok(false);
+                }
+            }
+        }
+        Ok(true)
     }
 
     /// Runs the block `ids` (1..=[`MAX_M`] tokens at positions `past[_].len..`) through the

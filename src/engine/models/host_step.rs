@@ -12,6 +12,7 @@
 
 use super::{Caches, ForwardOpts};
 use crate::engine::cache::{KvCache, StoredKv};
+use crate::engine::cache_attention::exact_attention_matches_mlx;
 use crate::engine::error::{EngineError, Result};
 use crate::engine::kernels::{HostDecoder, PastKv, StepOut, StepPlan, MAX_M};
 use mlx_rs::{Array, Dtype};
@@ -20,7 +21,11 @@ use std::cell::RefCell;
 /// A model's host step, built on first use (`None` inside when the model does not qualify), and
 /// built again for more positions when a step needs them ([`HostDecoder::positions`]).
 #[derive(Default)]
-pub struct HostStep(RefCell<Option<Option<HostDecoder>>>);
+pub struct HostStep {
+    decoder: RefCell<Option<Option<HostDecoder>>>,
+    /// Per block size, whether the L1 step's products and attention matched MLX's.
+    exact_ready: RefCell<Vec<Option<bool>>>,
+}
 
 /// Positions the first build of a step covers; each rebuild doubles past what a step needs.
 const FIRST_POSITIONS: usize = 1024;
@@ -93,19 +98,19 @@ impl HostStep {
         let m = shape[1] as usize;
         let past = caches.first().map_or(0, |c| c.offset().max(0) as usize);
         let needed = past + m;
-        let short = match &*self.0.borrow() {
+        let short = match &*self.decoder.borrow() {
             None => true,
             Some(built) => built.as_ref().is_some_and(|d| d.positions() < needed),
         };
         if short {
             let built = build(needed.next_power_of_two().max(FIRST_POSITIONS))?;
-            *self.0.borrow_mut() = Some(built);
+            *self.decoder.borrow_mut() = Some(built);
         }
-        let held = self.0.borrow();
+        let held = self.decoder.borrow();
         let Some(decoder) = held.as_ref().and_then(Option::as_ref) else {
             return Ok(None);
         };
-        if !decoder.takes(m, past) {
+        if !decoder.takes(m, past) || !self.ready_for(decoder, m)? {
             return Ok(None);
         }
         let run = opts.layers_to_run(decoder.layers.len(), decoder.layers.len(), caches.len())?;
@@ -162,6 +167,27 @@ impl HostStep {
             .map(|t| Array::from_slice(t, &[1, l, d]))
             .collect();
         Ok(Some(HostOut { head, taps }))
+    }
+}
+
+impl HostStep {
+    /// Whether the step may run a block of `m` tokens: always for the L3 step; for the L1 one
+    /// once every product and the attention of `m` tokens matched MLX's (checked at the first
+    /// block of that size).
+    fn ready_for(&self, decoder: &HostDecoder, m: usize) -> Result<bool> {
+        if !decoder.is_exact() {
+            return Ok(true);
+        }
+        if let Some(Some(known)) = self.exact_ready.borrow().get(m) {
+            return Ok(*known);
+        }
+        let ready = decoder.exact_ready(m)? && exact_attention_matches_mlx(decoder.heads, m)?;
+        let mut known = self.exact_ready.borrow_mut();
+        if known.len() <= m {
+            known.resize(m + 1, None);
+        }
+        known[m] = Some(ready);
+        Ok(ready)
     }
 }
 

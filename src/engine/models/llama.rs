@@ -363,7 +363,7 @@ impl Model {
             .any(|p| p.weight().quantized());
         let numerics = match form {
             HostForm::Fast if quantized => Numerics::Fast(rope.host()?),
-            HostForm::Exact if self.swiglu.host_exact()? && exact_attention_matches_mlx(heads)? => {
+            HostForm::Exact if self.swiglu.host_exact()? && exact_attention_matches_mlx(heads, 1)? => {
                 match rope.host_table(heads.head_dim, positions)? {
                     Some(table) => Numerics::Mlx(table),
                     None => return Ok(None),
@@ -410,9 +410,9 @@ impl Decoder for Model {
             return Ok(None);
         };
         let form = if self.exact_step {
-            // Single tokens only, where the L1 host kernels may run (the step is built, and
-            // its parts checked against MLX, at the first such token).
-            if inputs.shape().last() != Some(&1) || !crate::engine::kernels::host_allowed() {
+            // Only where the L1 host kernels may run (the step is built, and its parts
+            // checked against MLX, at the first such call).
+            if !crate::engine::kernels::host_allowed() {
                 return Ok(None);
             }
             HostForm::Exact
