@@ -177,14 +177,18 @@ fn rms_norm_equals_mlx_over_widths_magnitudes_and_epsilons_in_f32_and_bf16() {
 fn tiny_f32_llama_takes_the_host_paths_with_the_same_logits() {
     let dir = tempfile::tempdir().unwrap();
     common::make_model(dir.path(), &common::tiny_llama(json!({})), "f32", None);
-    let on = Forks::default();
     assert!(
-        on.host_elementwise,
+        Forks::default().host_elementwise,
         "--host-elementwise is on by default in L1"
     );
+    // The per-layer path (the whole host step, `--host-step`, is checked in model_parity.rs).
+    let on = Forks {
+        host_step: false,
+        ..Forks::default()
+    };
     let off = Forks {
         host_elementwise: false,
-        ..Forks::default()
+        ..on
     };
     let before = host_swiglu_calls();
     let norms_before = host_norm_calls();

@@ -208,11 +208,19 @@ fn tiny_f32_and_bf16_llamas_decode_on_the_host_path_with_the_same_logits() {
     for dtype in ["f32", "bf16"] {
         let dir = tempfile::tempdir().unwrap();
         common::make_model(dir.path(), &common::tiny_llama(json!({})), dtype, None);
-        let on = Forks::default();
-        assert!(on.host_matvec, "--host-matvec is on by default in L1");
+        assert!(
+            Forks::default().host_matvec,
+            "--host-matvec is on by default in L1"
+        );
+        // The per-layer path (the whole host step, `--host-step`, is checked in
+        // model_parity.rs).
+        let on = Forks {
+            host_step: false,
+            ..Forks::default()
+        };
         let off = Forks {
             host_matvec: false,
-            ..Forks::default()
+            ..on
         };
         let mut t = common::Twins::prefill(dir.path(), off, on, 9, 2);
         let (la, lb) = t.prefill.clone();

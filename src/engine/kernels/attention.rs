@@ -142,9 +142,14 @@ pub fn attend_bf16(
 }
 
 /// MLX's precise softmax of one row of bfloat16 scores (given widened), in place, each result
-/// already rounded to bfloat16 (and widened back): the maximum, `exp(x - max)` summed left to
-/// right, each exponential times `1 / sum`.
+/// already rounded to bfloat16 (and widened back).
 fn softmax_row(row: &mut [f32]) {
+    softmax_row_as(row, |p| bf16_mlx(p).to_f32());
+}
+
+/// MLX's precise softmax of one row in place: the maximum, `exp(x - max)` summed left to right,
+/// each exponential times `1 / sum`, then `round` to the scores' dtype.
+fn softmax_row_as(row: &mut [f32], round: impl Fn(f32) -> f32) {
     let max = row.iter().fold(f32::NEG_INFINITY, |m, x| m.max(*x));
     for x in row.iter_mut() {
         *x -= max;
@@ -156,7 +161,7 @@ fn softmax_row(row: &mut [f32]) {
     }
     let inv = 1.0 / sum;
     for e in row.iter_mut() {
-        *e = bf16_mlx(*e * inv).to_f32();
+        *e = round(*e * inv);
     }
 }
 
@@ -235,19 +240,7 @@ pub fn attend_f32_query(
     for s in &mut scores[visible..] {
         *s = f32::MIN;
     }
-    let max = scores.iter().fold(f32::NEG_INFINITY, |m, x| m.max(*x));
-    for s in scores.iter_mut() {
-        *s -= max;
-    }
-    exp_mlx_slice(scores);
-    let mut sum = 0.0f32;
-    for e in scores.iter() {
-        sum += e;
-    }
-    let inv = 1.0 / sum;
-    for e in scores.iter_mut() {
-        *e *= inv;
-    }
+    softmax_row_as(scores, |p| p);
     out.fill(0.0);
     let rows = |s: usize| {
         if s < past {

@@ -446,6 +446,18 @@ fn rows_into(
     }
 }
 
+/// The instruction set an f32 product of `tokens` tokens at depth `cols` in `order` runs on here,
+/// or why none does.
+fn f32_simd(order: &Order, tokens: usize, cols: usize) -> Result<Simd, String> {
+    let Some(simd) = simd().filter(|s| s.runs_here()) else {
+        return Err("this CPU has neither AVX-512 nor AVX2 for the host product".into());
+    };
+    if cols == 0 || !takes_tokens_on(Some(simd), order, tokens) || *order == Order::Sequential {
+        return Err(format!("{tokens} f32 tokens in {order:?} on {simd:?}"));
+    }
+    Ok(simd)
+}
+
 /// Outputs `range` of a block of f32 tokens' product `x · Wᵀ` (`x`: `tokens × cols`) in `order`
 /// into `out` (token-major, `tokens × range.len()`), on this thread: what the host decode step
 /// ([`super::step`]) runs per share of rows for a speculative verify block, each weight read once
@@ -461,12 +473,7 @@ pub fn block_rows(
     range: Range<usize>,
     out: &mut [f32],
 ) -> Result<(), String> {
-    let Some(simd) = simd().filter(|s| s.runs_here()) else {
-        return Err("this CPU has neither AVX-512 nor AVX2 for the host product".into());
-    };
-    if cols == 0 || !takes_tokens_on(Some(simd), order, tokens) || *order == Order::Sequential {
-        return Err(format!("{tokens} f32 tokens in {order:?} on {simd:?}"));
-    }
+    let simd = f32_simd(order, tokens, cols)?;
     if w.len() != rows * cols
         || range.end > rows
         || x.len() != tokens * cols
@@ -481,7 +488,17 @@ pub fn block_rows(
     }
     // The panel kernel adds each panel's sum to the output.
     out.fill(0.0);
-    rows_into(simd, Weights::F32(w), rows, cols, x, tokens, order, range, out);
+    rows_into(
+        simd,
+        Weights::F32(w),
+        rows,
+        cols,
+        x,
+        tokens,
+        order,
+        range,
+        out,
+    );
     Ok(())
 }
 
@@ -502,12 +519,7 @@ pub fn token_rows(
     range: Range<usize>,
     out: &mut [f32],
 ) -> Result<(), String> {
-    let Some(simd) = simd().filter(|s| s.runs_here()) else {
-        return Err("this CPU has neither AVX-512 nor AVX2 for the host product".into());
-    };
-    if cols == 0 || !takes_tokens_on(Some(simd), order, 1) || *order == Order::Sequential {
-        return Err(format!("an f32 token in {order:?} on {simd:?}"));
-    }
+    let simd = f32_simd(order, 1, cols)?;
     if range.end * cols > w.len()
         || x.len() != cols
         || out.len() != range.len()

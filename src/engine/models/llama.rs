@@ -363,7 +363,9 @@ impl Model {
             .any(|p| p.weight().quantized());
         let numerics = match form {
             HostForm::Fast if quantized => Numerics::Fast(rope.host()?),
-            HostForm::Exact if self.swiglu.host_exact()? && exact_attention_matches_mlx(heads, 1)? => {
+            HostForm::Exact
+                if self.swiglu.host_exact()? && exact_attention_matches_mlx(heads, 1)? =>
+            {
                 match rope.host_table(heads.head_dim, positions)? {
                     Some(table) => Numerics::Mlx(table),
                     None => return Ok(None),
