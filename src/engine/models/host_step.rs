@@ -1,7 +1,7 @@
 //! The host decode step of llama-style models: under `--perf-kernel on` (L3) small blocks (a
 //! decode token, a speculative verify block) run as one [`HostDecoder`] step on the host
-//! instead of an MLX graph; under `--host-step on` (L1) dense f32 decode tokens do, in MLX's
-//! own order.
+//! instead of an MLX graph; under `--host-step on` (L1) blocks of up to eight tokens of a
+//! dense f32 model do, in MLX's own order.
 //!
 //! The MLX caches stay the source of truth: the step reads each layer's past keys/values in
 //! place from the cache buffers and appends its new ones through `update_and_fetch`, so

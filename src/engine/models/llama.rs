@@ -11,7 +11,7 @@ use super::{Caches, ForwardOpts, ForwardOut, LanguageModel, ModelSpec};
 use crate::engine::cache::{AttentionMask, KvCache};
 use crate::engine::cache_attention::exact_attention_matches_mlx;
 use crate::engine::error::Result;
-use crate::engine::kernels::{HostDecoder, HostForm, HostLayer, Numerics};
+use crate::engine::kernels::{HostDecoder, HostForm, HostLayer, Numerics, MAX_M};
 use crate::engine::nn::{Embedding, Linear, RmsNorm};
 use crate::engine::shard::{ShardPlan, Sharding};
 use crate::engine::weights::WeightStore;
@@ -312,11 +312,10 @@ pub fn build(spec: &ModelSpec, w: &mut WeightStore) -> Result<Box<dyn LanguageMo
 }
 
 impl Model {
-    /// The whole model as a host decode step of `form` (the exact one rotating `positions`
-    /// positions), when every layer is the plain
+    /// The whole model as a host decode step of `form`, when every layer is the plain
     /// full-attention llama block with weights the step takes and f32 norms: for `--perf-kernel
     /// on` some of them quantized (a dense model keeps its L1 path), for `--host-step on` all of
-    /// them dense f32 with every part matching MLX.
+    /// them dense f32 with every part matching MLX (its rope table covering `positions`).
     fn host_decoder(&self, form: HostForm, positions: usize) -> Result<Option<HostDecoder>> {
         if self.sliding.iter().any(|&s| s) {
             return Ok(None);
@@ -412,9 +411,10 @@ impl Decoder for Model {
             return Ok(None);
         };
         let form = if self.exact_step {
-            // Only where the L1 host kernels may run (the step is built, and its parts
-            // checked against MLX, at the first such call).
-            if !crate::engine::kernels::host_allowed() {
+            // Only blocks it may take, where the L1 host kernels may run (the step is built,
+            // and its parts checked against MLX, at the first such call, not in a long prefill).
+            let block = inputs.shape().last().copied().unwrap_or(0) as usize;
+            if block > MAX_M || !crate::engine::kernels::host_allowed() {
                 return Ok(None);
             }
             HostForm::Exact
