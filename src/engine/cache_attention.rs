@@ -294,7 +294,7 @@ pub fn exact_attention_matches_mlx(heads: kernels::HeadShape, queries: usize) ->
         let mut scores = Vec::new();
         let mut out = vec![0.0f32; dim];
         for (h, t) in (0..n_heads).flat_map(|h| (0..queries).map(move |t| (h, t))) {
-            let g = h / (n_heads / n_kv_heads);
+            let g = heads.kv_head(h);
             let row = (h * queries + t) * dim;
             let scaled: Vec<f32> = qh[row..row + dim].iter().map(|x| scale * x).collect();
             let head = |a: &[f32], rows: std::ops::Range<usize>| {

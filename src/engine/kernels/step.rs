@@ -215,7 +215,7 @@ fn mlx_attention(
     out: &mut [f32],
 ) -> Result<()> {
     let hd = s.head_dim;
-    let kvh = head / (s.n_heads / s.n_kv_heads);
+    let kvh = s.kv_head(head);
     let m = keys.new_len;
     let total = keys.len + m;
     let scaled: Vec<f32> = q.iter().map(|v| s.scale * v).collect();
@@ -257,9 +257,9 @@ impl HostDecoder {
     /// Whether a block of `m` tokens after `past` cached positions is one this step computes:
     /// any under [`Numerics::Fast`]; under [`Numerics::Mlx`] a block of up to [`MAX_M`] tokens
     /// (one block: each product sums in the order MLX uses for the block's size) within the
-    /// rope table, whose attention sums its
-    /// values as MLX does ([`super::attention::f32_values_fit`]), on a thread where the L1 host
-    /// kernels may run (see also [`HostDecoder::exact_ready`]).
+    /// rope table, whose attention sums its values as MLX does
+    /// ([`super::attention::f32_values_fit`]), on a thread where the L1 host kernels may run
+    /// (see also [`HostDecoder::exact_ready`]).
     pub fn takes(&self, m: usize, past: usize) -> bool {
         match &self.numerics {
             Numerics::Fast(_) => true,
@@ -342,7 +342,7 @@ impl HostDecoder {
         };
         // Run on a pool thread so the step's many fork/joins stay inside the pool.
         let (out, ()) = rayon::join(|| view.step(sel, ids, past, plan), || ());
-        if out.is_ok() && matches!(self.numerics, Numerics::Mlx(_)) {
+        if out.is_ok() && self.is_exact() {
             EXACT_STEPS.with(|c| c.set(c.get() + 1));
         }
         out

@@ -149,6 +149,13 @@ pub struct HeadShape {
     pub scale: f32,
 }
 
+impl HeadShape {
+    /// The key/value head query head `h` reads.
+    pub fn kv_head(&self, h: usize) -> usize {
+        h / (self.n_heads / self.n_kv_heads)
+    }
+}
+
 /// Causal attention of query head `h` (`q`: `head_dim` values) of the block's token `j` over
 /// every past position and the block's first `j + 1` new ones, into `out` (`head_dim`).
 /// `scores` is scratch of at least `len + j + 1` values.
@@ -164,7 +171,7 @@ pub fn attend_head(
     out: &mut [f32],
 ) {
     let hd = s.head_dim;
-    let kvh = h / (s.n_heads / s.n_kv_heads);
+    let kvh = s.kv_head(h);
     let scores = &mut scores[..keys.len + j + 1];
     let mut max = f32::NEG_INFINITY;
     for (p, sc) in scores.iter_mut().enumerate() {

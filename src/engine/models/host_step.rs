@@ -168,9 +168,7 @@ impl HostStep {
             .collect();
         Ok(Some(HostOut { head, taps }))
     }
-}
 
-impl HostStep {
     /// Whether the step may run a block of `m` tokens: always for the L3 step; for the L1 one
     /// once every product and the attention of `m` tokens matched MLX's (checked at the first
     /// block of that size).
