@@ -138,6 +138,59 @@ fn llama_f32_host_step_across_rope_table_growth_and_long_attention() {
     assert_host_steps(steps, 200, 32);
 }
 
+/// Speculative verify blocks of one to eight tokens on an f32 llama with SmolLM2's grouping
+/// (three query heads per key/value head) are L1 host steps whose logits are bit-identical to
+/// mlx-lm forwarding the same blocks on the same cache. The block's size decides how OpenBLAS
+/// sums its attention scores (the small-matrix kernel reduces a whole group of four queries
+/// with its transpose, the queries past it alone, and past 1,200 scores its GEMM driver takes
+/// over), so every size from one to eight is checked, at depths on both sides of that limit.
+#[test]
+fn llama_f32_verify_blocks_of_one_to_eight_tokens() {
+    let config = llama(json!({"num_attention_heads": 6, "num_key_value_heads": 2, "head_dim": 32}));
+    let dir = tempfile::tempdir().unwrap();
+    common::make_model(dir.path(), &config, "f32", None);
+    let vocab = config["vocab_size"].as_u64().unwrap() as u32;
+    let prompt = common::prompt_ids(141, vocab, 3);
+    let sizes = [1usize, 2, 3, 4, 5, 6, 7, 8, 8, 7, 6, 5, 4, 3];
+    let blocks: Vec<Vec<u32>> = (0..sizes.len())
+        .map(|i| common::prompt_ids(sizes[i], vocab, 11 + i as u32))
+        .collect();
+    let oracle = common::oracle_trace(&json!({
+        "model": dir.path(),
+        "prompt_ids": prompt,
+        "max_tokens": 1,
+        "prompt_logits": true,
+        "blocks": blocks,
+    }));
+
+    let mut loaded = models::load(dir.path(), Forks::default()).unwrap();
+    let model = loaded.model.as_mut();
+    let mut caches = model.make_caches();
+    let ids = |ids: &[u32]| {
+        let v: Vec<i32> = ids.iter().map(|&t| t as i32).collect();
+        mlx_rs::Array::from_slice(&v, &[1, v.len() as i32])
+    };
+    model.forward(&ids(&prompt), &mut caches).unwrap();
+    let steps_before = exact_steps_here();
+    for (i, block) in blocks.iter().enumerate() {
+        let logits = model.forward(&ids(block), &mut caches).unwrap();
+        let want = &oracle[&format!("block_logits_{i}")];
+        assert_eq!(
+            common::bits(&logits.squeeze_axes(&[0]).unwrap()),
+            common::bits(want),
+            "logits of block {i} ({} tokens) differ from mlx-lm",
+            block.len()
+        );
+    }
+    let steps = exact_steps_here() - steps_before;
+    if mlxb::engine::kernels::attention::f32_values_fit(1, 1, 32) {
+        assert_eq!(steps, blocks.len(), "blocks taken by the L1 host step");
+    } else {
+        eprintln!("this machine's OpenBLAS sums attention otherwise: checked off the host step");
+        assert_eq!(steps, 0);
+    }
+}
+
 #[test]
 fn llama_4bit_chunked_prefill() {
     check(

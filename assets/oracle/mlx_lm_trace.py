@@ -1,11 +1,13 @@
 """mlx-lm side of `mlxb parity` (and the engine tests): runs mlx-lm 0.32.2's own generate_step
 on given prompt token ids and saves every step's token id and full-vocab logprobs, plus
-(optionally) the logits of a one-shot forward over the prompt.
+(optionally) the logits of a one-shot forward over the prompt and of blocks forwarded after it
+on the same cache (as a speculative verify feeds its blocks).
 
 usage: python mlx_lm_trace.py REQUEST.json OUT.safetensors
 REQUEST: {"model": dir, "prompt_ids": [...], "max_tokens": n, "prefill_step_size": 2048,
           "sampler": {make_sampler kwargs}, "processors": {make_logits_processors kwargs},
-          "seed": int|null, "prompt_logits": bool, "max_kv_size": int|null,
+          "seed": int|null, "prompt_logits": bool, "blocks": [[ids], ...] (with prompt_logits:
+          each block's logits as block_logits_<i>), "max_kv_size": int|null,
           "kv_bits": int|null, "kv_group_size": 64, "quantized_kv_start": 5000}
 Prints one JSON line with timings.
 """
@@ -32,6 +34,9 @@ def main(request_path, out_path):
         cache = make_prompt_cache(model)
         out["prompt_logits"] = model(prompt[None], cache=cache)[0]
         mx.eval(out["prompt_logits"])
+        for i, block in enumerate(req.get("blocks", [])):
+            out[f"block_logits_{i}"] = model(mx.array(block)[None], cache=cache)[0]
+            mx.eval(out[f"block_logits_{i}"])
     if req.get("seed") is not None:
         mx.random.seed(req["seed"])
     sampler = make_sampler(**req.get("sampler", {}))

@@ -183,12 +183,18 @@ impl VerifyTiming {
 
 /// Times a verify test: after `inputs.context` is cached, a one-token step and then the whole
 /// `inputs.tokens` block, each a forward with every row's logits and the caches evaluated, the
-/// caches put back after each.
+/// caches put back after each. The context's last token goes in as the generation loop's first
+/// step does (one token on MLX after the prompt), so the block meets the caches a verify meets
+/// in generation.
 pub fn time_verify(loaded: &mut LoadedModel, inputs: &TestInputs) -> Result<VerifyTiming> {
     let LoadedModel { model, plan, .. } = loaded;
     let mut caches = model.make_caches();
     plan.prepare(&mut caches);
-    prefill(model.as_mut(), plan, &mut caches, &inputs.context, 2048)?;
+    let (prompt, first) = inputs
+        .context
+        .split_at(inputs.context.len().saturating_sub(1));
+    prefill(model.as_mut(), plan, &mut caches, prompt, 2048)?;
+    crate::engine::kernels::mlx_only(|| prefill(model.as_mut(), plan, &mut caches, first, 1))?;
     let mut timed = |tokens: &[u32]| -> Result<f64> {
         let saved: Vec<_> = caches.iter().map(|c| c.snapshot()).collect();
         let ids: Vec<i32> = tokens.iter().map(|&t| t as i32).collect();

@@ -270,17 +270,16 @@ pub fn exact_attention_matches_mlx(heads: kernels::HeadShape, queries: usize) ->
         if !kernels::attention::f32_values_fit(queries, keys, dim) {
             continue;
         }
-        let random = |seed: u64, h: usize| -> Result<Array> {
+        let random = |seed: u64, h: usize, len: usize| -> Result<Array> {
             let key = mlx_rs::random::key(seed)?;
-            let len = if h == n_heads { queries } else { keys };
             let dims = [1, h as i32, len as i32, dim as i32];
             Ok(mlx_rs::random::normal::<f32>(&dims[..], 0.0, 1.5, &key)?)
         };
         let seed = 0x51ed_270b + 3 * i as u64;
         let (q, k, v) = (
-            random(seed, n_heads)?,
-            random(seed + 1, n_kv_heads)?,
-            random(seed + 2, n_kv_heads)?,
+            random(seed, n_heads, queries)?,
+            random(seed + 1, n_kv_heads, keys)?,
+            random(seed + 2, n_kv_heads, keys)?,
         );
         // mlx-lm asks for the causal mask on blocks of more than one token.
         let mask = if queries > 1 {

@@ -223,16 +223,31 @@ pub fn attend_f32_query(
         ));
     }
     scores.resize(keys, 0.0);
-    mlx_order::token_rows(past_k, 0, keys, dim, q, order, 0..past, &mut scores[..past])?;
+    // The block's queries sit where its new keys do (a causal block): this one is query
+    // `visible - past - 1` of `new`, and the small-matrix order reduces a score by both.
     let new = keys - past;
+    let query = (visible.saturating_sub(past + 1), new.max(1));
+    let (cached, block) = (0..past, 0..new);
+    mlx_order::token_rows(
+        past_k,
+        0,
+        keys,
+        dim,
+        q,
+        query,
+        order,
+        cached,
+        &mut scores[..past],
+    )?;
     mlx_order::token_rows(
         new_k,
         past,
         keys,
         dim,
         q,
+        query,
         order,
-        0..new,
+        block,
         &mut scores[past..],
     )?;
     // Masked keys take the lowest finite value, as MLX's `where` writes: their exponential is

@@ -416,7 +416,7 @@ fn rows_into(
                     for t in 0..tokens {
                         let xt = &x[t * cols..(t + 1) * cols];
                         let o = t * len + r - range.start;
-                        let quads_end = rows & !3;
+                        let quads_end = quad_reduced_rows(rows, t, tokens);
                         x86::lanes(w, quads_end, cols, xt, r..end, &mut out[o..o + end - r]);
                     }
                     r = end;
@@ -504,10 +504,11 @@ pub fn block_rows(
 
 /// Outputs `range` of one f32 token's product `x · Wᵀ` in `order` into `out` (`range.len()`
 /// values), on this thread, where `w` holds the rows of a product `rows` outputs wide that start
-/// at output `first` (the small-matrix order reduces an output by where it sits in the whole
-/// product). What the host decode step ([`super::step`]) and its attention run per share of
-/// rows: an attention's keys lie in two buffers (the cache and the step's new ones) yet are one
-/// product. Errors when the CPU lacks the kernels for `order` or the lengths disagree.
+/// at output `first`, and the token is `token` of a block of `tokens` (the small-matrix order
+/// reduces an output by where it sits in the whole product, see [`quad_reduced_rows`]). What
+/// the host decode step ([`super::step`]) and its attention run per share of rows: an
+/// attention's keys lie in two buffers (the cache and the step's new ones) yet are one product.
+/// Errors when the CPU lacks the kernels for `order` or the lengths disagree.
 #[allow(clippy::too_many_arguments)]
 pub fn token_rows(
     w: &[f32],
@@ -515,6 +516,7 @@ pub fn token_rows(
     rows: usize,
     cols: usize,
     x: &[f32],
+    (token, tokens): (usize, usize),
     order: &Order,
     range: Range<usize>,
     out: &mut [f32],
@@ -524,6 +526,7 @@ pub fn token_rows(
         || x.len() != cols
         || out.len() != range.len()
         || first + range.end > rows
+        || token >= tokens
     {
         return Err(format!(
             "rows {range:?} (from {first} of {rows}) of {} values at depth {cols}, input {}, output {}",
@@ -538,7 +541,7 @@ pub fn token_rows(
     unsafe {
         match order {
             Order::Lanes => {
-                let quads_end = (rows & !3).saturating_sub(first);
+                let quads_end = quad_reduced_rows(rows, token, tokens).saturating_sub(first);
                 x86::lanes(w, quads_end, cols, x, range, out);
             }
             Order::Panels(panels) => {
@@ -551,10 +554,26 @@ pub fn token_rows(
     }
     #[cfg(not(target_arch = "x86_64"))]
     {
-        let _ = (w, first, rows, cols, x, order, range, out, simd);
+        let _ = (
+            w, first, rows, cols, x, token, tokens, order, range, out, simd,
+        );
         unreachable!("no kernels off x86_64");
     }
     Ok(())
+}
+
+/// The outputs before which the small-matrix `TN` kernel sums token `token` of a block of
+/// `tokens` with its 4×4-transpose reduction ([`reduce_quads`]); the rest take
+/// `_mm512_reduce_add_ps`'s ([`reduce_halving`]). The kernel walks outputs and tokens in groups
+/// of four: a group of four outputs is transposed and reduced together whatever the tokens, and
+/// the outputs left over past the last such group are reduced with the same transpose when
+/// their token lies in a group of four tokens, alone otherwise.
+fn quad_reduced_rows(rows: usize, token: usize, tokens: usize) -> usize {
+    if token < tokens & !3 {
+        usize::MAX
+    } else {
+        rows & !3
+    }
 }
 
 /// Sums sixteen lane totals the way the small-matrix kernel's 4×4-transpose reduction does.

@@ -252,7 +252,7 @@ impl ProjView<'_> {
             Kind::Exact(w) => {
                 let order = F32Kernels::here().block_order(self.rows, self.cols, m);
                 if m == 1 {
-                    return token_rows(w, 0, self.rows, self.cols, x, &order, rows, out);
+                    return token_rows(w, 0, self.rows, self.cols, x, (0, 1), &order, rows, out);
                 }
                 let mut by_token = vec![0.0f32; m * rows.len()];
                 block_rows(w, self.rows, self.cols, x, m, &order, rows, &mut by_token)?;
