@@ -233,8 +233,8 @@ fn host_attention_matches_mlx(shape: AttentionShape, scale: f32) -> Result<bool>
 /// Whether the L1 host step's f32 attention ([`kernels::attention::attend_f32_query`]) gives
 /// MLX's SDPA bits for this head layout and scale and a block of `queries` queries (causal past
 /// the first): key counts on both sides of OpenBLAS's switch from its small-matrix kernel to
-/// panels, the keys split as the step splits them (the cache's rows, then the block's own);
-/// decided once per process.
+/// panels and of its GEMM driver's cuts of the keys (on one thread and on two), the keys split
+/// as the step splits them (the cache's rows, then the block's own); decided once per process.
 pub fn exact_attention_matches_mlx(heads: kernels::HeadShape, queries: usize) -> Result<bool> {
     type Key = (usize, usize, usize, u32, usize);
     type Verdicts = std::sync::Mutex<std::collections::HashMap<Key, bool>>;
@@ -265,7 +265,10 @@ pub fn exact_attention_matches_mlx(heads: kernels::HeadShape, queries: usize) ->
             .map_err(|e| EngineError::Runtime(format!("cannot read an attention check ({e})")))
     };
     let mut same = true;
-    for (i, past) in [0usize, 1, 36, 300, 700, 1300].into_iter().enumerate() {
+    for (i, past) in [0usize, 1, 36, 300, 700, 1025, 1300, 4500]
+        .into_iter()
+        .enumerate()
+    {
         let keys = past + queries;
         if !kernels::attention::f32_values_fit(queries, keys, dim) {
             continue;

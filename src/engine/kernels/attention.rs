@@ -17,6 +17,7 @@ use super::elementwise::{bf16_mlx, exp_mlx_slice};
 use super::mlx_order::{self, Order, Weights};
 use half::bf16;
 use rayon::prelude::*;
+use std::ops::Range;
 use std::sync::atomic::{AtomicUsize, Ordering};
 
 /// The bit pattern of bfloat16's lowest finite value (`finfo(bfloat16).min`, what MLX's
@@ -175,16 +176,54 @@ pub fn host_attention_calls() -> usize {
 
 /// Whether [`attend_f32_query`] computes an f32 attention of `queries` queries over `keys` keys
 /// of width `dim` as MLX's CPU backend does, here: the scores' order is one this CPU's kernels
-/// run ([`mlx_order::takes_tokens`]), and MLX sums the values on OpenBLAS's small-matrix `NN`
-/// kernel (one fused multiply-add chain over the keys per output), which its `SKYLAKEX` and
-/// `COOPERLAKE` kernel sets take up to `M·N·K = 10⁶`. Past that, or on `HASWELL` kernels, the
-/// GEMM driver cuts the keys into panels the host does not reproduce (the caller keeps MLX's
-/// attention).
+/// run ([`mlx_order::takes_tokens`]) and the values' is known ([`f32_value_panels`]).
 pub fn f32_values_fit(queries: usize, keys: usize, dim: usize) -> bool {
     let kernels = mlx_order::F32Kernels::here();
-    kernels != mlx_order::F32Kernels::Haswell
-        && (queries * keys * dim) as f64 <= 1e6
+    f32_value_panels(queries, keys, dim).is_some()
         && mlx_order::takes_tokens(&kernels.block_order(keys, dim, queries), queries)
+}
+
+/// Largest `M·N·K` OpenBLAS runs a GEMM on one thread (`SMP_THRESHOLD_MIN` 65,536 times
+/// `GEMM_MULTITHREAD_THRESHOLD` 4).
+const SINGLE_THREAD_MAX_MNK: usize = 262_144;
+/// Largest `M·N·K` the `SKYLAKEX`/`COOPERLAKE` small-matrix `NN` kernel takes.
+const SMALL_NN_MAX_MNK: usize = 1_000_000;
+/// `SGEMM_DEFAULT_UNROLL_M` of OpenBLAS's `HASWELL` kernels: the single-threaded driver rounds
+/// a halved depth up to a multiple of it.
+const HASWELL_UNROLL_M: usize = 8;
+
+/// How MLX's CPU backend sums the values product `P · V` of `queries` queries over `keys` keys
+/// of width `dim`: the panels of keys OpenBLAS cuts it into, each output one fused multiply-add
+/// chain per panel from zero and the panels added in order. The `SKYLAKEX`/`COOPERLAKE` kernel
+/// sets sum up to `M·N·K = 10⁶` on their small-matrix `NN` kernel (one chain over all keys);
+/// the `HASWELL` set always runs the GEMM driver, whose cut of the depth depends on whether it
+/// runs on one thread (a halved remainder rounded up to a multiple of 8) or more (halved,
+/// rounded up). `None` where the host does not know the order (the AVX-512 sets past the small
+/// kernel: those calls are not checked against MLX).
+pub fn f32_value_panels(queries: usize, keys: usize, dim: usize) -> Option<Vec<usize>> {
+    let kernels = mlx_order::F32Kernels::here();
+    let mnk = queries * keys * dim;
+    if kernels != mlx_order::F32Kernels::Haswell {
+        return (mnk <= SMALL_NN_MAX_MNK).then(|| vec![keys]);
+    }
+    let depth = kernels.panel_depth();
+    if mnk > SINGLE_THREAD_MAX_MNK {
+        return Some(mlx_order::panels(keys, depth));
+    }
+    let mut out = Vec::new();
+    let mut left = keys;
+    while left > 0 {
+        let p = if left >= 2 * depth {
+            depth
+        } else if left > depth {
+            (left / 2).div_ceil(HASWELL_UNROLL_M) * HASWELL_UNROLL_M
+        } else {
+            left
+        };
+        out.push(p);
+        left -= p;
+    }
+    Some(out)
 }
 
 /// One scaled query `q` (`dim` values) of f32 attention over one key/value head, in MLX's CPU
@@ -193,8 +232,8 @@ pub fn f32_values_fit(queries: usize, keys: usize, dim: usize) -> bool {
 /// the first `visible` are not masked. Each score is the host product in `order` (the order
 /// OpenBLAS sums the whole `q · Kᵀ` in, see [`mlx_order::F32Kernels::block_order`]); then
 /// MLX's precise softmax (the maximum, `exp(x - max)` summed left to right, each times
-/// `1 / sum`); then each output is one fused multiply-add chain over the keys from zero
-/// ([`f32_values_fit`] says where MLX sums so). `scores` is scratch.
+/// `1 / sum`); then each output is one fused multiply-add chain over each panel of keys from
+/// zero, the panels added in order ([`f32_value_panels`]). `scores` is scratch.
 #[allow(clippy::too_many_arguments)]
 pub fn attend_f32_query(
     q: &[f32],
@@ -256,7 +295,9 @@ pub fn attend_f32_query(
         *s = f32::MIN;
     }
     softmax_row_as(scores, |p| p);
-    out.fill(0.0);
+    let panels = f32_value_panels(new, keys, dim).ok_or_else(|| {
+        format!("no known order for the values of {new} queries over {keys} keys")
+    })?;
     let rows = |s: usize| {
         if s < past {
             &past_v[s * dim..(s + 1) * dim]
@@ -264,10 +305,28 @@ pub fn attend_f32_query(
             &new_v[(s - past) * dim..(s - past + 1) * dim]
         }
     };
-    for (s, p) in scores.iter().enumerate().take(visible) {
-        // A zero weight adds a signed zero to a chain that starts at +0 (see `attend_bf16`).
-        if *p != 0.0 {
-            fma_row(out, *p, rows(s));
+    // A zero weight adds a signed zero to a chain that starts at +0 (see `attend_bf16`), and
+    // masked keys weigh zero: both are skipped.
+    let chain = |keys: Range<usize>, acc: &mut [f32]| {
+        acc.fill(0.0);
+        let end = keys.end.min(visible);
+        for (s, p) in scores.iter().enumerate().take(end).skip(keys.start) {
+            if *p != 0.0 {
+                fma_row(acc, *p, rows(s));
+            }
+        }
+    };
+    let mut start = 0;
+    let mut part = Vec::new();
+    for (i, depth) in panels.into_iter().enumerate() {
+        let keys = start..start + depth;
+        start += depth;
+        if i == 0 {
+            chain(keys, out);
+        } else if keys.start < visible {
+            part.resize(dim, 0.0);
+            chain(keys, &mut part);
+            out.iter_mut().zip(&part).for_each(|(o, p)| *o += p);
         }
     }
     CALLS.fetch_add(1, Ordering::Relaxed);
