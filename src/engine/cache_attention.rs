@@ -299,14 +299,12 @@ pub fn exact_attention_matches_mlx(heads: kernels::HeadShape, queries: usize) ->
             let g = heads.kv_head(h);
             let row = (h * queries + t) * dim;
             let scaled: Vec<f32> = qh[row..row + dim].iter().map(|x| scale * x).collect();
-            let head = |a: &[f32], rows: std::ops::Range<usize>| {
-                a[(g * keys + rows.start) * dim..(g * keys + rows.end) * dim].to_vec()
-            };
+            let head = |a, rows| kv_rows(a, g * keys, dim, rows);
             let (cached, block) = (0..past, past..keys);
             kernels::attention::attend_f32_query(
                 &scaled,
-                (&head(&kh, cached.clone()), &head(&vh, cached)),
-                (&head(&kh, block.clone()), &head(&vh, block)),
+                (head(&kh, cached.clone()), head(&vh, cached)),
+                (head(&kh, block.clone()), head(&vh, block)),
                 keys,
                 past + t + 1,
                 &order,
@@ -322,6 +320,11 @@ pub fn exact_attention_matches_mlx(heads: kernels::HeadShape, queries: usize) ->
     }
     kernels::lock(verdicts).insert(key, same);
     Ok(same)
+}
+
+/// Rows `rows` of the `dim`-wide rows of `a` that start at row `first`.
+fn kv_rows(a: &[f32], first: usize, dim: usize, rows: std::ops::Range<usize>) -> &[f32] {
+    &a[(first + rows.start) * dim..(first + rows.end) * dim]
 }
 
 /// Query heads grouped per key/value head (`[B, Hkv, rep, L, D]`) when there is more than
