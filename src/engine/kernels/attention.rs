@@ -206,24 +206,18 @@ pub fn f32_value_panels(queries: usize, keys: usize, dim: usize) -> Option<Vec<u
     if kernels != mlx_order::F32Kernels::Haswell {
         return (mnk <= SMALL_NN_MAX_MNK).then(|| vec![keys]);
     }
-    let depth = kernels.panel_depth();
-    if mnk > SINGLE_THREAD_MAX_MNK {
-        return Some(mlx_order::panels(keys, depth));
-    }
-    let mut out = Vec::new();
-    let mut left = keys;
-    while left > 0 {
-        let p = if left >= 2 * depth {
-            depth
-        } else if left > depth {
-            (left / 2).div_ceil(HASWELL_UNROLL_M) * HASWELL_UNROLL_M
-        } else {
-            left
-        };
-        out.push(p);
-        left -= p;
-    }
-    Some(out)
+    let halving = if mnk > SINGLE_THREAD_MAX_MNK {
+        mlx_order::Halving::Threaded
+    } else {
+        mlx_order::Halving::SingleThread {
+            unroll: HASWELL_UNROLL_M,
+        }
+    };
+    Some(mlx_order::driver_panels(
+        keys,
+        kernels.panel_depth(),
+        halving,
+    ))
 }
 
 /// One scaled query `q` (`dim` values) of f32 attention over one key/value head, in MLX's CPU

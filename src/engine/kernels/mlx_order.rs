@@ -173,13 +173,34 @@ impl Weights<'_> {
 /// threading threshold). The single-threaded form rounds a halved remainder up to a multiple
 /// of 16 instead, which differs for some depths; the load-time check catches that case.
 pub fn panels(depth: usize, panel: usize) -> Vec<usize> {
+    driver_panels(depth, panel, Halving::Threaded)
+}
+
+/// How OpenBLAS's GEMM driver halves a remainder deeper than one panel but not two.
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub enum Halving {
+    /// Its threaded form: half, rounded up.
+    Threaded,
+    /// Its single-threaded form: half, rounded up to a multiple of the kernel's `UNROLL_M`.
+    SingleThread {
+        /// The kernel set's `GEMM_UNROLL_M`.
+        unroll: usize,
+    },
+}
+
+/// The GEMM driver's cut of `depth` into panels of up to `panel`, a remainder between one and
+/// two panels halved as `halving` says.
+pub fn driver_panels(depth: usize, panel: usize, halving: Halving) -> Vec<usize> {
     let mut out = Vec::new();
     let mut left = depth;
     while left > 0 {
         let p = if left >= 2 * panel {
             panel
         } else if left > panel {
-            left.div_ceil(2)
+            match halving {
+                Halving::Threaded => left.div_ceil(2),
+                Halving::SingleThread { unroll } => (left / 2).div_ceil(unroll) * unroll,
+            }
         } else {
             left
         };
@@ -1236,6 +1257,15 @@ mod tests {
         assert_eq!(panels(3000, 448).iter().sum::<usize>(), 3000);
         assert_eq!(panels(1536, 320), vec![320, 320, 320, 288, 288]);
         assert_eq!(panels(576, 320), vec![288, 288]);
+        // One thread rounds the halved remainder up to the kernel's unroll instead.
+        let one = Halving::SingleThread { unroll: 8 };
+        assert_eq!(driver_panels(1026, 320, one), vec![320, 320, 200, 186]);
+        assert_eq!(
+            driver_panels(1026, 320, Halving::Threaded),
+            vec![320, 320, 193, 193]
+        );
+        assert_eq!(driver_panels(700, 320, one), vec![320, 192, 188]);
+        assert_eq!(driver_panels(300, 320, one), vec![300]);
     }
 
     #[test]
