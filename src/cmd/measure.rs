@@ -152,6 +152,10 @@ fn measure_streams(
         .token_ids(&session, args.prompt_file.use_chat_template())
         .map_err(|e| args.prompt_file.explain(e))?;
     let mut source = open_source(opts, &session, forks, args.model.prefill_step_size)?;
+    // Every block size either side runs does its one-time work (the host step's checks) now,
+    // so neither side's speed carries it.
+    let longest = source.block_size().unwrap_or(0).max(opts.num_draft_tokens) + 1;
+    session.model.warm_up_blocks(longest)?;
     let mut drafting = Speculation::with_options(Box::new(source.as_mut()), opts);
     let params = args.sampling.text_params(&args.model);
     let bar = super::progress::bar("measuring", ids.len() as u64, "prompts");

@@ -388,6 +388,33 @@ impl LoadedModel {
             .with_optiq_kv_config(path, layers, &self.config)?;
         Ok(())
     }
+
+    /// Forwards one block of every size from one to `max_block` tokens over a short context on
+    /// scratch caches, so that work a block size does once, at its first use (the L1 host
+    /// step's checks of its products and attention against MLX, tens of milliseconds each),
+    /// is done before a measurement starts. The context goes in as a generation's first step
+    /// does (on MLX); nothing else about the model changes.
+    pub fn warm_up_blocks(&mut self, max_block: usize) -> Result<()> {
+        let mut caches = self.model.make_caches();
+        self.plan.prepare(&mut caches);
+        let ids = |n: usize| Array::from_slice(&vec![0i32; n], &[1, n as i32]);
+        let eval = |logits: Array, caches: &Caches| -> Result<()> {
+            let mut outputs: Vec<Array> = caches.iter().flat_map(|c| c.state()).collect();
+            outputs.push(logits);
+            Ok(mlx_rs::transforms::eval(&outputs)?)
+        };
+        let context = super::kernels::mlx_only(|| self.model.forward(&ids(4), &mut caches))?;
+        eval(context, &caches)?;
+        for n in 1..=max_block {
+            let saved: Vec<_> = caches.iter().map(|c| c.snapshot()).collect();
+            let logits = self.model.forward(&ids(n), &mut caches)?;
+            eval(logits, &caches)?;
+            for (cache, snapshot) in caches.iter_mut().zip(saved) {
+                cache.restore(snapshot)?;
+            }
+        }
+        Ok(())
+    }
 }
 
 /// The model types whose layers split over the ranks of a job, with their tensor-parallel split
