@@ -334,14 +334,9 @@ pub fn exact_attention_matches_mlx(heads: kernels::HeadShape, queries: usize) ->
 /// of attention needs (scores a few units apart, so every key carries weight), made on the host
 /// because MLX's random normals cost more than the check itself.
 fn spread_values(n: usize, seed: u64) -> Vec<f32> {
-    let mut s = seed | 1;
-    (0..n)
-        .map(|_| {
-            s ^= s << 13;
-            s ^= s >> 7;
-            s ^= s << 17;
-            ((s >> 40) as f32 / (1u64 << 24) as f32 * 2.0 - 1.0) * 2.6
-        })
+    kernels::elementwise::probe_bits(seed)
+        .take(n)
+        .map(|s| ((s >> 40) as f32 / (1u64 << 24) as f32 * 2.0 - 1.0) * 2.6)
         .collect()
 }
 

@@ -223,17 +223,25 @@ pub fn add_bf16(a: &[half::bf16], b: &[half::bf16], out: &mut [half::bf16]) {
 /// `n` deterministic values over every magnitude a layer's activations meet (2^-30 .. 2^8),
 /// both signs: the input of the host paths' one-time checks against MLX.
 pub fn probe_values(n: usize, seed: u64) -> Vec<f32> {
-    let mut s = seed | 1;
-    (0..n)
-        .map(|_| {
-            s ^= s << 13;
-            s ^= s >> 7;
-            s ^= s << 17;
+    probe_bits(seed)
+        .take(n)
+        .map(|s| {
             let mant = 1.0 + (s >> 41) as f32 / (1u64 << 23) as f32;
             let sign = if s & 1 == 0 { 1.0 } else { -1.0 };
             sign * mant * 2f32.powi(((s >> 8) % 39) as i32 - 30)
         })
         .collect()
+}
+
+/// The deterministic 64-bit stream (xorshift) the one-time checks draw their inputs from.
+pub fn probe_bits(seed: u64) -> impl Iterator<Item = u64> {
+    let mut s = seed | 1;
+    std::iter::repeat_with(move || {
+        s ^= s << 13;
+        s ^= s >> 7;
+        s ^= s << 17;
+        s
+    })
 }
 
 /// The instruction set [`swiglu`] and [`exp_mlx_slice`] run on here: the host products' set
