@@ -181,11 +181,7 @@ fn tiny_f32_llama_takes_the_host_paths_with_the_same_logits() {
         Forks::default().host_elementwise,
         "--host-elementwise is on by default in L1"
     );
-    // The per-layer path (the whole host step, `--host-step`, is checked in model_parity.rs).
-    let on = Forks {
-        host_step: false,
-        ..Forks::default()
-    };
+    let on = common::per_layer_forks();
     let off = Forks {
         host_elementwise: false,
         ..on

@@ -212,12 +212,7 @@ fn tiny_f32_and_bf16_llamas_decode_on_the_host_path_with_the_same_logits() {
             Forks::default().host_matvec,
             "--host-matvec is on by default in L1"
         );
-        // The per-layer path (the whole host step, `--host-step`, is checked in
-        // model_parity.rs).
-        let on = Forks {
-            host_step: false,
-            ..Forks::default()
-        };
+        let on = common::per_layer_forks();
         let off = Forks {
             host_matvec: false,
             ..on

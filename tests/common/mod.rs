@@ -557,3 +557,12 @@ pub fn rerun_on_the_avx2_path(me: &str) {
         .sum::<usize>();
     assert!(ran > 0, "no test ran on the AVX2 path:\n{text}");
 }
+
+/// L1's default forks with the whole host step off (`--host-step off`), so a decode runs the
+/// per-layer host paths a test means to compare (the whole step is checked in model_parity.rs).
+pub fn per_layer_forks() -> mlxb::engine::forks::Forks {
+    mlxb::engine::forks::Forks {
+        host_step: false,
+        ..mlxb::engine::forks::Forks::default()
+    }
+}
