@@ -276,9 +276,9 @@ pub fn exact_attention_matches_mlx(heads: kernels::HeadShape, queries: usize) ->
         .enumerate()
     {
         let keys = past + queries;
-        if !kernels::attention::f32_values_fit(queries, keys, dim) {
+        let Some(order) = kernels::attention::F32AttentionOrder::here(queries, keys, dim) else {
             continue;
-        }
+        };
         let random = |seed: u64, h: usize, len: usize| -> Result<Array> {
             let dims = [1, h as i32, len as i32, dim as i32];
             Ok(Array::from_slice(
@@ -300,7 +300,6 @@ pub fn exact_attention_matches_mlx(heads: kernels::HeadShape, queries: usize) ->
         };
         let theirs = read(&sdpa(&q, &k, &v, scale, &mask)?)?;
         let (qh, kh, vh) = (read(&q)?, read(&k)?, read(&v)?);
-        let order = kernels::mlx_order::F32Kernels::here().block_order(keys, dim, queries);
         let mut scores = Vec::new();
         let mut out = vec![0.0f32; dim];
         for (h, t) in (0..n_heads).flat_map(|h| (0..queries).map(move |t| (h, t))) {

@@ -175,12 +175,32 @@ pub fn host_attention_calls() -> usize {
 }
 
 /// Whether [`attend_f32_query`] computes an f32 attention of `queries` queries over `keys` keys
-/// of width `dim` as MLX's CPU backend does, here: the scores' order is one this CPU's kernels
-/// run ([`mlx_order::takes_tokens`]) and the values' is known ([`f32_value_panels`]).
+/// of width `dim` as MLX's CPU backend does, here ([`F32AttentionOrder::here`]).
 pub fn f32_values_fit(queries: usize, keys: usize, dim: usize) -> bool {
-    let kernels = mlx_order::F32Kernels::here();
-    f32_value_panels(queries, keys, dim).is_some()
-        && mlx_order::takes_tokens(&kernels.block_order(keys, dim, queries), queries)
+    F32AttentionOrder::here(queries, keys, dim).is_some()
+}
+
+/// The orders MLX's CPU SDPA sums an f32 attention of a block of queries over its keys in, the
+/// same for every head and query of the block: decided once per block.
+#[derive(Debug, Clone, PartialEq)]
+pub struct F32AttentionOrder {
+    /// The order OpenBLAS sums the whole `q · Kᵀ` in ([`mlx_order::F32Kernels::block_order`]).
+    pub scores: Order,
+    /// The panels of keys it sums `P · V` in ([`f32_value_panels`]).
+    pub values: Vec<usize>,
+}
+
+impl F32AttentionOrder {
+    /// The orders for `queries` queries over `keys` keys of width `dim`, when this CPU's kernels
+    /// run the scores' ([`mlx_order::takes_tokens`]) and the values' is known; `None` otherwise.
+    pub fn here(queries: usize, keys: usize, dim: usize) -> Option<Self> {
+        let scores = mlx_order::F32Kernels::here().block_order(keys, dim, queries);
+        if !mlx_order::takes_tokens(&scores, queries) {
+            return None;
+        }
+        let values = f32_value_panels(queries, keys, dim)?;
+        Some(Self { scores, values })
+    }
 }
 
 /// Largest `M·N·K` OpenBLAS runs a GEMM on one thread (`SMP_THRESHOLD_MIN` 65,536 times
@@ -223,11 +243,10 @@ pub fn f32_value_panels(queries: usize, keys: usize, dim: usize) -> Option<Vec<u
 /// One scaled query `q` (`dim` values) of f32 attention over one key/value head, in MLX's CPU
 /// SDPA order: the head's keys lie in two buffers, the cache's rows (`past`) then the step's
 /// new ones (`new`), which together are the one product MLX forms; `keys` is their total and
-/// the first `visible` are not masked. Each score is the host product in `order` (the order
-/// OpenBLAS sums the whole `q · Kᵀ` in, see [`mlx_order::F32Kernels::block_order`]); then
+/// the first `visible` are not masked. Each score is the host product in `order.scores`; then
 /// MLX's precise softmax (the maximum, `exp(x - max)` summed left to right, each times
-/// `1 / sum`); then each output is one fused multiply-add chain over each panel of keys from
-/// zero, the panels added in order ([`f32_value_panels`]). `scores` is scratch.
+/// `1 / sum`); then each output is one fused multiply-add chain over each of `order.values`'
+/// panels of keys from zero, the panels added in order. `scores` is scratch.
 #[allow(clippy::too_many_arguments)]
 pub fn attend_f32_query(
     q: &[f32],
@@ -235,7 +254,7 @@ pub fn attend_f32_query(
     (new_k, new_v): (&[f32], &[f32]),
     keys: usize,
     visible: usize,
-    order: &Order,
+    order: &F32AttentionOrder,
     scores: &mut Vec<f32>,
     out: &mut [f32],
 ) -> Result<(), String> {
@@ -268,7 +287,7 @@ pub fn attend_f32_query(
         dim,
         q,
         query,
-        order,
+        &order.scores,
         cached,
         &mut scores[..past],
     )?;
@@ -279,7 +298,7 @@ pub fn attend_f32_query(
         dim,
         q,
         query,
-        order,
+        &order.scores,
         block,
         &mut scores[past..],
     )?;
@@ -289,9 +308,12 @@ pub fn attend_f32_query(
         *s = f32::MIN;
     }
     softmax_row_as(scores, |p| p);
-    let panels = f32_value_panels(new, keys, dim).ok_or_else(|| {
-        format!("no known order for the values of {new} queries over {keys} keys")
-    })?;
+    if order.values.iter().sum::<usize>() != keys {
+        return Err(format!(
+            "value panels {:?} do not cover {keys} keys",
+            order.values
+        ));
+    }
     let rows = |s: usize| {
         if s < past {
             &past_v[s * dim..(s + 1) * dim]
@@ -312,7 +334,7 @@ pub fn attend_f32_query(
     };
     let mut start = 0;
     let mut part = Vec::new();
-    for (i, depth) in panels.into_iter().enumerate() {
+    for (i, &depth) in order.values.iter().enumerate() {
         let keys = start..start + depth;
         start += depth;
         if i == 0 {

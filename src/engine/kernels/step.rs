@@ -11,10 +11,9 @@
 //! keys/values in place and appending the new ones (done by the caller).
 
 use super::affine::{Prepared, MAX_M};
-use super::attention::attend_f32_query;
+use super::attention::{attend_f32_query, F32AttentionOrder};
 use super::dispatch::{by_token, selection, Selection};
 use super::elementwise;
-use super::mlx_order::F32Kernels;
 use super::proj::{HostProj, ProjView, ProjWeight};
 use super::rope_table::RopeTable;
 use super::team::{run_team, ErrorSlot, Member, Shared};
@@ -202,7 +201,7 @@ fn to_cache_layout(x: &[f32], m: usize, heads: usize, hd: usize) -> Vec<f32> {
 
 /// Query head `head` of token `j` (`q`, unscaled) over its key/value head, as MLX's CPU SDPA
 /// computes it ([`attend_f32_query`]): the query scaled as MLX's fallback scales it (one
-/// multiply), the scores summed in the order OpenBLAS sums the whole block's `q · Kᵀ`.
+/// multiply), then the block's sums in `order` (decided once per layer for all its heads).
 #[allow(clippy::too_many_arguments)]
 fn mlx_attention(
     s: HeadShape,
@@ -211,6 +210,7 @@ fn mlx_attention(
     keys: KvRows<'_>,
     values: KvRows<'_>,
     j: usize,
+    order: &F32AttentionOrder,
     scores: &mut Vec<f32>,
     out: &mut [f32],
 ) -> Result<()> {
@@ -223,7 +223,6 @@ fn mlx_attention(
         (kvh * keys.capacity * hd, keys.len * hd),
         (kvh * m * hd, m * hd),
     );
-    let order = F32Kernels::here().block_order(total, hd, m);
     attend_f32_query(
         &scaled,
         (
@@ -233,7 +232,7 @@ fn mlx_attention(
         (&keys.new[new.0..][..new.1], &values.new[new.0..][..new.1]),
         total,
         keys.len + j + 1,
-        &order,
+        order,
         scores,
         out,
     )
@@ -565,20 +564,37 @@ impl View<'_> {
             let items = me.share(m * s.n_heads);
             // SAFETY: each member writes the heads of its own share.
             let attn = unsafe { b.attn.part_mut(items.start * hd..items.end * hd) };
+            // Under MLX's order every head and query of the block sums alike: decided once.
+            let order = match self.numerics {
+                Numerics::Mlx(_) => {
+                    let order = F32AttentionOrder::here(m, past.len + m, hd);
+                    if order.is_none() {
+                        let keys = past.len + m;
+                        errors.keep(Err(runtime(format!(
+                            "no MLX order for {m} queries over {keys} keys"
+                        ))));
+                    }
+                    order
+                }
+                Numerics::Fast(_) => None,
+            };
             for (n, out) in items.clone().zip(attn.chunks_exact_mut(hd)) {
                 let (j, head) = (n / s.n_heads, n % s.n_heads);
                 let qh = &q[n * hd..(n + 1) * hd];
                 if let Numerics::Mlx(_) = self.numerics {
-                    errors.keep(mlx_attention(
-                        s,
-                        head,
-                        qh,
-                        keys,
-                        values,
-                        j,
-                        &mut scores,
-                        out,
-                    ));
+                    if let Some(order) = &order {
+                        errors.keep(mlx_attention(
+                            s,
+                            head,
+                            qh,
+                            keys,
+                            values,
+                            j,
+                            order,
+                            &mut scores,
+                            out,
+                        ));
+                    }
                 } else {
                     scores.resize(past.len + m, 0.0);
                     attend_head(s, head, qh, keys, values, j, &mut scores, out);
