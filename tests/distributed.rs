@@ -13,10 +13,11 @@ use serde_json::{json, Value};
 use std::path::{Path, PathBuf};
 use std::sync::atomic::{AtomicU16, Ordering};
 
-/// A first ring port no other launch of this test process uses (tests run in parallel).
+/// A first ring port no other launch of this test process uses (tests run in parallel), below
+/// Linux's ephemeral range (32,768 on), where the ranks' own outgoing connections could take it.
 fn ring_port() -> String {
     static NEXT: AtomicU16 = AtomicU16::new(0);
-    let base = 20_000 + (std::process::id() % 1_000) as u16 * 32;
+    let base = 20_000 + (std::process::id() % 300) as u16 * 32;
     (base + NEXT.fetch_add(4, Ordering::SeqCst)).to_string()
 }
 
@@ -378,6 +379,33 @@ fn models_that_do_not_split_are_refused_with_the_field_at_fault() {
     );
     assert_eq!(code, 2, "{err}");
     assert!(err.contains("has no form split over ranks"), "{err}");
+}
+
+#[test]
+fn a_rank_whose_port_is_taken_says_so() {
+    let port: u16 = ring_port().parse().unwrap();
+    let _taken = std::net::TcpListener::bind(("127.0.0.1", port + 1)).unwrap();
+    let port = port.to_string();
+    let (code, out, err) = common::run_mlxb(&[
+        "launch",
+        "-n",
+        "2",
+        "--starting-port",
+        &port,
+        "--",
+        "generate",
+        "--model",
+        "x",
+    ]);
+    assert_eq!(code, 2, "{err}");
+    assert!(out.is_empty(), "{out}");
+    assert!(
+        err.contains(&format!(
+            "rank 1 could not listen on 127.0.0.1:{}: the port is taken",
+            port.parse::<u16>().unwrap() + 1
+        )) && err.contains("`--starting-port` of `mlxb launch`"),
+        "{err}"
+    );
 }
 
 #[test]

@@ -127,13 +127,23 @@ fn init_within(timeout: std::time::Duration) -> Result<Option<Group>> {
     })
 }
 
+/// The ring hostfile's addresses, per rank (for messages).
+fn ring_addresses() -> Option<Vec<Vec<String>>> {
+    std::env::var_os(HOSTFILE_ENV)
+        .and_then(|p| std::fs::read_to_string(p).ok())
+        .and_then(|t| serde_json::from_str(&t).ok())
+}
+
+/// This rank's own addresses, from the ring hostfile (for messages).
+fn own_address() -> Option<String> {
+    let me: usize = std::env::var(RANK_ENV).ok()?.parse().ok()?;
+    Some(ring_addresses()?.get(me)?.join(", "))
+}
+
 /// The other ranks' addresses, from the ring hostfile (for messages).
 fn other_ranks() -> String {
     let me: Option<usize> = std::env::var(RANK_ENV).ok().and_then(|r| r.parse().ok());
-    let hosts: Option<Vec<Vec<String>>> = std::env::var_os(HOSTFILE_ENV)
-        .and_then(|p| std::fs::read_to_string(p).ok())
-        .and_then(|t| serde_json::from_str(&t).ok());
-    match hosts {
+    match ring_addresses() {
         Some(hosts) => {
             let others: Vec<String> = hosts
                 .iter()
@@ -155,6 +165,9 @@ fn init() -> Result<Option<Group>> {
     let mut raw = mlx_sys::mlx_distributed_group {
         ctx: std::ptr::null_mut(),
     };
+    // This is a process's first MLX call: without mlx-rs's handler, MLX's default one would
+    // print a failure (a port in use) to stdout and exit with 255.
+    mlx_rs::error::install_error_handler();
     // SAFETY: `raw` is written by MLX; the backend name is a static C string or null.
     let rc = unsafe {
         mlx_sys::mlx_distributed_init(
@@ -168,10 +181,24 @@ fn init() -> Result<Option<Group>> {
         |h| format!("with {HOSTFILE_ENV}={}", std::path::Path::new(&h).display()),
     );
     if rc != 0 || raw.ctx.is_null() {
+        let rank = std::env::var(RANK_ENV).unwrap_or_default();
+        let cause = mlx_rs::error::take_last_error().unwrap_or_default();
+        if cause.contains("Couldn't bind socket") {
+            return Err(EngineError::Input(format!(
+                "rank {rank} could not listen on {}: the port is taken by another program or \
+                 job; start the job on other ports (`--starting-port` of `mlxb launch` or \
+                 `mlx.launch`)",
+                own_address().unwrap_or_else(|| "its address".to_owned())
+            )));
+        }
+        let cause = match cause.trim() {
+            "" => String::new(),
+            c => format!(" ({c})"),
+        };
         return Err(EngineError::Input(format!(
-            "rank {} could not join the other ranks {where_}; start every rank with `mlxb launch` \
-             or `mlx.launch` and check that each host's address in the hostfile is reachable",
-            std::env::var(RANK_ENV).unwrap_or_default()
+            "rank {rank} could not join the other ranks {where_}{cause}; start every rank with \
+             `mlxb launch` or `mlx.launch` and check that each host's address in the hostfile is \
+             reachable"
         )));
     }
     // SAFETY: `raw` is a valid group handle.
