@@ -97,9 +97,43 @@ fn llama(extra: serde_json::Value) -> serde_json::Value {
     )
 }
 
+/// Every greedy step after the first of a dense bfloat16 llama is the L1 host step's, unless
+/// this machine has no host kernels (no AVX2): then none is.
+fn assert_bf16_host_steps(steps: usize, gen_tokens: usize) {
+    let expected = if mlxb::engine::kernels::mlx_order::available() {
+        gen_tokens - 1
+    } else {
+        0
+    };
+    assert_eq!(
+        steps, expected,
+        "decode steps taken by the bfloat16 L1 host step"
+    );
+}
+
 #[test]
 fn llama_bf16() {
-    check(llama(json!({})), "bf16", None, 2048);
+    let steps = check_lengths(
+        llama(json!({})),
+        "bf16",
+        None,
+        2048,
+        (PROMPT_LEN, GEN_TOKENS),
+    );
+    assert_bf16_host_steps(steps, GEN_TOKENS);
+}
+
+/// The bfloat16 L1 host step on an untied llama with llama3 rope scaling (the rope's
+/// frequencies form) and SmolLM2's grouping, decoding from 1,010 to 1,210 positions: past the
+/// step's first rope table (1,024 positions, rebuilt larger).
+#[test]
+fn llama_bf16_host_step_untied_llama3_rope_across_rope_table_growth() {
+    let rope = json!({"rope_type": "llama3", "factor": 8.0, "low_freq_factor": 1.0,
+        "high_freq_factor": 4.0, "original_max_position_embeddings": 16});
+    let config = llama(json!({"tie_word_embeddings": false, "rope_scaling": rope,
+        "num_attention_heads": 6, "num_key_value_heads": 2, "head_dim": 32}));
+    let steps = check_lengths(config, "bf16", None, 512, (1010, 200));
+    assert_bf16_host_steps(steps, 200);
 }
 
 /// Every greedy step after the first (which runs on MLX alone) of a dense f32 llama with heads
@@ -146,9 +180,42 @@ fn llama_f32_host_step_across_rope_table_growth_and_long_attention() {
 /// over), so every size from one to eight is checked, at depths on both sides of that limit.
 #[test]
 fn llama_f32_verify_blocks_of_one_to_eight_tokens() {
+    let (steps, warm_steps, sizes) = verify_blocks_of_one_to_eight_tokens("f32");
+    if mlxb::engine::kernels::attention::f32_values_fit(1, 1, 32) {
+        // OpenBLAS's `Haswell` kernels sum a block's whole groups of four queries in an order
+        // of their own (scores and values), which the host does not reproduce: the step's check
+        // refuses blocks of four or more there, and they take the per-layer path.
+        let haswell = F32Kernels::here() == F32Kernels::Haswell;
+        let taken = sizes.iter().filter(|&&n| n < 4 || !haswell).count();
+        assert_eq!(steps, taken, "blocks taken by the L1 host step");
+        let warmed = (1..=8).filter(|&n| n < 4 || !haswell).count();
+        assert_eq!(
+            warm_steps, warmed,
+            "warm-up blocks taken by the L1 host step"
+        );
+    } else {
+        eprintln!("this machine's OpenBLAS sums attention otherwise: checked off the host step");
+        assert_eq!(steps + warm_steps, 0);
+    }
+}
+
+/// [`llama_f32_verify_blocks_of_one_to_eight_tokens`] for a bfloat16 llama, whose products and
+/// attention MLX sums in its own order whatever the block's size: every block is a host step.
+#[test]
+fn llama_bf16_verify_blocks_of_one_to_eight_tokens() {
+    let (steps, warm_steps, sizes) = verify_blocks_of_one_to_eight_tokens("bf16");
+    let available = mlxb::engine::kernels::mlx_order::available();
+    assert_eq!(steps, if available { sizes.len() } else { 0 });
+    assert_eq!(warm_steps, if available { 8 } else { 0 });
+}
+
+/// Forwards blocks of every size from one to eight (after `measure`'s warm-up) past a 141-token
+/// prompt of a llama of `dtype`, each required to give mlx-lm's logits bit for bit; returns how
+/// many of them and of the warm-up's blocks the L1 host step took, and the blocks' sizes.
+fn verify_blocks_of_one_to_eight_tokens(dtype: &str) -> (usize, usize, Vec<usize>) {
     let config = llama(json!({"num_attention_heads": 6, "num_key_value_heads": 2, "head_dim": 32}));
     let dir = tempfile::tempdir().unwrap();
-    common::make_model(dir.path(), &config, "f32", None);
+    common::make_model(dir.path(), &config, dtype, None);
     let vocab = config["vocab_size"].as_u64().unwrap() as u32;
     let prompt = common::prompt_ids(141, vocab, 3);
     let sizes = [1usize, 2, 3, 4, 5, 6, 7, 8, 8, 7, 6, 5, 4, 3];
@@ -188,22 +255,7 @@ fn llama_f32_verify_blocks_of_one_to_eight_tokens() {
         );
     }
     let steps = exact_steps_here() - steps_before;
-    if mlxb::engine::kernels::attention::f32_values_fit(1, 1, 32) {
-        // OpenBLAS's `Haswell` kernels sum a block's whole groups of four queries in an order
-        // of their own (scores and values), which the host does not reproduce: the step's check
-        // refuses blocks of four or more there, and they take the per-layer path.
-        let haswell = F32Kernels::here() == F32Kernels::Haswell;
-        let taken = sizes.iter().filter(|&&n| n < 4 || !haswell).count();
-        assert_eq!(steps, taken, "blocks taken by the L1 host step");
-        let warmed = (1..=8).filter(|&n| n < 4 || !haswell).count();
-        assert_eq!(
-            warm_steps, warmed,
-            "warm-up blocks taken by the L1 host step"
-        );
-    } else {
-        eprintln!("this machine's OpenBLAS sums attention otherwise: checked off the host step");
-        assert_eq!(steps + warm_steps, 0);
-    }
+    (steps, warm_steps, sizes.to_vec())
 }
 
 #[test]

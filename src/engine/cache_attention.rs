@@ -230,13 +230,18 @@ fn host_attention_matches_mlx(shape: AttentionShape, scale: f32) -> Result<bool>
     Ok(same)
 }
 
-/// Whether the L1 host step's f32 attention ([`kernels::attention::attend_f32_query`]) gives
-/// MLX's SDPA bits for this head layout and scale and a block of `queries` queries (causal past
-/// the first): key counts on both sides of OpenBLAS's switch from its small-matrix kernel to
+/// Whether the L1 host step's attention of `dtype` (f32:
+/// [`kernels::attention::attend_f32_query`]; bfloat16: [`kernels::attention::attend_bf16_query`])
+/// gives MLX's SDPA bits for this head layout and scale and a block of `queries` queries (causal
+/// past the first): key counts on both sides of OpenBLAS's switch from its small-matrix kernel to
 /// panels and of its GEMM driver's cuts of the keys (on one thread and on two), the keys split
 /// as the step splits them (the cache's rows, then the block's own); decided once per process.
-pub fn exact_attention_matches_mlx(heads: kernels::HeadShape, queries: usize) -> Result<bool> {
-    type Key = (usize, usize, usize, u32, usize);
+pub fn exact_attention_matches_mlx(
+    heads: kernels::HeadShape,
+    queries: usize,
+    dtype: Dtype,
+) -> Result<bool> {
+    type Key = (usize, usize, usize, u32, usize, bool);
     type Verdicts = std::sync::Mutex<std::collections::HashMap<Key, bool>>;
     static VERDICTS: std::sync::OnceLock<Verdicts> = std::sync::OnceLock::new();
     let kernels::HeadShape {
@@ -245,7 +250,12 @@ pub fn exact_attention_matches_mlx(heads: kernels::HeadShape, queries: usize) ->
         head_dim: dim,
         scale,
     } = heads;
-    let key = (n_heads, n_kv_heads, dim, scale.to_bits(), queries);
+    let bf16 = match dtype {
+        Dtype::Float32 => false,
+        Dtype::Bfloat16 => true,
+        _ => return Ok(false),
+    };
+    let key = (n_heads, n_kv_heads, dim, scale.to_bits(), queries, bf16);
     let verdicts = VERDICTS.get_or_init(Default::default);
     if let Some(v) = kernels::lock(verdicts).get(&key) {
         return Ok(*v);
@@ -258,7 +268,7 @@ pub fn exact_attention_matches_mlx(heads: kernels::HeadShape, queries: usize) ->
         return Ok(false);
     }
     let read = |a: &Array| -> Result<Vec<f32>> {
-        let a = a.contiguous()?;
+        let a = a.as_dtype(Dtype::Float32)?.contiguous()?;
         a.eval()?;
         a.try_as_slice::<f32>()
             .map(<[f32]>::to_vec)
@@ -276,15 +286,13 @@ pub fn exact_attention_matches_mlx(heads: kernels::HeadShape, queries: usize) ->
         .enumerate()
     {
         let keys = past + queries;
-        let Some(order) = kernels::attention::F32AttentionOrder::here(queries, keys, dim) else {
+        let order = kernels::attention::F32AttentionOrder::here(queries, keys, dim);
+        if order.is_none() && !bf16 {
             continue;
-        };
+        }
         let random = |seed: u64, h: usize, len: usize| -> Result<Array> {
             let dims = [1, h as i32, len as i32, dim as i32];
-            Ok(Array::from_slice(
-                &spread_values(h * len * dim, seed),
-                &dims,
-            ))
+            Ok(Array::from_slice(&spread_values(h * len * dim, seed), &dims).as_dtype(dtype)?)
         };
         let seed = 0x51ed_270b + 3 * i as u64;
         let (q, k, v) = (
@@ -305,19 +313,43 @@ pub fn exact_attention_matches_mlx(heads: kernels::HeadShape, queries: usize) ->
         for (h, t) in (0..n_heads).flat_map(|h| (0..queries).map(move |t| (h, t))) {
             let g = heads.kv_head(h);
             let row = (h * queries + t) * dim;
-            let scaled: Vec<f32> = qh[row..row + dim].iter().map(|x| scale * x).collect();
             let head = |a, rows| kv_rows(a, g * keys, dim, rows);
             let (cached, block) = (0..past, past..keys);
-            kernels::attention::attend_f32_query(
-                &scaled,
-                (head(&kh, cached.clone()), head(&vh, cached)),
-                (head(&kh, block.clone()), head(&vh, block)),
-                keys,
-                past + t + 1,
-                &order,
-                &mut scores,
-                &mut out,
-            )
+            match &order {
+                Some(order) if !bf16 => {
+                    let scaled: Vec<f32> = qh[row..row + dim].iter().map(|x| scale * x).collect();
+                    kernels::attention::attend_f32_query(
+                        &scaled,
+                        (head(&kh, cached.clone()), head(&vh, cached)),
+                        (head(&kh, block.clone()), head(&vh, block)),
+                        keys,
+                        past + t + 1,
+                        order,
+                        &mut scores,
+                        &mut out,
+                    )
+                }
+                _ => {
+                    let mut scaled = vec![0.0f32; dim];
+                    kernels::attention::scale_bf16_query(&qh[row..row + dim], scale, &mut scaled);
+                    let narrow = |a: &[f32]| -> Vec<half::bf16> {
+                        a.iter()
+                            .map(|v| kernels::elementwise::bf16_mlx(*v))
+                            .collect()
+                    };
+                    kernels::attention::attend_bf16_query(
+                        &scaled,
+                        (
+                            &narrow(head(&kh, cached.clone())),
+                            &narrow(head(&vh, cached)),
+                        ),
+                        (&narrow(head(&kh, block.clone())), &narrow(head(&vh, block))),
+                        past + t + 1,
+                        &mut scores,
+                        &mut out,
+                    )
+                }
+            }
             .map_err(EngineError::Runtime)?;
             same &= out
                 .iter()

@@ -210,7 +210,7 @@ pub static FORKS: &[Fork] = &[
         name: "host-step",
         domain: Domain::Choices(ON_OFF_EXACT),
         defaults: ["on", "on", "on"],
-        help: "CPU backend, with --host-matvec and --host-elementwise on: a block of up to 8 tokens (a decode step, a speculative verify block) of a dense f32 llama-family model runs whole on the host, embedding to logits (RoPE, attention over the cache read in place and every product, norm and SwiGLU in MLX's own order), so MLX is waited on once per block instead of once per layer; bit-identical, each part compared with MLX at first use and the per-layer path kept if one differs; not under --compiled-decode",
+        help: "CPU backend, with --host-matvec and --host-elementwise on: a block of up to 8 tokens (a decode step, a speculative verify block) of a dense f32 or bf16 llama-family model runs whole on the host, embedding to logits (RoPE, attention over the cache read in place and every product, norm and SwiGLU in MLX's own order), so MLX is waited on once per block instead of once per layer; bit-identical, each part compared with MLX at first use and the per-layer path kept if one differs; not under --compiled-decode",
     },
     Fork {
         name: "fused-decode",

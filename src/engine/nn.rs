@@ -193,8 +193,8 @@ fn host_proj(
     weight.map(|w| HostProj::new(w, bias)).transpose()
 }
 
-/// An unbiased dense f32 weight for the L1 host step: its pinned host product, once the product
-/// of one token matched MLX's (`None` for anything else, and where it differed).
+/// An unbiased dense f32 or bfloat16 weight for the L1 host step: its pinned host product, once
+/// the product of one token matched MLX's (`None` for anything else, and where it differed).
 fn exact_proj(
     w: &LinearWeight,
     host: Option<&HostCell>,
@@ -203,7 +203,7 @@ fn exact_proj(
     let (Some(HostCell::Dense(cell)), LinearWeight::Dense(weight), None) = (host, w, bias) else {
         return Ok(None);
     };
-    if weight.dtype() != Dtype::Float32 {
+    if !matches!(weight.dtype(), Dtype::Float32 | Dtype::Bfloat16) {
         return Ok(None);
     }
     match cell.get(weight)? {
@@ -570,27 +570,30 @@ impl RmsNorm {
         })
     }
 
-    /// The weight and epsilon on the host, for a host decode step of `form`; `None` unless the
-    /// weight is f32 (the step computes in f32 only) and, for the exact step, the host norm
-    /// matched MLX's.
+    /// The weight's dtype.
+    pub fn dtype(&self) -> Dtype {
+        self.weight.dtype()
+    }
+
+    /// The weight (widened to f32) and epsilon on the host, for a host decode step of `form`;
+    /// `None` unless the weight is f32, or bfloat16 for the exact step (the fast one computes in
+    /// f32 only), and, for the exact step, the host norm matched MLX's.
     pub fn host_weight(&self, form: HostForm) -> Result<Option<(Vec<f32>, f32)>> {
-        if self.weight.dtype() != Dtype::Float32 {
-            return Ok(None);
+        let widened = match (self.weight.dtype(), form) {
+            (Dtype::Float32, _) => self.weight.try_as_slice::<f32>().map(<[f32]>::to_vec),
+            (Dtype::Bfloat16, HostForm::Exact) => self
+                .weight
+                .try_as_slice::<half::bf16>()
+                .map(|w| w.iter().map(|v| v.to_f32()).collect()),
+            _ => return Ok(None),
         }
+        .map_err(|e| {
+            super::error::EngineError::Runtime(format!("cannot read an RMSNorm weight ({e})"))
+        })?;
         if form == HostForm::Exact && !self.host_matches_mlx()? {
             return Ok(None);
         }
-        Ok(Some((
-            self.weight
-                .try_as_slice::<f32>()
-                .map_err(|e| {
-                    super::error::EngineError::Runtime(format!(
-                        "cannot read an RMSNorm weight ({e})"
-                    ))
-                })?
-                .to_vec(),
-            self.eps,
-        )))
+        Ok(Some((widened, self.eps)))
     }
 
     /// Applies the norm with the stored weight.

@@ -20,9 +20,6 @@ use rayon::prelude::*;
 use std::ops::Range;
 use std::sync::atomic::{AtomicUsize, Ordering};
 
-/// The bit pattern of bfloat16's lowest finite value (`finfo(bfloat16).min`, what MLX's
-/// fallback writes where the mask is false).
-const LOWEST: u16 = 0xFF7F;
 /// Work (heads × queries × keys) below which one thread does all heads.
 const PARALLEL_MIN_SCORES: usize = 1 << 12;
 
@@ -97,32 +94,13 @@ pub fn attend_bf16(
             &Order::Sequential,
             1,
         )?;
-        let mut row = vec![0.0f32; keys];
+        let mut row = Vec::with_capacity(keys);
         let mut acc = vec![0.0f32; dim];
         for t in 0..queries {
             let visible = if causal { keys - queries + t + 1 } else { keys };
-            for (s, x) in row.iter_mut().enumerate() {
-                *x = if s < visible {
-                    bf16_mlx(scores[t * keys + s]).to_f32()
-                } else {
-                    bf16::from_bits(LOWEST).to_f32()
-                };
-            }
-            softmax_row(&mut row);
-            // A zero weight (a masked key, an exponential that underflowed) adds a signed zero
-            // to a sum that starts at +0 and so can never be -0: it changes nothing and is
-            // skipped.
-            acc.fill(0.0);
-            for (s, p) in row.iter().enumerate().take(visible) {
-                if *p == 0.0 {
-                    continue;
-                }
-                // Each value widened where it is read (a shift), not copied out per head.
-                let vs = &vg[s * dim..(s + 1) * dim];
-                for (a, x) in acc.iter_mut().zip(vs) {
-                    *a += p * f32::from_bits(u32::from(x.to_bits()) << 16);
-                }
-            }
+            row.clear();
+            row.extend_from_slice(&scores[t * keys..t * keys + visible]);
+            weigh_values(&mut row, |s| &vg[s * dim..(s + 1) * dim], &mut acc);
             for (o, a) in out[t * dim..(t + 1) * dim].iter_mut().zip(&acc) {
                 *o = bf16_mlx(*a);
             }
@@ -139,6 +117,104 @@ pub fn attend_bf16(
         out.par_chunks_exact_mut(per_head)
             .enumerate()
             .try_for_each(|(h, o)| head(h, o))
+    }
+}
+
+/// One query's visible keys' score sums (`row`, f32, overwritten) to its attention output
+/// before rounding (`acc`, one f32 chain per dimension over the keys, `value(s)` being key
+/// `s`'s value row), in MLX's order: each score rounded to bfloat16, the softmax, then the
+/// weighted values. The keys MLX's mask hides are left out: their score is bfloat16's lowest,
+/// whose exponential is zero, so they change neither the maximum, nor the sum, nor the output.
+fn weigh_values<'v>(row: &mut [f32], value: impl Fn(usize) -> &'v [bf16], acc: &mut [f32]) {
+    for x in row.iter_mut() {
+        *x = bf16_mlx(*x).to_f32();
+    }
+    softmax_row(row);
+    // A zero weight (an exponential that underflowed) adds a signed zero to a sum that starts
+    // at +0 and so can never be -0: it changes nothing and is skipped.
+    acc.fill(0.0);
+    for (s, p) in row.iter().enumerate() {
+        if *p == 0.0 {
+            continue;
+        }
+        // Each value widened where it is read (a shift), not copied out per head.
+        for (a, x) in acc.iter_mut().zip(value(s)) {
+            *a += p * f32::from_bits(u32::from(x.to_bits()) << 16);
+        }
+    }
+}
+
+/// One query head's bfloat16 attention as [`attend_bf16`] computes it, for the host decode
+/// step ([`super::step`]), whose keys lie in two buffers: `past` (this key/value head's cached
+/// keys and values, row-major, `past.0.len() / dim` of them) and `new` (the block's, likewise),
+/// the first `visible` of them in that order seen by the query. `q` is the scaled query
+/// (bfloat16 values, widened); `out` gets the output, rounded to bfloat16 and widened.
+pub fn attend_bf16_query(
+    q: &[f32],
+    past: (&[bf16], &[bf16]),
+    new: (&[bf16], &[bf16]),
+    visible: usize,
+    row: &mut Vec<f32>,
+    out: &mut [f32],
+) -> Result<(), String> {
+    let dim = q.len();
+    let (past_len, new_len) = (past.0.len() / dim.max(1), new.0.len() / dim.max(1));
+    if dim == 0
+        || out.len() != dim
+        || past.1.len() != past.0.len()
+        || new.1.len() != new.0.len()
+        || visible == 0
+        || visible > past_len + new_len
+    {
+        return Err(format!(
+            "a query of {dim} over {past_len} cached and {new_len} new keys, {visible} visible"
+        ));
+    }
+    row.clear();
+    row.resize(visible, 0.0);
+    let seen_past = visible.min(past_len);
+    let (past_scores, new_scores) = row.split_at_mut(seen_past);
+    for (keys, range, scores) in [
+        (past.0, 0..seen_past, past_scores),
+        (new.0, 0..visible - seen_past, new_scores),
+    ] {
+        if range.is_empty() {
+            continue;
+        }
+        // SAFETY: `bf16` is `repr(transparent)` over `u16`.
+        let bits = unsafe { std::slice::from_raw_parts(keys.as_ptr().cast::<u16>(), keys.len()) };
+        let rows = keys.len() / dim;
+        mlx_order::block_rows(
+            Weights::Bf16(bits),
+            rows,
+            dim,
+            q,
+            1,
+            &Order::Sequential,
+            range,
+            scores,
+        )?;
+    }
+    let value = |s: usize| {
+        if s < past_len {
+            &past.1[s * dim..(s + 1) * dim]
+        } else {
+            &new.1[(s - past_len) * dim..(s - past_len + 1) * dim]
+        }
+    };
+    weigh_values(row, value, out);
+    for o in out.iter_mut() {
+        *o = bf16_mlx(*o).to_f32();
+    }
+    Ok(())
+}
+
+/// A bfloat16 query head (values widened) scaled as MLX's fallback scales it: one bfloat16
+/// multiply by the scale made a bfloat16 (a weak scalar takes the query's dtype).
+pub fn scale_bf16_query(q: &[f32], scale: f32, out: &mut [f32]) {
+    let scale = bf16_mlx(scale).to_f32();
+    for (o, v) in out.iter_mut().zip(q) {
+        *o = bf16_mlx(v * scale).to_f32();
     }
 }
 

@@ -120,6 +120,21 @@ impl HostDense {
         }
     }
 
+    /// The weight's dtype.
+    pub fn dtype(&self) -> Dtype {
+        self.array.dtype()
+    }
+
+    /// The pinned bfloat16 weight's bits (`rows × cols`, row-major) and its shape, for the
+    /// host decode step; `None` for another dtype.
+    pub fn bf16_weight(&self) -> Option<(&[u16], usize, usize)> {
+        match &self.pinned {
+            // SAFETY: `half::bf16` is `repr(transparent)` over `u16`.
+            Pinned::Bf16(s) => Some((unsafe { bits_of(s.get()) }, self.rows, self.cols)),
+            _ => None,
+        }
+    }
+
     /// Whether a product of `tokens` tokens through this weight is summed on the host in MLX's
     /// order on this CPU and matched MLX's own (checked once per shape and token count).
     pub fn accepts(&self, tokens: usize) -> Result<bool> {

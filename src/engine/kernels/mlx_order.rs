@@ -479,13 +479,14 @@ fn f32_simd(order: &Order, tokens: usize, cols: usize) -> Result<Simd, String> {
     Ok(simd)
 }
 
-/// Outputs `range` of a block of f32 tokens' product `x · Wᵀ` (`x`: `tokens × cols`) in `order`
-/// into `out` (token-major, `tokens × range.len()`), on this thread: what the host decode step
-/// ([`super::step`]) runs per share of rows for a speculative verify block, each weight read once
-/// per few tokens. Errors when the CPU lacks the kernels for `order` or the lengths disagree.
+/// Outputs `range` of a block of tokens' product `x · Wᵀ` (`x`: `tokens × cols`, f32 or 16-bit
+/// values widened) in `order` into `out` (token-major, `tokens × range.len()`), on this thread:
+/// what the host decode step ([`super::step`]) runs per share of rows for a decode token or a
+/// speculative verify block, each weight read once per few tokens. Errors when the CPU lacks
+/// the kernels for `order` or the lengths disagree.
 #[allow(clippy::too_many_arguments)]
 pub fn block_rows(
-    w: &[f32],
+    w: Weights<'_>,
     rows: usize,
     cols: usize,
     x: &[f32],
@@ -494,7 +495,21 @@ pub fn block_rows(
     range: Range<usize>,
     out: &mut [f32],
 ) -> Result<(), String> {
-    let simd = f32_simd(order, tokens, cols)?;
+    let simd = match w {
+        Weights::F32(_) => f32_simd(order, tokens, cols)?,
+        Weights::Bf16(_) | Weights::F16(_) => match simd() {
+            Some(simd)
+                if *order == Order::Sequential && takes_tokens_on(Some(simd), order, tokens) =>
+            {
+                simd
+            }
+            _ => {
+                return Err(format!(
+                    "no host kernel for {tokens} 16-bit tokens in {order:?}"
+                ))
+            }
+        },
+    };
     if w.len() != rows * cols
         || range.end > rows
         || x.len() != tokens * cols
@@ -509,17 +524,7 @@ pub fn block_rows(
     }
     // The panel kernel adds each panel's sum to the output.
     out.fill(0.0);
-    rows_into(
-        simd,
-        Weights::F32(w),
-        rows,
-        cols,
-        x,
-        tokens,
-        order,
-        range,
-        out,
-    );
+    rows_into(simd, w, rows, cols, x, tokens, order, range, out);
     Ok(())
 }
 

@@ -40,7 +40,8 @@ pub use proj::{HostF32, HostForm, HostProj, ProjWeight};
 pub use qdense::{qdense_calls, HostQDense, HostQDenseCell};
 pub use rope_table::RopeTable;
 pub use step::{
-    exact_steps_here, host_steps, HostDecoder, HostLayer, Numerics, PastKv, StepOut, StepPlan,
+    exact_steps_here, host_steps, Bf16Numerics, HostDecoder, HostLayer, KvBuffers, Numerics,
+    PastKv, StepOut, StepPlan,
 };
 pub use vecops::{HeadShape, HostRope};
 pub use vnni::Int8Input;

@@ -15,7 +15,7 @@ use super::affine::{row_fits, rows_into as affine_rows_into, Prepared, QMatrix};
 use super::dense::HostDense;
 use super::dispatch::Selection;
 use super::host::{widened, HostQuant, HostSlice};
-use super::mlx_order::{block_rows, token_rows, F32Kernels};
+use super::mlx_order::{block_rows, token_rows, F32Kernels, Order, Weights};
 use super::qdense::HostQDense;
 use super::quant_order::{self, Path, QuantWeights};
 use super::vecops::dot_lanes;
@@ -151,17 +151,25 @@ impl HostProj {
                 kind: Kind::Dense(h.data.get()),
                 bias,
             },
-            ProjWeight::Exact(h) => {
-                let (w, rows, cols) = h.f32_weight().ok_or_else(|| {
-                    EngineError::Runtime("host step: an exact product over a 16-bit weight".into())
-                })?;
-                ProjView {
+            ProjWeight::Exact(h) => match (h.f32_weight(), h.bf16_weight()) {
+                (Some((w, rows, cols)), _) => ProjView {
                     rows,
                     cols,
                     kind: Kind::Exact(w),
                     bias,
+                },
+                (None, Some((w, rows, cols))) => ProjView {
+                    rows,
+                    cols,
+                    kind: Kind::ExactBf16(w),
+                    bias,
+                },
+                (None, None) => {
+                    return Err(EngineError::Runtime(
+                        "host step: an exact product over an f16 weight".into(),
+                    ))
                 }
-            }
+            },
         })
     }
 }
@@ -172,6 +180,8 @@ enum Kind<'a> {
     Packed(QuantWeights<'a>),
     Dense(&'a [f32]),
     Exact(&'a [f32]),
+    /// bfloat16 bits, summed in MLX's 16-bit order.
+    ExactBf16(&'a [u16]),
 }
 
 /// A [`HostProj`] as borrowed host memory.
@@ -204,6 +214,13 @@ impl ProjView<'_> {
             }
             Kind::Dense(w) | Kind::Exact(w) => {
                 out.copy_from_slice(&w[r * self.cols..(r + 1) * self.cols]);
+                Ok(())
+            }
+            Kind::ExactBf16(w) => {
+                let row = &w[r * self.cols..(r + 1) * self.cols];
+                for (o, b) in out.iter_mut().zip(row) {
+                    *o = f32::from_bits(u32::from(*b) << 16);
+                }
                 Ok(())
             }
         }
@@ -255,7 +272,36 @@ impl ProjView<'_> {
                     return token_rows(w, 0, self.rows, self.cols, x, (0, 1), &order, rows, out);
                 }
                 let mut by_token = vec![0.0f32; m * rows.len()];
-                block_rows(w, self.rows, self.cols, x, m, &order, rows, &mut by_token)?;
+                block_rows(
+                    Weights::F32(w),
+                    self.rows,
+                    self.cols,
+                    x,
+                    m,
+                    &order,
+                    rows,
+                    &mut by_token,
+                )?;
+                by_feature(&by_token, m, out);
+                Ok(())
+            }
+            Kind::ExactBf16(w) => {
+                let order = Order::Sequential;
+                let bf16 = Weights::Bf16(w);
+                if m == 1 {
+                    return block_rows(bf16, self.rows, self.cols, x, 1, &order, rows, out);
+                }
+                let mut by_token = vec![0.0f32; m * rows.len()];
+                block_rows(
+                    bf16,
+                    self.rows,
+                    self.cols,
+                    x,
+                    m,
+                    &order,
+                    rows,
+                    &mut by_token,
+                )?;
                 by_feature(&by_token, m, out);
                 Ok(())
             }

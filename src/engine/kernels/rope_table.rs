@@ -8,6 +8,8 @@
 //! products and sums are then the host's, in MLX's order; the caller compares the result with
 //! MLX's rope before using it.
 
+use super::elementwise::bf16_mlx;
+
 /// Cosines and sines of every rotated pair for positions `0..positions`.
 #[derive(Debug, Clone)]
 pub struct RopeTable {
@@ -69,13 +71,7 @@ impl RopeTable {
     /// Errors for a position past the table.
     pub fn apply(&self, x: &mut [f32], head_dim: usize, pos: usize) -> Result<(), String> {
         let half = self.dims / 2;
-        if pos >= self.positions() || self.dims > head_dim {
-            return Err(format!(
-                "position {pos} of a rope table of {} (dims {} of {head_dim})",
-                self.positions(),
-                self.dims
-            ));
-        }
+        self.fits(head_dim, pos)?;
         let (cos, sin) = (
             &self.cos[pos * half..(pos + 1) * half],
             &self.sin[pos * half..(pos + 1) * half],
@@ -92,6 +88,43 @@ impl RopeTable {
                 head[a] = x1 * c - x2 * s;
                 head[b] = x1 * s + x2 * c;
             }
+        }
+        Ok(())
+    }
+
+    /// [`RopeTable::apply`] for bfloat16 heads (`x` holds bfloat16 values, widened), as MLX's
+    /// `fast::rope` computes that dtype: the same f32 cosines and sines rounded to bfloat16,
+    /// then every product and every sum rounded to bfloat16 on its own.
+    pub fn apply_bf16(&self, x: &mut [f32], head_dim: usize, pos: usize) -> Result<(), String> {
+        let half = self.dims / 2;
+        self.fits(head_dim, pos)?;
+        let round = |v: f32| bf16_mlx(v).to_f32();
+        for head in x.chunks_exact_mut(head_dim) {
+            for i in 0..half {
+                let (a, b) = (
+                    first(i, self.traditional),
+                    second(i, self.dims, self.traditional),
+                );
+                let (c, s) = (
+                    round(self.cos[pos * half + i]),
+                    round(self.sin[pos * half + i]),
+                );
+                let (x1, x2) = (head[a], head[b]);
+                head[a] = round(round(x1 * c) - round(x2 * s));
+                head[b] = round(round(x1 * s) + round(x2 * c));
+            }
+        }
+        Ok(())
+    }
+
+    /// Errors for a position past the table or a head narrower than the rotated dimensions.
+    fn fits(&self, head_dim: usize, pos: usize) -> Result<(), String> {
+        if pos >= self.positions() || self.dims > head_dim {
+            return Err(format!(
+                "position {pos} of a rope table of {} (dims {} of {head_dim})",
+                self.positions(),
+                self.dims
+            ));
         }
         Ok(())
     }

@@ -1,8 +1,9 @@
-//! A whole forward step of a llama-style decoder on the host (`--perf-kernel on`, tier L3):
-//! pre-norm grouped-query attention and a SwiGLU MLP, projections quantized (4/8-bit on the
-//! affine kernel, other widths and dense f32 layers beside them: [`super::proj`]), biased or not,
-//! f32 activations, for blocks of up to [`MAX_M`] tokens (a decode step or a speculative
-//! verify block).
+//! A whole forward step of a llama-style decoder on the host (`--perf-kernel on`, tier L3, and
+//! `--host-step on`, L1: see [`Numerics`]): pre-norm grouped-query attention and a SwiGLU MLP,
+//! projections quantized (4/8-bit on the affine kernel, other widths and dense f32 layers beside
+//! them: [`super::proj`]), biased or not, or dense in MLX's order, f32 activations (bfloat16 ones
+//! held widened for a bf16 model's L1 step), for blocks of up to [`MAX_M`] tokens (a decode step
+//! or a speculative verify block).
 //!
 //! Why a whole step: a decode token of a small model is ~200 mat-vecs of a few hundred
 //! microseconds each; handing each one to the host kernel separately costs an MLX
@@ -11,7 +12,7 @@
 //! keys/values in place and appending the new ones (done by the caller).
 
 use super::affine::{Prepared, MAX_M};
-use super::attention::{attend_f32_query, F32AttentionOrder};
+use super::attention::{attend_bf16_query, attend_f32_query, scale_bf16_query, F32AttentionOrder};
 use super::dispatch::{by_token, selection, Selection};
 use super::elementwise;
 use super::proj::{HostProj, ProjView, ProjWeight};
@@ -62,16 +63,64 @@ pub enum Numerics {
     /// `--host-step on` (L1): every operation as MLX's CPU backend computes it, so the step has
     /// MLX's bits (its projections are [`super::ProjWeight::Exact`]).
     Mlx(RopeTable),
+    /// `--host-step on` (L1) for a bfloat16 model: the same, with every activation a bfloat16
+    /// as in MLX (held widened in the step's f32 buffers, each result rounded as MLX rounds it).
+    MlxBf16(Bf16Numerics),
+}
+
+/// What the bfloat16 L1 step takes from MLX itself.
+#[derive(Debug, Clone)]
+pub struct Bf16Numerics {
+    /// MLX's cosines and sines ([`RopeTable::apply_bf16`]).
+    pub rope: RopeTable,
+    /// MLX's bfloat16 `silu` of every bfloat16 value ([`elementwise::swiglu_bf16`]).
+    pub silu: &'static [half::bf16],
+}
+
+impl Numerics {
+    /// Whether activations are bfloat16 (rounded after every operation).
+    fn bf16(&self) -> bool {
+        matches!(self, Numerics::MlxBf16(_))
+    }
+}
+
+/// Rounds each value to bfloat16 (MLX's rounding), kept widened.
+fn round_bf16(x: &mut [f32]) {
+    for v in x {
+        *v = elementwise::bf16_mlx(*v).to_f32();
+    }
+}
+
+/// Bfloat16 values held widened, narrowed back (exact).
+fn narrow(x: &[f32]) -> Vec<half::bf16> {
+    x.iter().map(|v| elementwise::bf16_mlx(*v)).collect()
+}
+
+/// A layer's cache buffers, in the cache's dtype.
+#[derive(Debug, Clone, Copy)]
+pub enum KvBuffers<'a> {
+    /// An f32 cache.
+    F32 {
+        /// Key buffer.
+        keys: &'a [f32],
+        /// Value buffer.
+        values: &'a [f32],
+    },
+    /// A bfloat16 cache.
+    Bf16 {
+        /// Key buffer.
+        keys: &'a [half::bf16],
+        /// Value buffer.
+        values: &'a [half::bf16],
+    },
 }
 
 /// One layer's cached keys and values before the step, read in place from the cache buffers
 /// (`[kv_heads, capacity, head_dim]`, first `len` positions valid; empty slices when `len` is 0).
 #[derive(Debug, Clone, Copy)]
 pub struct PastKv<'a> {
-    /// Key buffer.
-    pub keys: &'a [f32],
-    /// Value buffer.
-    pub values: &'a [f32],
+    /// Key and value buffers.
+    pub buffers: KvBuffers<'a>,
     /// Positions each buffer has room for.
     pub capacity: usize,
     /// Valid positions (the cache offset).
@@ -250,6 +299,7 @@ impl HostDecoder {
         match &self.numerics {
             Numerics::Fast(_) => usize::MAX,
             Numerics::Mlx(table) => table.positions(),
+            Numerics::MlxBf16(b) => b.rope.positions(),
         }
     }
 
@@ -268,12 +318,20 @@ impl HostDecoder {
                     && super::attention::f32_values_fit(m, past + m, self.heads.head_dim)
                     && super::host_allowed()
             }
+            Numerics::MlxBf16(b) => {
+                m <= MAX_M && past + m <= b.rope.positions() && super::host_allowed()
+            }
         }
     }
 
-    /// Whether the step is the L1 one ([`Numerics::Mlx`]).
+    /// Whether the step is the L1 one ([`Numerics::Mlx`] or [`Numerics::MlxBf16`]).
     pub fn is_exact(&self) -> bool {
-        matches!(self.numerics, Numerics::Mlx(_))
+        matches!(self.numerics, Numerics::Mlx(_) | Numerics::MlxBf16(_))
+    }
+
+    /// Whether the step's activations, caches and logits are bfloat16 ([`Numerics::MlxBf16`]).
+    pub fn is_bf16(&self) -> bool {
+        self.numerics.bf16()
     }
 
     /// Under [`Numerics::Mlx`], whether every projection's host product of `m` tokens matched
@@ -449,6 +507,7 @@ impl View<'_> {
             // SAFETY: the team has finished; nothing writes the buffer any more.
             by_token(unsafe { buffers.logits.all() }, m, &mut logits);
             self.head.add_bias(&mut logits);
+            self.round(&mut logits);
         }
         super::host::count_calls(7 * self.layers.len() + usize::from(plan.logits));
         STEPS.fetch_add(1, std::sync::atomic::Ordering::Relaxed);
@@ -466,7 +525,27 @@ impl View<'_> {
         match self.numerics {
             Numerics::Fast(_) => rms_norm(h, w, self.eps, out),
             Numerics::Mlx(_) => elementwise::rms_norm(h, w, self.eps, out),
+            Numerics::MlxBf16(_) => {
+                let mut y = vec![half::bf16::ZERO; h.len()];
+                elementwise::rms_norm_bf16(&narrow(h), &narrow(w), self.eps, &mut y);
+                for (o, v) in out.iter_mut().zip(y) {
+                    *o = v.to_f32();
+                }
+            }
         }
+    }
+
+    /// A product's (or the attention's) results rounded to the activations' dtype.
+    fn round(&self, x: &mut [f32]) {
+        if self.numerics.bf16() {
+            round_bf16(x);
+        }
+    }
+
+    /// The residual add `h += t`, rounded to the activations' dtype.
+    fn residual(&self, h: &mut [f32], t: &[f32]) {
+        h.iter_mut().zip(t).for_each(|(a, b)| *a += b);
+        self.round(h);
     }
 
     /// Rotates one token's heads (`x`: whole heads) for position `pos`.
@@ -478,6 +557,7 @@ impl View<'_> {
                 Ok(())
             }
             Numerics::Mlx(table) => table.apply(x, hd, pos).map_err(runtime),
+            Numerics::MlxBf16(b) => b.rope.apply_bf16(x, hd, pos).map_err(runtime),
         }
     }
 
@@ -490,7 +570,91 @@ impl View<'_> {
                 elementwise::swiglu(gate, up, scratch);
                 std::mem::swap(gate, scratch);
             }
+            Numerics::MlxBf16(b) => {
+                let mut y = vec![half::bf16::ZERO; gate.len()];
+                elementwise::swiglu_bf16(&narrow(gate), &narrow(up), b.silu, &mut y);
+                for (o, v) in gate.iter_mut().zip(y) {
+                    *o = v.to_f32();
+                }
+            }
         }
+    }
+
+    /// The attention of this member's `items` (token `j`, head `h` as `j * heads + h`) of the
+    /// block's rotated queries `q` over the past keys/values and the block's own (`new`, in the
+    /// cache layout), into `out` (one head's output per item).
+    #[allow(clippy::too_many_arguments)]
+    fn attend(
+        &self,
+        items: std::ops::Range<usize>,
+        q: &[f32],
+        past: &PastKv<'_>,
+        new: (&[f32], &[f32]),
+        m: usize,
+        scores: &mut Vec<f32>,
+        out: &mut [f32],
+    ) -> Result<()> {
+        let s = self.heads;
+        let hd = s.head_dim;
+        let rows = |past_buf, new| KvRows {
+            past: past_buf,
+            capacity: past.capacity,
+            len: past.len,
+            new,
+            new_len: m,
+        };
+        match (self.numerics, past.buffers) {
+            (Numerics::Fast(_), KvBuffers::F32 { keys, values }) => {
+                let (keys, values) = (rows(keys, new.0), rows(values, new.1));
+                for (n, out) in items.zip(out.chunks_exact_mut(hd)) {
+                    let (j, head) = (n / s.n_heads, n % s.n_heads);
+                    scores.resize(past.len + m, 0.0);
+                    let qh = &q[n * hd..(n + 1) * hd];
+                    attend_head(s, head, qh, keys, values, j, scores, out);
+                }
+            }
+            (Numerics::Mlx(_), KvBuffers::F32 { keys, values }) => {
+                let (keys, values) = (rows(keys, new.0), rows(values, new.1));
+                // Under MLX's order every head and query of the block sums alike: decided once.
+                let Some(order) = F32AttentionOrder::here(m, past.len + m, hd) else {
+                    let keys = past.len + m;
+                    return Err(runtime(format!(
+                        "no MLX order for {m} queries over {keys} keys"
+                    )));
+                };
+                for (n, out) in items.zip(out.chunks_exact_mut(hd)) {
+                    let (j, head) = (n / s.n_heads, n % s.n_heads);
+                    let qh = &q[n * hd..(n + 1) * hd];
+                    mlx_attention(s, head, qh, keys, values, j, &order, scores, out)?;
+                }
+            }
+            (Numerics::MlxBf16(_), KvBuffers::Bf16 { keys, values }) => {
+                let (new_keys, new_values) = (narrow(new.0), narrow(new.1));
+                let mut scaled = vec![0.0f32; hd];
+                let (cached, fresh) = (past.len * hd, m * hd);
+                for (n, out) in items.zip(out.chunks_exact_mut(hd)) {
+                    let (j, head) = (n / s.n_heads, n % s.n_heads);
+                    scale_bf16_query(&q[n * hd..(n + 1) * hd], s.scale, &mut scaled);
+                    let kvh = s.kv_head(head);
+                    let (p, f) = (kvh * past.capacity * hd, kvh * fresh);
+                    attend_bf16_query(
+                        &scaled,
+                        (&keys[p..][..cached], &values[p..][..cached]),
+                        (&new_keys[f..][..fresh], &new_values[f..][..fresh]),
+                        past.len + j + 1,
+                        scores,
+                        out,
+                    )
+                    .map_err(runtime)?;
+                }
+            }
+            _ => {
+                return Err(runtime(
+                    "a cache of another dtype than the step's activations".into(),
+                ))
+            }
+        }
+        Ok(())
     }
 
     /// One team member's walk through the step. It never returns early: every member meets
@@ -545,6 +709,9 @@ impl View<'_> {
             wq.add_bias(&mut q);
             wk.add_bias(&mut k);
             wv.add_bias(&mut v);
+            for x in [&mut q, &mut k, &mut v] {
+                self.round(x);
+            }
             for j in 0..m {
                 errors.keep(self.rope(&mut q[j * qd..(j + 1) * qd], past.len + j));
                 errors.keep(self.rope(&mut k[j * kvd..(j + 1) * kvd], past.len + j));
@@ -553,53 +720,10 @@ impl View<'_> {
                 to_cache_layout(&k, m, s.n_kv_heads, hd),
                 to_cache_layout(&v, m, s.n_kv_heads, hd),
             );
-            let rows = |past_buf, new| KvRows {
-                past: past_buf,
-                capacity: past.capacity,
-                len: past.len,
-                new,
-                new_len: m,
-            };
-            let (keys, values) = (rows(past.keys, &kc), rows(past.values, &vc));
             let items = me.share(m * s.n_heads);
             // SAFETY: each member writes the heads of its own share.
             let attn = unsafe { b.attn.part_mut(items.start * hd..items.end * hd) };
-            // Under MLX's order every head and query of the block sums alike: decided once.
-            let order = match self.numerics {
-                Numerics::Mlx(_) => {
-                    let order = F32AttentionOrder::here(m, past.len + m, hd);
-                    if order.is_none() {
-                        let keys = past.len + m;
-                        errors.keep(Err(runtime(format!(
-                            "no MLX order for {m} queries over {keys} keys"
-                        ))));
-                    }
-                    order
-                }
-                Numerics::Fast(_) => None,
-            };
-            for (n, out) in items.clone().zip(attn.chunks_exact_mut(hd)) {
-                let (j, head) = (n / s.n_heads, n % s.n_heads);
-                let qh = &q[n * hd..(n + 1) * hd];
-                if let Numerics::Mlx(_) = self.numerics {
-                    if let Some(order) = &order {
-                        errors.keep(mlx_attention(
-                            s,
-                            head,
-                            qh,
-                            keys,
-                            values,
-                            j,
-                            order,
-                            &mut scores,
-                            out,
-                        ));
-                    }
-                } else {
-                    scores.resize(past.len + m, 0.0);
-                    attend_head(s, head, qh, keys, values, j, &mut scores, out);
-                }
-            }
+            errors.keep(self.attend(items, &q, past, (&kc, &vc), m, &mut scores, attn));
             if me.index == 0 {
                 out.keys.push(kc);
                 out.values.push(vc);
@@ -615,7 +739,8 @@ impl View<'_> {
             me.sync();
             by_token(unsafe { b.o.all() }, m, &mut t);
             wo.add_bias(&mut t);
-            h.iter_mut().zip(&t).for_each(|(a, b)| *a += b);
+            self.round(&mut t);
+            self.residual(&mut h, &t);
 
             let [wg, wu, wd] = &layer.mlp;
             self.norm(&h, layer.post_norm, &mut xn);
@@ -625,12 +750,15 @@ impl View<'_> {
             by_token(unsafe { b.up.all() }, m, &mut up);
             wg.add_bias(&mut gate);
             wu.add_bias(&mut up);
+            self.round(&mut gate);
+            self.round(&mut up);
             self.silu_mul(&mut gate, &up, &mut act);
             errors.keep(rows_share(me, sel, &gate, m, &[(wd, &b.down)]));
             me.sync();
             by_token(unsafe { b.down.all() }, m, &mut t);
             wd.add_bias(&mut t);
-            h.iter_mut().zip(&t).for_each(|(a, b)| *a += b);
+            self.round(&mut t);
+            self.residual(&mut h, &t);
             if me.index == 0 {
                 for (tap, _) in out.taps.iter_mut().zip(plan.taps).filter(|(_, &t)| t == i) {
                     tap.clone_from(&h);

@@ -173,6 +173,19 @@ impl SwiGlu {
         probe.host_matches_mlx()
     }
 
+    /// MLX's bfloat16 `silu` of every bfloat16 value, for the bfloat16 L1 host step: `None`
+    /// unless the host form is on and the SwiGLU built on the table matched MLX's kernel.
+    pub fn host_exact_bf16(&self) -> Result<Option<&'static [half::bf16]>> {
+        if !self.host {
+            return Ok(None);
+        }
+        let mut probe = SwiGlu {
+            op: swiglu(false),
+            host: true,
+        };
+        probe.silu_table_bf16()
+    }
+
     /// The host kernel's result, or `None` for inputs it does not take (not f32 or bfloat16,
     /// different shapes, not contiguous) or when it differed from MLX's kernel in this process.
     fn host_apply(&mut self, gate: &Array, x: &Array) -> Result<Option<Array>> {

@@ -204,14 +204,25 @@ impl PreNormLayer {
     }
 
     /// The two norms on the host, for a host decode step of `form` (`None` unless both are
-    /// f32 and, for the exact step, their host form matched MLX's).
+    /// f32, or both bfloat16 for the exact step, and, for the exact step, their host form
+    /// matched MLX's).
     pub fn host_norms(&self, form: kernels::HostForm) -> Result<Option<HostNorms>> {
         let (a, b) = (
             self.input_layernorm.host_weight(form)?,
             self.post_attention_layernorm.host_weight(form)?,
         );
+        let dtype = self.input_layernorm.dtype();
         Ok(match (a, b) {
-            (Some((input, eps)), Some((post, _))) => Some(HostNorms { input, post, eps }),
+            (Some((input, eps)), Some((post, _)))
+                if self.post_attention_layernorm.dtype() == dtype =>
+            {
+                Some(HostNorms {
+                    input,
+                    post,
+                    eps,
+                    dtype,
+                })
+            }
             _ => None,
         })
     }
@@ -254,6 +265,8 @@ pub struct HostNorms {
     pub post: Vec<f32>,
     /// Their epsilon.
     pub eps: f32,
+    /// Their weights' dtype (the values above are widened).
+    pub dtype: mlx_rs::Dtype,
 }
 
 /// The output projection: `lm_head`, or the embedding's `as_linear` when tied.

@@ -1,20 +1,20 @@
 //! The host decode step of llama-style models: under `--perf-kernel on` (L3) small blocks (a
 //! decode token, a speculative verify block) run as one [`HostDecoder`] step on the host
 //! instead of an MLX graph; under `--host-step on` (L1) blocks of up to eight tokens of a
-//! dense f32 model do, in MLX's own order.
+//! dense f32 or bf16 model do, in MLX's own order.
 //!
 //! The MLX caches stay the source of truth: the step reads each layer's past keys/values in
 //! place from the cache buffers and appends its new ones through `update_and_fetch`, so
 //! trimming, snapshots, speculative rollback and prefix reuse work unchanged. Early exit and
 //! layer taps (the `self` and DSpark drafters) run here too, so every drafter verifies with
 //! the same arithmetic as vanilla decoding. Anything the step does not cover (another cache
-//! kind, a batch, a non-f32 cache) takes the model's MLX path.
+//! kind, a batch, a cache of another dtype than the step's) takes the model's MLX path.
 
 use super::{Caches, ForwardOpts};
 use crate::engine::cache::{KvCache, StoredKv};
 use crate::engine::cache_attention::exact_attention_matches_mlx;
 use crate::engine::error::{EngineError, Result};
-use crate::engine::kernels::{HostDecoder, PastKv, StepOut, StepPlan, MAX_M};
+use crate::engine::kernels::{HostDecoder, KvBuffers, PastKv, StepOut, StepPlan, MAX_M};
 use mlx_rs::{Array, Dtype};
 use std::cell::RefCell;
 
@@ -30,32 +30,58 @@ pub struct HostStep {
 /// Positions the first build of a step covers; each rebuild doubles past what a step needs.
 const FIRST_POSITIONS: usize = 1024;
 
-/// One layer's cache buffers as host slices, or `None` when the step cannot read them.
-fn past_of(stored: StoredKv<'_>, offset: i32) -> Result<Option<PastKv<'_>>> {
+/// One layer's cache buffers as host slices (bfloat16 ones for a `bf16` step, f32 otherwise), or
+/// `None` when the step cannot read them.
+fn past_of(stored: StoredKv<'_>, offset: i32, bf16: bool) -> Result<Option<PastKv<'_>>> {
     let (k, v) = match stored {
         StoredKv::Unsupported => return Ok(None),
         StoredKv::Empty => {
+            let buffers = if bf16 {
+                KvBuffers::Bf16 {
+                    keys: &[],
+                    values: &[],
+                }
+            } else {
+                KvBuffers::F32 {
+                    keys: &[],
+                    values: &[],
+                }
+            };
             return Ok(Some(PastKv {
-                keys: &[],
-                values: &[],
+                buffers,
                 capacity: 0,
                 len: 0,
-            }))
+            }));
         }
         StoredKv::Buffers(k, v) => (k, v),
     };
-    if k.dtype() != Dtype::Float32 || v.dtype() != Dtype::Float32 || k.ndim() != 4 {
+    let dtype = if bf16 {
+        Dtype::Bfloat16
+    } else {
+        Dtype::Float32
+    };
+    if k.dtype() != dtype || v.dtype() != dtype || k.ndim() != 4 {
         return Ok(None);
     }
     if k.shape()[0] != 1 || k.shape() != v.shape() {
         return Ok(None);
     }
-    let (Ok(keys), Ok(values)) = (k.try_as_slice::<f32>(), v.try_as_slice::<f32>()) else {
-        return Ok(None);
+    let buffers = if bf16 {
+        let (Ok(keys), Ok(values)) = (
+            k.try_as_slice::<half::bf16>(),
+            v.try_as_slice::<half::bf16>(),
+        ) else {
+            return Ok(None);
+        };
+        KvBuffers::Bf16 { keys, values }
+    } else {
+        let (Ok(keys), Ok(values)) = (k.try_as_slice::<f32>(), v.try_as_slice::<f32>()) else {
+            return Ok(None);
+        };
+        KvBuffers::F32 { keys, values }
     };
     Ok(Some(PastKv {
-        keys,
-        values,
+        buffers,
         capacity: k.shape()[2] as usize,
         len: offset.max(0) as usize,
     }))
@@ -158,13 +184,13 @@ impl HostStep {
         let l = ids.len() as i32;
         let d = decoder.embed.cols() as i32;
         let head = if short {
-            HostHead::Logits(Array::from_slice(&logits, &[1, l, vocab as i32]))
+            HostHead::Logits(host_array(&logits, &[1, l, vocab as i32], decoder))
         } else {
-            HostHead::Hidden(Array::from_slice(&hidden, &[1, l, d]))
+            HostHead::Hidden(host_array(&hidden, &[1, l, d], decoder))
         };
         let taps = taps
             .iter()
-            .map(|t| Array::from_slice(t, &[1, l, d]))
+            .map(|t| host_array(t, &[1, l, d], decoder))
             .collect();
         Ok(Some(HostOut { head, taps }))
     }
@@ -179,13 +205,33 @@ impl HostStep {
         if let Some(Some(known)) = self.exact_ready.borrow().get(m) {
             return Ok(*known);
         }
-        let ready = decoder.exact_ready(m)? && exact_attention_matches_mlx(decoder.heads, m)?;
+        let dtype = if decoder.is_bf16() {
+            Dtype::Bfloat16
+        } else {
+            Dtype::Float32
+        };
+        let ready =
+            decoder.exact_ready(m)? && exact_attention_matches_mlx(decoder.heads, m, dtype)?;
         let mut known = self.exact_ready.borrow_mut();
         if known.len() <= m {
             known.resize(m + 1, None);
         }
         known[m] = Some(ready);
         Ok(ready)
+    }
+}
+
+/// The step's values as an MLX array of the model's activation dtype (a bfloat16 step's values
+/// are bfloat16 already, held widened: narrowing them is exact).
+fn host_array(values: &[f32], shape: &[i32], decoder: &HostDecoder) -> Array {
+    if decoder.is_bf16() {
+        let narrow: Vec<half::bf16> = values
+            .iter()
+            .map(|v| crate::engine::kernels::elementwise::bf16_mlx(*v))
+            .collect();
+        Array::from_slice(&narrow, shape)
+    } else {
+        Array::from_slice(values, shape)
     }
 }
 
@@ -200,7 +246,7 @@ fn block_step(
     let out = {
         let mut past = Vec::with_capacity(caches.len());
         for c in caches.iter() {
-            match past_of(c.stored_kv(), c.offset())? {
+            match past_of(c.stored_kv(), c.offset(), decoder.is_bf16())? {
                 Some(p) => past.push(p),
                 None => return Ok(None),
             }
@@ -217,8 +263,8 @@ fn block_step(
     let mut state = Vec::with_capacity(2 * caches.len());
     for ((cache, k), v) in caches.iter_mut().zip(&out.keys).zip(&out.values) {
         let (k, v) = (
-            Array::from_slice(k, &kv_shape),
-            Array::from_slice(v, &kv_shape),
+            host_array(k, &kv_shape, decoder),
+            host_array(v, &kv_shape, decoder),
         );
         cache.update_and_fetch(&k, &v)?;
         state.extend(cache.state());

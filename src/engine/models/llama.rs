@@ -11,11 +11,13 @@ use super::{Caches, ForwardOpts, ForwardOut, LanguageModel, ModelSpec};
 use crate::engine::cache::{AttentionMask, KvCache};
 use crate::engine::cache_attention::exact_attention_matches_mlx;
 use crate::engine::error::Result;
-use crate::engine::kernels::{HostDecoder, HostForm, HostLayer, Numerics, MAX_M};
+use crate::engine::kernels::{
+    Bf16Numerics, HostDecoder, HostForm, HostLayer, Numerics, ProjWeight, MAX_M,
+};
 use crate::engine::nn::{Embedding, Linear, RmsNorm};
 use crate::engine::shard::{ShardPlan, Sharding};
 use crate::engine::weights::WeightStore;
-use mlx_rs::Array;
+use mlx_rs::{Array, Dtype};
 use serde::Deserialize;
 
 /// config.json fields llama reads (mlx-lm's `ModelArgs`).
@@ -313,9 +315,10 @@ pub fn build(spec: &ModelSpec, w: &mut WeightStore) -> Result<Box<dyn LanguageMo
 
 impl Model {
     /// The whole model as a host decode step of `form`, when every layer is the plain
-    /// full-attention llama block with weights the step takes and f32 norms: for `--perf-kernel
-    /// on` some of them quantized (a dense model keeps its L1 path), for `--host-step on` all of
-    /// them dense f32 with every part matching MLX (its rope table covering `positions`).
+    /// full-attention llama block with weights the step takes: for `--perf-kernel on` some of
+    /// them quantized (a dense model keeps its L1 path) with f32 norms, for `--host-step on` all
+    /// of them dense, f32 or all bfloat16, with every part matching MLX (its rope table covering
+    /// `positions`).
     fn host_decoder(&self, form: HostForm, positions: usize) -> Result<Option<HostDecoder>> {
         if self.sliding.iter().any(|&s| s) {
             return Ok(None);
@@ -333,6 +336,9 @@ impl Model {
         let Some((final_norm, eps)) = self.norm.host_weight(form)? else {
             return Ok(None);
         };
+        // The L1 step computes in the embedding's dtype; every weight must share it.
+        let dtype = self.embed_tokens.dtype();
+        let mut uniform = self.norm.dtype() == dtype;
         let mut layers = Vec::with_capacity(self.layers.len());
         let mut shape = None;
         for l in &self.layers {
@@ -344,6 +350,7 @@ impl Model {
                 return Ok(None);
             };
             shape = Some((attn.heads, attn.rope));
+            uniform &= norms.dtype == dtype;
             layers.push(HostLayer {
                 input_norm: norms.input,
                 post_norm: norms.post,
@@ -360,14 +367,28 @@ impl Model {
             .chain([&embed])
             .chain(&head)
             .any(|p| p.weight().quantized());
+        uniform &= layers
+            .iter()
+            .flat_map(|l| l.attn.iter().chain(&l.mlp))
+            .chain([&embed])
+            .chain(&head)
+            .all(|p| match p.weight() {
+                ProjWeight::Exact(w) => w.dtype() == dtype,
+                _ => true,
+            });
         let numerics = match form {
             HostForm::Fast if quantized => Numerics::Fast(rope.host()?),
-            HostForm::Exact
-                if self.swiglu.host_exact()? && exact_attention_matches_mlx(heads, 1)? =>
-            {
-                match rope.host_table(heads.head_dim, positions)? {
-                    Some(table) => Numerics::Mlx(table),
-                    None => return Ok(None),
+            HostForm::Exact if uniform && exact_attention_matches_mlx(heads, 1, dtype)? => {
+                let Some(table) = rope.host_table(heads.head_dim, positions, dtype)? else {
+                    return Ok(None);
+                };
+                match dtype {
+                    Dtype::Float32 if self.swiglu.host_exact()? => Numerics::Mlx(table),
+                    Dtype::Bfloat16 => match self.swiglu.host_exact_bf16()? {
+                        Some(silu) => Numerics::MlxBf16(Bf16Numerics { rope: table, silu }),
+                        None => return Ok(None),
+                    },
+                    _ => return Ok(None),
                 }
             }
             _ => return Ok(None),

@@ -118,9 +118,20 @@ impl Rope {
 
     /// MLX's own rotation as a host table for positions `0..positions` of heads `head_dim`
     /// wide (the L1 host step): the cosines and sines read back from this rope applied to unit
-    /// vectors, then the host rotation compared with this rope's on random heads at positions
-    /// across the table. `None` where they differ (the step is then not used).
-    pub fn host_table(&self, head_dim: usize, positions: usize) -> Result<Option<RopeTable>> {
+    /// vectors, then the host rotation of `dtype` (f32 or bfloat16) compared with this rope's
+    /// on random heads of that dtype at positions across the table. `None` where they differ
+    /// (the step is then not used).
+    pub fn host_table(
+        &self,
+        head_dim: usize,
+        positions: usize,
+        dtype: mlx_rs::Dtype,
+    ) -> Result<Option<RopeTable>> {
+        let bf16 = match dtype {
+            mlx_rs::Dtype::Float32 => false,
+            mlx_rs::Dtype::Bfloat16 => true,
+            _ => return Ok(None),
+        };
         let (dims, traditional) = match self {
             Rope::Plain {
                 dims, traditional, ..
@@ -140,14 +151,17 @@ impl Rope {
         let heads = 3;
         let key = mlx_rs::random::key(0x2f6b_1c3d)?;
         let dims4 = [1, heads, 1, head_dim as i32];
-        let x = mlx_rs::random::normal::<f32>(&dims4[..], 0.0, 4.0, &key)?;
+        let x = mlx_rs::random::normal::<f32>(&dims4[..], 0.0, 4.0, &key)?.as_dtype(dtype)?;
         let probe = read_f32(&x)?;
         for pos in [0, 1, 2, 37, 1000, 4097, positions - 1] {
             let pos = pos.min(positions - 1);
             let mut ours = probe.clone();
-            table
-                .apply(&mut ours, head_dim, pos)
-                .map_err(EngineError::Runtime)?;
+            if bf16 {
+                table.apply_bf16(&mut ours, head_dim, pos)
+            } else {
+                table.apply(&mut ours, head_dim, pos)
+            }
+            .map_err(EngineError::Runtime)?;
             let theirs = read_f32(&self.apply(&x, pos as i32)?)?;
             let same = ours
                 .iter()
