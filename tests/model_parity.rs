@@ -9,6 +9,7 @@ use mlxb::engine::forks::Forks;
 use mlxb::engine::generate::{Flow, GenerateConfig, Generator};
 use mlxb::engine::kernels::exact_steps_here;
 use mlxb::engine::kernels::mlx_order::F32Kernels;
+use mlxb::engine::kernels::packed_bf16::packed_calls;
 use mlxb::engine::models;
 use mlxb::engine::sample::{LogitsProcessors, ProcessorConfig, Sampler, SamplerConfig};
 use serde_json::json;
@@ -113,6 +114,7 @@ fn assert_bf16_host_steps(steps: usize, gen_tokens: usize) {
 
 #[test]
 fn llama_bf16() {
+    let packed = packed_calls();
     let steps = check_lengths(
         llama(json!({})),
         "bf16",
@@ -121,6 +123,10 @@ fn llama_bf16() {
         (PROMPT_LEN, GEN_TOKENS),
     );
     assert_bf16_host_steps(steps, GEN_TOKENS);
+    if steps > 0 {
+        // Its products read the packed copy of the weights (kept only once it matched MLX).
+        assert!(packed_calls() > packed, "the bfloat16 host step's products");
+    }
 }
 
 /// The bfloat16 L1 host step on an untied llama with llama3 rope scaling (the rope's

@@ -20,6 +20,7 @@ use super::elementwise::bf16_mlx;
 use super::host::{check_bits, widened, HostSlice};
 use super::lock;
 use super::mlx_order::{self, Order, Weights, MAX_TOKENS};
+use super::packed_bf16::PackedBf16;
 use crate::engine::error::{EngineError, Result};
 use mlx_rs::ops::indexing::IndexOp;
 use mlx_rs::{ops, Array, Dtype};
@@ -46,6 +47,9 @@ pub struct HostDense {
     cols: usize,
     /// The single-token order to use instead of MLX's (tests of the check).
     forced: Option<Order>,
+    /// A bfloat16 weight's copy for the host decode step, made at the step's first use
+    /// ([`HostDense::packed_bf16`]); shared by the clones the step holds.
+    packed: std::sync::Arc<OnceLock<Option<PackedBf16>>>,
 }
 
 impl HostDense {
@@ -81,6 +85,7 @@ impl HostDense {
             rows: rows as usize,
             cols: cols as usize,
             forced: order,
+            packed: Default::default(),
         };
         // A one-token product this CPU's kernels cannot sum in MLX's order (the small-matrix
         // order on the AVX2 path) stays on MLX.
@@ -133,6 +138,57 @@ impl HostDense {
             Pinned::Bf16(s) => Some((unsafe { bits_of(s.get()) }, self.rows, self.cols)),
             _ => None,
         }
+    }
+
+    /// The bfloat16 weight re-laid for the host decode step's products ([`PackedBf16`]), made
+    /// on the first call and kept when its products of 1 to [`MAX_TOKENS`] tokens matched
+    /// MLX's on the rows of [`probe_windows`] (and their sizes are the step's: whole groups);
+    /// `None` for another dtype, a shape it does not take, or a product that differed.
+    pub fn packed_bf16(&self) -> Result<Option<&PackedBf16>> {
+        if let Some(p) = self.packed.get() {
+            return Ok(p.as_ref());
+        }
+        let packed = match self.bf16_weight() {
+            Some((w, rows, cols)) => match PackedBf16::new(w, rows, cols) {
+                Some(p) if self.packed_matches_mlx(&p)? => Some(p),
+                _ => None,
+            },
+            None => None,
+        };
+        Ok(self.packed.get_or_init(|| packed).as_ref())
+    }
+
+    /// Whether the packed products match MLX's on the check windows' whole groups.
+    fn packed_matches_mlx(&self, packed: &PackedBf16) -> Result<bool> {
+        let group = packed.group();
+        for tokens in 1..=MAX_TOKENS {
+            let x: Vec<half::bf16> = probe(tokens * self.cols, 0x6a09_e667 + tokens as u64)
+                .into_iter()
+                .map(bf16_mlx)
+                .collect();
+            let wide: Vec<f32> = x.iter().map(|v| v.to_f32()).collect();
+            let x = Array::from_slice(&x, &[tokens as i32, self.cols as i32]);
+            for window in probe_windows(self.rows) {
+                let rows = window.start.div_ceil(group) * group
+                    ..(window.end.min(packed.rows()) / group * group);
+                if rows.is_empty() {
+                    continue;
+                }
+                let mut ours = vec![0.0f32; tokens * rows.len()];
+                packed
+                    .check_rows_into(&wide, tokens, rows.clone(), &mut ours)
+                    .map_err(|e| EngineError::Runtime(format!("packed host product: {e}")))?;
+                let ours: Vec<u32> = ours
+                    .iter()
+                    .map(|v| bf16_mlx(*v).to_f32().to_bits())
+                    .collect();
+                let weight = self.array.index(rows.start as i32..rows.end as i32);
+                if ours != check_bits(&ops::matmul(&x, weight.t())?)? {
+                    return Ok(false);
+                }
+            }
+        }
+        Ok(true)
     }
 
     /// Whether a product of `tokens` tokens through this weight is summed on the host in MLX's

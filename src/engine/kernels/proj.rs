@@ -16,6 +16,7 @@ use super::dense::HostDense;
 use super::dispatch::Selection;
 use super::host::{widened, HostQuant, HostSlice};
 use super::mlx_order::{block_rows, token_rows, F32Kernels, Order, Weights};
+use super::packed_bf16::PackedBf16;
 use super::qdense::HostQDense;
 use super::quant_order::{self, Path, QuantWeights};
 use super::vecops::dot_lanes;
@@ -161,7 +162,7 @@ impl HostProj {
                 (None, Some((w, rows, cols))) => ProjView {
                     rows,
                     cols,
-                    kind: Kind::ExactBf16(w),
+                    kind: Kind::ExactBf16(w, h.packed_bf16()?),
                     bias,
                 },
                 (None, None) => {
@@ -180,8 +181,9 @@ enum Kind<'a> {
     Packed(QuantWeights<'a>),
     Dense(&'a [f32]),
     Exact(&'a [f32]),
-    /// bfloat16 bits, summed in MLX's 16-bit order.
-    ExactBf16(&'a [u16]),
+    /// bfloat16 bits, summed in MLX's 16-bit order, and their packed copy for whole groups of
+    /// rows when there is one.
+    ExactBf16(&'a [u16], Option<&'a PackedBf16>),
 }
 
 /// A [`HostProj`] as borrowed host memory.
@@ -216,7 +218,7 @@ impl ProjView<'_> {
                 out.copy_from_slice(&w[r * self.cols..(r + 1) * self.cols]);
                 Ok(())
             }
-            Kind::ExactBf16(w) => {
+            Kind::ExactBf16(w, _) => {
                 let row = &w[r * self.cols..(r + 1) * self.cols];
                 for (o, b) in out.iter_mut().zip(row) {
                     *o = f32::from_bits(u32::from(*b) << 16);
@@ -285,24 +287,42 @@ impl ProjView<'_> {
                 by_feature(&by_token, m, out);
                 Ok(())
             }
-            Kind::ExactBf16(w) => {
-                let order = Order::Sequential;
-                let bf16 = Weights::Bf16(w);
-                if m == 1 {
-                    return block_rows(bf16, self.rows, self.cols, x, 1, &order, rows, out);
+            Kind::ExactBf16(w, packed) => {
+                // The packed copy's whole groups, the row-major weight's rows around them.
+                let inner = match packed {
+                    Some(p) => {
+                        let g = p.group();
+                        let start = (rows.start.div_ceil(g) * g).min(rows.end);
+                        start..(rows.end.min(p.rows()) / g * g).max(start)
+                    }
+                    None => rows.end..rows.end,
+                };
+                let parts = [rows.start..inner.start, inner.clone(), inner.end..rows.end];
+                for part in parts.into_iter().filter(|p| !p.is_empty()) {
+                    let at = (part.start - rows.start) * m..(part.end - rows.start) * m;
+                    let mut by_token = vec![0.0f32; if m == 1 { 0 } else { m * part.len() }];
+                    let into = if m == 1 {
+                        &mut out[at.clone()]
+                    } else {
+                        &mut by_token[..]
+                    };
+                    match packed {
+                        Some(p) if part == inner => p.rows_into(x, m, part, into)?,
+                        _ => block_rows(
+                            Weights::Bf16(w),
+                            self.rows,
+                            self.cols,
+                            x,
+                            m,
+                            &Order::Sequential,
+                            part,
+                            into,
+                        )?,
+                    }
+                    if m > 1 {
+                        by_feature(&by_token, m, &mut out[at]);
+                    }
                 }
-                let mut by_token = vec![0.0f32; m * rows.len()];
-                block_rows(
-                    bf16,
-                    self.rows,
-                    self.cols,
-                    x,
-                    m,
-                    &order,
-                    rows,
-                    &mut by_token,
-                )?;
-                by_feature(&by_token, m, out);
                 Ok(())
             }
         }
