@@ -9,7 +9,7 @@ use mlxb::engine::forks::Forks;
 use mlxb::engine::generate::{Flow, GenerateConfig, Generator};
 use mlxb::engine::kernels::exact_steps_here;
 use mlxb::engine::kernels::mlx_order::F32Kernels;
-use mlxb::engine::kernels::packed_bf16::packed_calls;
+use mlxb::engine::kernels::packed::packed_calls;
 use mlxb::engine::models;
 use mlxb::engine::sample::{LogitsProcessors, ProcessorConfig, Sampler, SamplerConfig};
 use serde_json::json;
@@ -114,7 +114,7 @@ fn assert_bf16_host_steps(steps: usize, gen_tokens: usize) {
 
 #[test]
 fn llama_bf16() {
-    let packed = packed_calls();
+    let packed = packed_calls().0;
     let steps = check_lengths(
         llama(json!({})),
         "bf16",
@@ -125,7 +125,10 @@ fn llama_bf16() {
     assert_bf16_host_steps(steps, GEN_TOKENS);
     if steps > 0 {
         // Its products read the packed copy of the weights (kept only once it matched MLX).
-        assert!(packed_calls() > packed, "the bfloat16 host step's products");
+        assert!(
+            packed_calls().0 > packed,
+            "the bfloat16 host step's products"
+        );
     }
 }
 
@@ -158,13 +161,22 @@ fn assert_host_steps(steps: usize, gen_tokens: usize, head_dim: usize) {
     }
 }
 
+/// Also an MLP and a head wide enough (over 1,200 outputs) that OpenBLAS sums their
+/// single-token products on its GEMM driver, which the step reads from a packed copy.
 #[test]
 fn llama_f32_untied_llama3_rope() {
     let rope = json!({"rope_type": "llama3", "factor": 8.0, "low_freq_factor": 1.0,
         "high_freq_factor": 4.0, "original_max_position_embeddings": 16});
-    let config = llama(json!({"tie_word_embeddings": false, "rope_scaling": rope, "head_dim": 32}));
+    let config = llama(
+        json!({"tie_word_embeddings": false, "rope_scaling": rope, "head_dim": 32,
+        "intermediate_size": 1280, "vocab_size": 1536}),
+    );
+    let packed = packed_calls().1;
     let steps = check_lengths(config, "f32", None, 2048, (PROMPT_LEN, GEN_TOKENS));
     assert_host_steps(steps, GEN_TOKENS, 32);
+    if steps > 0 {
+        assert!(packed_calls().1 > packed, "the f32 host step's products");
+    }
 }
 
 /// The L1 host step on a tied f32 llama with three query heads per key/value head (SmolLM2's

@@ -20,7 +20,7 @@ use super::elementwise::bf16_mlx;
 use super::host::{check_bits, widened, HostSlice};
 use super::lock;
 use super::mlx_order::{self, Order, Weights, MAX_TOKENS};
-use super::packed_bf16::PackedBf16;
+use super::packed::PackedRows;
 use crate::engine::error::{EngineError, Result};
 use mlx_rs::ops::indexing::IndexOp;
 use mlx_rs::{ops, Array, Dtype};
@@ -47,9 +47,9 @@ pub struct HostDense {
     cols: usize,
     /// The single-token order to use instead of MLX's (tests of the check).
     forced: Option<Order>,
-    /// A bfloat16 weight's copy for the host decode step, made at the step's first use
-    /// ([`HostDense::packed_bf16`]); shared by the clones the step holds.
-    packed: std::sync::Arc<OnceLock<Option<PackedBf16>>>,
+    /// The copy for the host decode step, made at the step's first use ([`HostDense::packed`]);
+    /// shared by the clones the step holds.
+    packed: std::sync::Arc<OnceLock<Option<PackedRows>>>,
 }
 
 impl HostDense {
@@ -140,32 +140,39 @@ impl HostDense {
         }
     }
 
-    /// The bfloat16 weight re-laid for the host decode step's products ([`PackedBf16`]), made
-    /// on the first call and kept when its products of 1 to [`MAX_TOKENS`] tokens matched
-    /// MLX's on the rows of [`probe_windows`] (checked once per shape: the packed sums do not
-    /// depend on the values); `None` for another dtype, a shape it does not take, or a product
-    /// that differed.
-    pub fn packed_bf16(&self) -> Result<Option<&PackedBf16>> {
+    /// The weight re-laid for the host decode step's products ([`PackedRows`]): a bfloat16
+    /// weight, or an f32 one whose single-token product OpenBLAS sums in panels (its GEMM
+    /// driver). Made on the first call and kept when every product of 1 to [`MAX_TOKENS`]
+    /// tokens summed in its order matched MLX's (bfloat16 on the rows of [`probe_windows`], f32
+    /// on every row; checked once per shape: the packed sums do not depend on the values);
+    /// `None` for f16, an f32 weight on the small-matrix kernel, a shape it does not take, or a
+    /// product that differed.
+    pub fn packed(&self) -> Result<Option<&PackedRows>> {
         if let Some(p) = self.packed.get() {
             return Ok(p.as_ref());
         }
-        let packed = match self.bf16_weight() {
-            Some((w, rows, cols)) => match PackedBf16::new(w, rows, cols) {
-                Some(p) if self.packed_matches_mlx(&p)? => Some(p),
-                _ => None,
-            },
-            None => None,
+        let packed = match (&self.pinned, self.order(1)) {
+            (Pinned::Bf16(_), _) => self
+                .bf16_weight()
+                .and_then(|(w, rows, cols)| PackedRows::bf16(w, rows, cols)),
+            (Pinned::F32(w), Order::Panels(panels)) if self.forced.is_none() => {
+                PackedRows::f32(w.get(), self.rows, self.cols, &panels)
+            }
+            _ => None,
+        };
+        let packed = match packed {
+            Some(p) if self.packed_matches_mlx(&p)? => Some(p),
+            _ => None,
         };
         Ok(self.packed.get_or_init(|| packed).as_ref())
     }
 
-    /// Whether the packed products match MLX's on the check windows' whole groups (decided
-    /// once per shape).
-    fn packed_matches_mlx(&self, packed: &PackedBf16) -> Result<bool> {
-        type Verdicts = Mutex<HashMap<(usize, usize), bool>>;
+    /// Whether the packed products match MLX's (decided once per shape and dtype).
+    fn packed_matches_mlx(&self, packed: &PackedRows) -> Result<bool> {
+        type Verdicts = Mutex<HashMap<(usize, usize, Dtype), bool>>;
         static VERDICTS: OnceLock<Verdicts> = OnceLock::new();
         let verdicts = VERDICTS.get_or_init(Default::default);
-        let key = (self.rows, self.cols);
+        let key = (self.rows, self.cols, self.array.dtype());
         if let Some(v) = lock(verdicts).get(&key) {
             return Ok(*v);
         }
@@ -174,16 +181,25 @@ impl HostDense {
         Ok(same)
     }
 
-    fn packed_products_match_mlx(&self, packed: &PackedBf16) -> Result<bool> {
+    fn packed_products_match_mlx(&self, packed: &PackedRows) -> Result<bool> {
         let group = packed.group();
-        for tokens in 1..=MAX_TOKENS {
-            let x: Vec<half::bf16> = probe(tokens * self.cols, 0x6a09_e667 + tokens as u64)
-                .into_iter()
-                .map(bf16_mlx)
-                .collect();
-            let wide: Vec<f32> = x.iter().map(|v| v.to_f32()).collect();
-            let x = Array::from_slice(&x, &[tokens as i32, self.cols as i32]);
-            for window in probe_windows(self.rows) {
+        let dtype = self.array.dtype();
+        let windows = if dtype == Dtype::Float32 {
+            std::iter::once(0..self.rows).collect()
+        } else {
+            probe_windows(self.rows)
+        };
+        for tokens in (1..=MAX_TOKENS).filter(|&t| packed.sums_in(&self.order(t))) {
+            let x = Array::from_slice(
+                &probe(tokens * self.cols, 0x6a09_e667 + tokens as u64),
+                &[tokens as i32, self.cols as i32],
+            )
+            .as_dtype(dtype)?;
+            let wide = x.as_dtype(Dtype::Float32)?;
+            let wide = wide.try_as_slice::<f32>().map_err(|e| {
+                EngineError::Runtime(format!("cannot read a packed product's check input ({e})"))
+            })?;
+            for window in &windows {
                 let rows = window.start.div_ceil(group) * group
                     ..(window.end.min(packed.rows()) / group * group);
                 if rows.is_empty() {
@@ -191,14 +207,24 @@ impl HostDense {
                 }
                 let mut ours = vec![0.0f32; tokens * rows.len()];
                 packed
-                    .check_rows_into(&wide, tokens, rows.clone(), &mut ours)
+                    .check_rows_into(wide, tokens, rows.clone(), &mut ours)
                     .map_err(|e| EngineError::Runtime(format!("packed host product: {e}")))?;
-                let ours: Vec<u32> = ours
-                    .iter()
-                    .map(|v| bf16_mlx(*v).to_f32().to_bits())
-                    .collect();
-                let weight = self.array.index(rows.start as i32..rows.end as i32);
-                if ours != check_bits(&ops::matmul(&x, weight.t())?)? {
+                if dtype == Dtype::Bfloat16 {
+                    ours.iter_mut().for_each(|v| *v = bf16_mlx(*v).to_f32());
+                }
+                // MLX's product over the whole window (for f32 every row: OpenBLAS picks its
+                // kernels by the product's size), of which the packed rows are a part.
+                let weight = self.array.index(window.start as i32..window.end as i32);
+                let theirs = check_bits(&ops::matmul(&x, weight.t())?)?;
+                let width = window.len();
+                let same = (0..tokens).all(|t| {
+                    let mine = &ours[t * rows.len()..(t + 1) * rows.len()];
+                    let at = t * width + rows.start - window.start;
+                    mine.iter()
+                        .map(|v| v.to_bits())
+                        .eq(theirs[at..at + rows.len()].iter().copied())
+                });
+                if !same {
                     return Ok(false);
                 }
             }

@@ -22,7 +22,7 @@ pub mod dispatch;
 pub mod elementwise;
 pub mod host;
 pub mod mlx_order;
-pub mod packed_bf16;
+pub mod packed;
 pub mod pair;
 pub mod proj;
 pub mod qdense;

@@ -16,7 +16,7 @@ use super::dense::HostDense;
 use super::dispatch::Selection;
 use super::host::{widened, HostQuant, HostSlice};
 use super::mlx_order::{block_rows, token_rows, F32Kernels, Order, Weights};
-use super::packed_bf16::PackedBf16;
+use super::packed::PackedRows;
 use super::qdense::HostQDense;
 use super::quant_order::{self, Path, QuantWeights};
 use super::vecops::dot_lanes;
@@ -156,13 +156,13 @@ impl HostProj {
                 (Some((w, rows, cols)), _) => ProjView {
                     rows,
                     cols,
-                    kind: Kind::Exact(w),
+                    kind: Kind::Exact(w, h.packed()?),
                     bias,
                 },
                 (None, Some((w, rows, cols))) => ProjView {
                     rows,
                     cols,
-                    kind: Kind::ExactBf16(w, h.packed_bf16()?),
+                    kind: Kind::ExactBf16(w, h.packed()?),
                     bias,
                 },
                 (None, None) => {
@@ -180,10 +180,10 @@ enum Kind<'a> {
     Affine(QMatrix<'a>),
     Packed(QuantWeights<'a>),
     Dense(&'a [f32]),
-    Exact(&'a [f32]),
-    /// bfloat16 bits, summed in MLX's 16-bit order, and their packed copy for whole groups of
-    /// rows when there is one.
-    ExactBf16(&'a [u16], Option<&'a PackedBf16>),
+    /// f32 summed in OpenBLAS's order, and its packed copy when there is one.
+    Exact(&'a [f32], Option<&'a PackedRows>),
+    /// bfloat16 bits, summed in MLX's 16-bit order, and their packed copy when there is one.
+    ExactBf16(&'a [u16], Option<&'a PackedRows>),
 }
 
 /// A [`HostProj`] as borrowed host memory.
@@ -214,7 +214,7 @@ impl ProjView<'_> {
                 w.dequantize_row(r, out);
                 Ok(())
             }
-            Kind::Dense(w) | Kind::Exact(w) => {
+            Kind::Dense(w) | Kind::Exact(w, _) => {
                 out.copy_from_slice(&w[r * self.cols..(r + 1) * self.cols]);
                 Ok(())
             }
@@ -268,62 +268,24 @@ impl ProjView<'_> {
                 dense_rows(w, self.cols, x, m, rows, out);
                 Ok(())
             }
-            Kind::Exact(w) => {
+            Kind::Exact(w, packed) => {
                 let order = F32Kernels::here().block_order(self.rows, self.cols, m);
-                if m == 1 {
-                    return token_rows(w, 0, self.rows, self.cols, x, (0, 1), &order, rows, out);
-                }
-                let mut by_token = vec![0.0f32; m * rows.len()];
-                block_rows(
-                    Weights::F32(w),
-                    self.rows,
-                    self.cols,
-                    x,
-                    m,
-                    &order,
-                    rows,
-                    &mut by_token,
-                )?;
-                by_feature(&by_token, m, out);
-                Ok(())
+                let packed = packed.filter(|p| p.sums_in(&order));
+                with_packed(packed, x, m, rows, out, |part, into| {
+                    if m == 1 {
+                        token_rows(w, 0, self.rows, self.cols, x, (0, 1), &order, part, into)
+                    } else {
+                        let f32 = Weights::F32(w);
+                        block_rows(f32, self.rows, self.cols, x, m, &order, part, into)
+                    }
+                })
             }
             Kind::ExactBf16(w, packed) => {
-                // The packed copy's whole groups, the row-major weight's rows around them.
-                let inner = match packed {
-                    Some(p) => {
-                        let g = p.group();
-                        let start = (rows.start.div_ceil(g) * g).min(rows.end);
-                        start..(rows.end.min(p.rows()) / g * g).max(start)
-                    }
-                    None => rows.end..rows.end,
-                };
-                let parts = [rows.start..inner.start, inner.clone(), inner.end..rows.end];
-                for part in parts.into_iter().filter(|p| !p.is_empty()) {
-                    let at = (part.start - rows.start) * m..(part.end - rows.start) * m;
-                    let mut by_token = vec![0.0f32; if m == 1 { 0 } else { m * part.len() }];
-                    let into = if m == 1 {
-                        &mut out[at.clone()]
-                    } else {
-                        &mut by_token[..]
-                    };
-                    match packed {
-                        Some(p) if part == inner => p.rows_into(x, m, part, into)?,
-                        _ => block_rows(
-                            Weights::Bf16(w),
-                            self.rows,
-                            self.cols,
-                            x,
-                            m,
-                            &Order::Sequential,
-                            part,
-                            into,
-                        )?,
-                    }
-                    if m > 1 {
-                        by_feature(&by_token, m, &mut out[at]);
-                    }
-                }
-                Ok(())
+                let order = Order::Sequential;
+                with_packed(*packed, x, m, rows, out, |part, into| {
+                    let bf16 = Weights::Bf16(w);
+                    block_rows(bf16, self.rows, self.cols, x, m, &order, part, into)
+                })
             }
         }
     }
@@ -336,6 +298,45 @@ impl ProjView<'_> {
             }
         }
     }
+}
+
+/// Outputs `rows` of a product of `m` tokens `x` into `out` (`rows.len() × m`, by output
+/// feature): the whole groups of `packed` there are from the packed copy, the rows around them
+/// from `row_major(part, into)` (token-major outputs of rows `part`, in the same order).
+fn with_packed(
+    packed: Option<&PackedRows>,
+    x: &[f32],
+    m: usize,
+    rows: Range<usize>,
+    out: &mut [f32],
+    row_major: impl Fn(Range<usize>, &mut [f32]) -> std::result::Result<(), String>,
+) -> std::result::Result<(), String> {
+    let inner = match packed {
+        Some(p) => {
+            let g = p.group();
+            let start = (rows.start.div_ceil(g) * g).min(rows.end);
+            start..(rows.end.min(p.rows()) / g * g).max(start)
+        }
+        None => rows.end..rows.end,
+    };
+    let parts = [rows.start..inner.start, inner.clone(), inner.end..rows.end];
+    for part in parts.into_iter().filter(|p| !p.is_empty()) {
+        let at = (part.start - rows.start) * m..(part.end - rows.start) * m;
+        let mut by_token = vec![0.0f32; if m == 1 { 0 } else { m * part.len() }];
+        let into = if m == 1 {
+            &mut out[at.clone()]
+        } else {
+            &mut by_token[..]
+        };
+        match packed {
+            Some(p) if part == inner => p.rows_into(x, m, part, into)?,
+            _ => row_major(part, into)?,
+        }
+        if m > 1 {
+            by_feature(&by_token, m, &mut out[at]);
+        }
+    }
+    Ok(())
 }
 
 /// A kernel's token-major outputs (`m × rows`) laid out by output feature (`rows × m`), as the

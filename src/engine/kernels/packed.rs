@@ -1,0 +1,528 @@
+//! A dense weight re-laid for the L1 host step's products ([`super::step`]) where MLX sums one
+//! chain per output: a bfloat16 product (`simd_gemm`: one f32 chain over the whole depth) and an
+//! f32 one on OpenBLAS's GEMM driver (one chain per panel of the depth, the panels added in
+//! order). The row-major kernels ([`super::mlx_order`]) vectorise those across outputs by
+//! transposing a block of rows in registers for every sixteen values of depth, reading as many
+//! rows side by side: more shuffles and more memory streams than a decode token has time for.
+//! Here the transposition is done once, when the step is built: each group of [`Simd`]-width
+//! rows stores, for every column, the rows' values side by side (bfloat16: every pair of
+//! columns as one 32-bit word per row, the first column's value in the low half, as the
+//! row-major bytes already hold them). A product then streams each group once, one vector per
+//! column (bfloat16: per pair, both halves widened with a shift and a mask), each added to its
+//! row's chain in column order: the same sums as MLX, with every lane busy. It costs a second
+//! copy of the weights it is made for.
+
+use super::mlx_order::{simd, Order, Simd};
+use std::ops::Range;
+use std::sync::atomic::{AtomicUsize, Ordering};
+
+static BF16_CALLS: AtomicUsize = AtomicUsize::new(0);
+static F32_CALLS: AtomicUsize = AtomicUsize::new(0);
+
+/// How many products the packed kernels computed in this process, bfloat16 and f32 (lets tests
+/// check that the host step really read a packed copy).
+pub fn packed_calls() -> (usize, usize) {
+    (
+        BF16_CALLS.load(Ordering::Relaxed),
+        F32_CALLS.load(Ordering::Relaxed),
+    )
+}
+
+/// Tokens one pass over a group of rows serves (one accumulator each).
+const TOKEN_BLOCK: usize = 4;
+
+/// What a packed weight's words hold, and the order its chains run in.
+#[derive(Debug, Clone, PartialEq, Eq)]
+enum Layout {
+    /// bfloat16 pairs of columns; one chain over the whole depth.
+    Bf16Pairs,
+    /// f32 columns; one chain per panel of these depths, the panels added in order.
+    F32Panels(Vec<usize>),
+}
+
+/// A `rows × cols` weight in the column-interleaved layout (see the module docs); rows past
+/// the last whole group are not held (the caller sums them from the row-major weight).
+#[derive(Debug)]
+pub struct PackedRows {
+    words: Vec<u32>,
+    layout: Layout,
+    simd: Simd,
+    /// Rows per group (the vector width in f32 lanes).
+    lanes: usize,
+    /// Rows held (whole groups).
+    rows: usize,
+    cols: usize,
+}
+
+impl PackedRows {
+    /// Packs the row-major bfloat16 bits `w` (`rows × cols`) for this CPU's vector width;
+    /// `None` when the CPU has no host kernels, the depth is odd, or there is no whole group.
+    pub fn bf16(w: &[u16], rows: usize, cols: usize) -> Option<Self> {
+        if !cols.is_multiple_of(2) || w.len() != rows * cols {
+            return None;
+        }
+        Self::pack(rows, cols, Layout::Bf16Pairs, |row, p| {
+            let pair = &w[row * cols + 2 * p..][..2];
+            u32::from(pair[0]) | (u32::from(pair[1]) << 16)
+        })
+    }
+
+    /// Packs the row-major f32 `w` (`rows × cols`) for products summed in `panels` (depths
+    /// adding up to `cols`); `None` when the CPU has no host kernels, the panels do not cover
+    /// the depth, or there is no whole group.
+    pub fn f32(w: &[f32], rows: usize, cols: usize, panels: &[usize]) -> Option<Self> {
+        if w.len() != rows * cols || panels.iter().sum::<usize>() != cols || panels.contains(&0) {
+            return None;
+        }
+        Self::pack(rows, cols, Layout::F32Panels(panels.to_vec()), |row, k| {
+            w[row * cols + k].to_bits()
+        })
+    }
+
+    /// The layout's words (`word(row, column)`, a column being a pair for bfloat16) for every
+    /// whole group of this CPU's width.
+    fn pack(
+        rows: usize,
+        cols: usize,
+        layout: Layout,
+        word: impl Fn(usize, usize) -> u32,
+    ) -> Option<Self> {
+        let simd = simd()?;
+        let lanes = match simd {
+            Simd::Avx512 => 16,
+            Simd::Avx2 => 8,
+        };
+        if cols == 0 || rows < lanes {
+            return None;
+        }
+        let held = rows / lanes * lanes;
+        let columns = match layout {
+            Layout::Bf16Pairs => cols / 2,
+            Layout::F32Panels(_) => cols,
+        };
+        let mut words = vec![0u32; held * columns];
+        for (g, group) in words.chunks_exact_mut(lanes * columns).enumerate() {
+            for lane in 0..lanes {
+                for c in 0..columns {
+                    group[c * lanes + lane] = word(g * lanes + lane, c);
+                }
+            }
+        }
+        Some(Self {
+            words,
+            layout,
+            simd,
+            lanes,
+            rows: held,
+            cols,
+        })
+    }
+
+    /// Whether a product summed in `order` is this copy's.
+    pub fn sums_in(&self, order: &Order) -> bool {
+        match (&self.layout, order) {
+            (Layout::Bf16Pairs, Order::Sequential) => true,
+            (Layout::F32Panels(mine), Order::Panels(theirs)) => mine == theirs,
+            _ => false,
+        }
+    }
+
+    /// Rows held (a multiple of the group size): the rest stay on the row-major weight.
+    pub fn rows(&self) -> usize {
+        self.rows
+    }
+
+    /// Rows per group: a range handed to [`PackedRows::rows_into`] starts and ends on one.
+    pub fn group(&self) -> usize {
+        self.lanes
+    }
+
+    /// Outputs `range` (whole groups within [`PackedRows::rows`]) of `x · Wᵀ` for `tokens`
+    /// tokens (`x`: `tokens × cols`; for bfloat16, bfloat16 values widened) into `out`
+    /// (token-major, `tokens × range.len()`), on this thread. Errors when the lengths or the
+    /// range disagree.
+    pub fn rows_into(
+        &self,
+        x: &[f32],
+        tokens: usize,
+        range: Range<usize>,
+        out: &mut [f32],
+    ) -> Result<(), String> {
+        let calls = match self.layout {
+            Layout::Bf16Pairs => &BF16_CALLS,
+            Layout::F32Panels(_) => &F32_CALLS,
+        };
+        calls.fetch_add(1, Ordering::Relaxed);
+        self.check_rows_into(x, tokens, range, out)
+    }
+
+    /// [`PackedRows::rows_into`] for the one-time check against MLX, which [`packed_calls`]
+    /// does not count.
+    pub(super) fn check_rows_into(
+        &self,
+        x: &[f32],
+        tokens: usize,
+        range: Range<usize>,
+        out: &mut [f32],
+    ) -> Result<(), String> {
+        if x.len() != tokens * self.cols
+            || out.len() != tokens * range.len()
+            || range.end > self.rows
+            || !range.start.is_multiple_of(self.lanes)
+            || !range.end.is_multiple_of(self.lanes)
+        {
+            return Err(format!(
+                "rows {range:?} of {} packed in groups of {} for {tokens} tokens of {} values, output {}",
+                self.rows,
+                self.lanes,
+                x.len(),
+                out.len()
+            ));
+        }
+        #[cfg(target_arch = "x86_64")]
+        // SAFETY: `pack` took `simd` from the CPU's own sets; every length was checked above.
+        unsafe {
+            match self.simd {
+                Simd::Avx512 => x86::rows_avx512(self, x, tokens, range, out),
+                Simd::Avx2 => x86::rows_avx2(self, x, tokens, range, out),
+            }
+        }
+        #[cfg(not(target_arch = "x86_64"))]
+        unreachable!("no host kernels off x86_64: `pack` packs nothing");
+        Ok(())
+    }
+}
+
+#[cfg(target_arch = "x86_64")]
+mod x86 {
+    use super::{Layout, PackedRows, TOKEN_BLOCK};
+    use std::arch::x86_64::*;
+    use std::ops::Range;
+
+    /// The vector operations the kernels need, at one width.
+    trait Vector: Copy {
+        unsafe fn zero() -> Self;
+        unsafe fn splat(v: f32) -> Self;
+        unsafe fn fmadd(a: Self, b: Self, c: Self) -> Self;
+        unsafe fn add(a: Self, b: Self) -> Self;
+        /// One vector of f32 words.
+        unsafe fn load(p: *const u32) -> Self;
+        /// One vector of words: each lane's low and high bfloat16, widened exactly.
+        unsafe fn load_pair(p: *const u32) -> (Self, Self);
+        unsafe fn store(p: *mut f32, v: Self);
+    }
+
+    impl Vector for __m512 {
+        #[inline(always)]
+        unsafe fn zero() -> Self {
+            _mm512_setzero_ps()
+        }
+        #[inline(always)]
+        unsafe fn splat(v: f32) -> Self {
+            _mm512_set1_ps(v)
+        }
+        #[inline(always)]
+        unsafe fn fmadd(a: Self, b: Self, c: Self) -> Self {
+            _mm512_fmadd_ps(a, b, c)
+        }
+        #[inline(always)]
+        unsafe fn add(a: Self, b: Self) -> Self {
+            _mm512_add_ps(a, b)
+        }
+        #[inline(always)]
+        unsafe fn load(p: *const u32) -> Self {
+            _mm512_loadu_ps(p.cast())
+        }
+        #[inline(always)]
+        unsafe fn load_pair(p: *const u32) -> (Self, Self) {
+            let v = _mm512_loadu_si512(p.cast());
+            let low = _mm512_slli_epi32::<16>(v);
+            let high = _mm512_and_si512(v, _mm512_set1_epi32(0xFFFF_0000u32 as i32));
+            (_mm512_castsi512_ps(low), _mm512_castsi512_ps(high))
+        }
+        #[inline(always)]
+        unsafe fn store(p: *mut f32, v: Self) {
+            _mm512_storeu_ps(p, v)
+        }
+    }
+
+    impl Vector for __m256 {
+        #[inline(always)]
+        unsafe fn zero() -> Self {
+            _mm256_setzero_ps()
+        }
+        #[inline(always)]
+        unsafe fn splat(v: f32) -> Self {
+            _mm256_set1_ps(v)
+        }
+        #[inline(always)]
+        unsafe fn fmadd(a: Self, b: Self, c: Self) -> Self {
+            _mm256_fmadd_ps(a, b, c)
+        }
+        #[inline(always)]
+        unsafe fn add(a: Self, b: Self) -> Self {
+            _mm256_add_ps(a, b)
+        }
+        #[inline(always)]
+        unsafe fn load(p: *const u32) -> Self {
+            _mm256_loadu_ps(p.cast())
+        }
+        #[inline(always)]
+        unsafe fn load_pair(p: *const u32) -> (Self, Self) {
+            let v = _mm256_loadu_si256(p.cast());
+            let low = _mm256_slli_epi32::<16>(v);
+            let high = _mm256_and_si256(v, _mm256_set1_epi32(0xFFFF_0000u32 as i32));
+            (_mm256_castsi256_ps(low), _mm256_castsi256_ps(high))
+        }
+        #[inline(always)]
+        unsafe fn store(p: *mut f32, v: Self) {
+            _mm256_storeu_ps(p, v)
+        }
+    }
+
+    #[target_feature(enable = "avx512f,avx512bw,fma")]
+    pub(super) unsafe fn rows_avx512(
+        w: &PackedRows,
+        x: &[f32],
+        tokens: usize,
+        range: Range<usize>,
+        out: &mut [f32],
+    ) {
+        rows::<__m512>(w, x, tokens, range, out)
+    }
+
+    #[target_feature(enable = "avx2,fma")]
+    pub(super) unsafe fn rows_avx2(
+        w: &PackedRows,
+        x: &[f32],
+        tokens: usize,
+        range: Range<usize>,
+        out: &mut [f32],
+    ) {
+        rows::<__m256>(w, x, tokens, range, out)
+    }
+
+    /// Where one pass reads and writes: groups `group..` of the packed weight, `T` tokens.
+    struct Pass<'a> {
+        w: &'a PackedRows,
+        x: *const f32,
+        out: *mut f32,
+        /// Outputs per token row of `out`.
+        len: usize,
+        /// The first group, and where its outputs start in a token's row of `out`.
+        group: usize,
+        at: usize,
+    }
+
+    /// Every group of `range` for every token: a decode token runs two groups side by side (two
+    /// independent chains hide the multiply-add's latency), blocks of tokens one group past up
+    /// to [`TOKEN_BLOCK`] tokens at a time.
+    #[inline(always)]
+    unsafe fn rows<V: Vector>(
+        w: &PackedRows,
+        x: &[f32],
+        tokens: usize,
+        range: Range<usize>,
+        out: &mut [f32],
+    ) {
+        let (lanes, cols, len) = (w.lanes, w.cols, range.len());
+        let (first, last) = (range.start / lanes, range.end / lanes);
+        let mut t0 = 0;
+        while t0 < tokens {
+            let n = (tokens - t0).min(TOKEN_BLOCK);
+            let mut g = first;
+            while g < last {
+                let pass = Pass {
+                    w,
+                    x: x.as_ptr().add(t0 * cols),
+                    out: out.as_mut_ptr().add(t0 * len),
+                    len,
+                    group: g,
+                    at: (g - first) * lanes,
+                };
+                let two = g + 2 <= last;
+                match (n, two) {
+                    (1, true) => pass_groups::<V, 2, 1>(pass),
+                    (1, false) => pass_groups::<V, 1, 1>(pass),
+                    (2, _) => pass_groups::<V, 1, 2>(pass),
+                    (3, _) => pass_groups::<V, 1, 3>(pass),
+                    _ => pass_groups::<V, 1, 4>(pass),
+                }
+                g += if n == 1 && two { 2 } else { 1 };
+            }
+            t0 += n;
+        }
+    }
+
+    /// `G` groups past `T` tokens: each output's chains in the layout's order, the total (from
+    /// zero, each panel's chain added in order) stored.
+    #[inline(always)]
+    unsafe fn pass_groups<V: Vector, const G: usize, const T: usize>(p: Pass<'_>) {
+        let (lanes, cols) = (p.w.lanes, p.w.cols);
+        let mut total = [[V::zero(); T]; G];
+        match &p.w.layout {
+            Layout::Bf16Pairs => {
+                let pairs = cols / 2;
+                let base = p.w.words.as_ptr().add(p.group * lanes * pairs);
+                let mut acc = [[V::zero(); T]; G];
+                for k in 0..pairs {
+                    for (g, chains) in acc.iter_mut().enumerate() {
+                        let (even, odd) = V::load_pair(base.add((g * pairs + k) * lanes));
+                        for (t, a) in chains.iter_mut().enumerate() {
+                            let xt = p.x.add(t * cols + 2 * k);
+                            *a = V::fmadd(even, V::splat(*xt), *a);
+                            *a = V::fmadd(odd, V::splat(*xt.add(1)), *a);
+                        }
+                    }
+                }
+                add_into(&mut total, &acc);
+            }
+            Layout::F32Panels(panels) => {
+                let base = p.w.words.as_ptr().add(p.group * lanes * cols);
+                let mut k0 = 0;
+                for &depth in panels {
+                    let mut acc = [[V::zero(); T]; G];
+                    for k in k0..k0 + depth {
+                        for (g, chains) in acc.iter_mut().enumerate() {
+                            let wv = V::load(base.add((g * cols + k) * lanes));
+                            for (t, a) in chains.iter_mut().enumerate() {
+                                *a = V::fmadd(wv, V::splat(*p.x.add(t * cols + k)), *a);
+                            }
+                        }
+                    }
+                    add_into(&mut total, &acc);
+                    k0 += depth;
+                }
+            }
+        }
+        for (g, chains) in total.iter().enumerate() {
+            for (t, a) in chains.iter().enumerate() {
+                V::store(p.out.add(t * p.len + p.at + g * lanes), *a);
+            }
+        }
+    }
+
+    /// `total += acc`, chain by chain.
+    #[inline(always)]
+    unsafe fn add_into<V: Vector, const G: usize, const T: usize>(
+        total: &mut [[V; T]; G],
+        acc: &[[V; T]; G],
+    ) {
+        for (tg, ag) in total.iter_mut().zip(acc) {
+            for (t, a) in tg.iter_mut().zip(ag) {
+                *t = V::add(*t, *a);
+            }
+        }
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+    use crate::engine::kernels::elementwise::{bf16_mlx, probe_values};
+
+    /// Every whole group's outputs equal one f32 chain per output over the columns in order
+    /// (an independent scalar computation of MLX's `simd_gemm` sum), for 1-9 tokens (a decode
+    /// token's two-group pass, the token blocks and a remainder), ranges of one group and of
+    /// several, on a shape whose rows end past the last whole group.
+    #[test]
+    fn packed_products_are_one_chain_per_output_in_column_order() {
+        let (rows, cols) = (53, 38);
+        let w: Vec<u16> = probe_values(rows * cols, 0x243f_6a88)
+            .into_iter()
+            .map(|v| bf16_mlx(v).to_bits())
+            .collect();
+        let Some(packed) = PackedRows::bf16(&w, rows, cols) else {
+            assert!(
+                simd().is_none(),
+                "a CPU with host kernels packs an even depth"
+            );
+            return;
+        };
+        let g = packed.group();
+        assert_eq!(packed.rows(), rows / g * g);
+        for tokens in 1..=9 {
+            let x: Vec<f32> = probe_values(tokens * cols, 0x85a3_08d3 + tokens as u64)
+                .into_iter()
+                .map(|v| bf16_mlx(v).to_f32())
+                .collect();
+            for range in [0..packed.rows(), g..2 * g, 0..g] {
+                let mut out = vec![f32::NAN; tokens * range.len()];
+                packed
+                    .rows_into(&x, tokens, range.clone(), &mut out)
+                    .unwrap();
+                for t in 0..tokens {
+                    for (i, r) in range.clone().enumerate() {
+                        let mut acc = 0.0f32;
+                        for k in 0..cols {
+                            let wk = f32::from_bits(u32::from(w[r * cols + k]) << 16);
+                            acc = wk.mul_add(x[t * cols + k], acc);
+                        }
+                        assert_eq!(
+                            out[t * range.len() + i].to_bits(),
+                            acc.to_bits(),
+                            "token {t}, row {r} of {range:?}"
+                        );
+                    }
+                }
+            }
+        }
+    }
+
+    /// The f32 layout: per panel one chain per output in column order, the panels' sums added
+    /// to a total that starts at zero (OpenBLAS's GEMM driver), against a scalar computation.
+    #[test]
+    fn packed_f32_products_are_panel_chains_added_in_order() {
+        let (rows, cols) = (40, 29);
+        let panels = [12, 9, 8];
+        let w = probe_values(rows * cols, 0x1319_8a2e);
+        let Some(packed) = PackedRows::f32(&w, rows, cols, &panels) else {
+            assert!(simd().is_none(), "a CPU with host kernels packs f32 panels");
+            return;
+        };
+        for tokens in 1..=6 {
+            let x = probe_values(tokens * cols, 0x0370_7344 + tokens as u64);
+            let range = 0..packed.rows();
+            let mut out = vec![f32::NAN; tokens * range.len()];
+            packed
+                .rows_into(&x, tokens, range.clone(), &mut out)
+                .unwrap();
+            for t in 0..tokens {
+                for r in range.clone() {
+                    let mut total = 0.0f32;
+                    let mut k0 = 0;
+                    for depth in panels {
+                        let mut acc = 0.0f32;
+                        for k in k0..k0 + depth {
+                            acc = w[r * cols + k].mul_add(x[t * cols + k], acc);
+                        }
+                        total += acc;
+                        k0 += depth;
+                    }
+                    assert_eq!(
+                        out[t * range.len() + r].to_bits(),
+                        total.to_bits(),
+                        "token {t}, row {r}"
+                    );
+                }
+            }
+        }
+        assert!(
+            PackedRows::f32(&w, rows, cols, &[12, 9]).is_none(),
+            "panels short of the depth"
+        );
+    }
+
+    #[test]
+    fn refuses_odd_depths_and_ranges_off_the_groups() {
+        let w = vec![0u16; 32 * 7];
+        assert!(PackedRows::bf16(&w, 32, 7).is_none());
+        let w = vec![0u16; 32 * 8];
+        if let Some(p) = PackedRows::bf16(&w, 32, 8) {
+            let mut out = vec![0.0; 3];
+            assert!(p.rows_into(&[0.0; 8], 1, 1..4, &mut out).is_err());
+            let mut out = vec![0.0; 32];
+            assert!(p.rows_into(&[0.0; 7], 1, 0..32, &mut out).is_err());
+        }
+    }
+}
