@@ -142,11 +142,12 @@ impl HostDense {
 
     /// The weight re-laid for the host decode step's products ([`PackedRows`]): a bfloat16
     /// weight, or an f32 one whose single-token product OpenBLAS sums in panels (its GEMM
-    /// driver). Made on the first call and kept when every product of 1 to [`MAX_TOKENS`]
-    /// tokens summed in its order matched MLX's (bfloat16 on the rows of [`probe_windows`], f32
-    /// on every row; checked once per shape: the packed sums do not depend on the values);
-    /// `None` for f16, an f32 weight on the small-matrix kernel, a shape it does not take, or a
-    /// product that differed.
+    /// driver). Made on the first call and kept when its single-token product matched MLX's;
+    /// it then computes the products of every token count up to [`MAX_TOKENS`] that is summed
+    /// in its order and matched MLX's too (bfloat16 on the rows of [`probe_windows`], f32 on
+    /// every row; checked once per shape: the packed sums do not depend on the values). `None`
+    /// for f16, an f32 weight on the small-matrix kernel, a shape it does not take, or a
+    /// single-token product that differed.
     pub fn packed(&self) -> Result<Option<&PackedRows>> {
         if let Some(p) = self.packed.get() {
             return Ok(p.as_ref());
@@ -161,15 +162,20 @@ impl HostDense {
             _ => None,
         };
         let packed = match packed {
-            Some(p) if self.packed_matches_mlx(&p)? => Some(p),
-            _ => None,
+            Some(mut p) => {
+                let checked = self.packed_matches_mlx(&p)?;
+                p.set_checked(checked);
+                (checked & 0b10 != 0).then_some(p)
+            }
+            None => None,
         };
         Ok(self.packed.get_or_init(|| packed).as_ref())
     }
 
-    /// Whether the packed products match MLX's (decided once per shape and dtype).
-    fn packed_matches_mlx(&self, packed: &PackedRows) -> Result<bool> {
-        type Verdicts = Mutex<HashMap<(usize, usize, Dtype), bool>>;
+    /// The token counts (bit `t` for `t` tokens) whose packed products match MLX's (decided
+    /// once per shape and dtype).
+    fn packed_matches_mlx(&self, packed: &PackedRows) -> Result<u32> {
+        type Verdicts = Mutex<HashMap<(usize, usize, Dtype), u32>>;
         static VERDICTS: OnceLock<Verdicts> = OnceLock::new();
         let verdicts = VERDICTS.get_or_init(Default::default);
         let key = (self.rows, self.cols, self.array.dtype());
@@ -181,7 +187,7 @@ impl HostDense {
         Ok(same)
     }
 
-    fn packed_products_match_mlx(&self, packed: &PackedRows) -> Result<bool> {
+    fn packed_products_match_mlx(&self, packed: &PackedRows) -> Result<u32> {
         let group = packed.group();
         let dtype = self.array.dtype();
         let windows = if dtype == Dtype::Float32 {
@@ -189,7 +195,8 @@ impl HostDense {
         } else {
             probe_windows(self.rows)
         };
-        for tokens in (1..=MAX_TOKENS).filter(|&t| packed.sums_in(&self.order(t))) {
+        let mut checked = 0u32;
+        'tokens: for tokens in (1..=MAX_TOKENS).filter(|&t| packed.sums_in(&self.order(t))) {
             let x = Array::from_slice(
                 &probe(tokens * self.cols, 0x6a09_e667 + tokens as u64),
                 &[tokens as i32, self.cols as i32],
@@ -225,11 +232,12 @@ impl HostDense {
                         .eq(theirs[at..at + rows.len()].iter().copied())
                 });
                 if !same {
-                    return Ok(false);
+                    continue 'tokens;
                 }
             }
+            checked |= 1 << tokens;
         }
-        Ok(true)
+        Ok(checked)
     }
 
     /// Whether a product of `tokens` tokens through this weight is summed on the host in MLX's

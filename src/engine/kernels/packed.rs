@@ -52,6 +52,8 @@ pub struct PackedRows {
     /// Rows held (whole groups).
     rows: usize,
     cols: usize,
+    /// Bit `t`: products of `t` tokens matched MLX's (see [`PackedRows::set_checked`]).
+    checked: u32,
 }
 
 impl PackedRows {
@@ -115,11 +117,24 @@ impl PackedRows {
             lanes,
             rows: held,
             cols,
+            checked: 0,
         })
     }
 
-    /// Whether a product summed in `order` is this copy's.
-    pub fn sums_in(&self, order: &Order) -> bool {
+    /// Records the token counts (bit `t` for `t` tokens, up to 31) whose products matched
+    /// MLX's: the only ones [`PackedRows::takes`] accepts.
+    pub(super) fn set_checked(&mut self, tokens: u32) {
+        self.checked = tokens;
+    }
+
+    /// Whether a product of `tokens` tokens summed in `order` is this copy's to compute: its
+    /// order, and a token count checked against MLX.
+    pub fn takes(&self, order: &Order, tokens: usize) -> bool {
+        tokens < 32 && self.checked & (1 << tokens) != 0 && self.sums_in(order)
+    }
+
+    /// Whether a product summed in `order` is summed as this copy sums it.
+    pub(super) fn sums_in(&self, order: &Order) -> bool {
         match (&self.layout, order) {
             (Layout::Bf16Pairs, Order::Sequential) => true,
             (Layout::F32Panels(mine), Order::Panels(theirs)) => mine == theirs,

@@ -270,7 +270,7 @@ impl ProjView<'_> {
             }
             Kind::Exact(w, packed) => {
                 let order = F32Kernels::here().block_order(self.rows, self.cols, m);
-                let packed = packed.filter(|p| p.sums_in(&order));
+                let packed = packed.filter(|p| p.takes(&order, m));
                 with_packed(packed, x, m, rows, out, |part, into| {
                     if m == 1 {
                         token_rows(w, 0, self.rows, self.cols, x, (0, 1), &order, part, into)
@@ -282,7 +282,8 @@ impl ProjView<'_> {
             }
             Kind::ExactBf16(w, packed) => {
                 let order = Order::Sequential;
-                with_packed(*packed, x, m, rows, out, |part, into| {
+                let packed = packed.filter(|p| p.takes(&order, m));
+                with_packed(packed, x, m, rows, out, |part, into| {
                     let bf16 = Weights::Bf16(w);
                     block_rows(bf16, self.rows, self.cols, x, m, &order, part, into)
                 })
