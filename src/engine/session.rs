@@ -39,6 +39,11 @@ impl Session {
             });
             let model = models::load_on_ranks(dir, forks, super::distributed::world());
             startup.mark("model built");
+            let model = model.and_then(|mut m| {
+                m.model.prepare_host_step()?;
+                startup.mark("host step prepared");
+                Ok(m)
+            });
             let tokenizer = tokenizer
                 .join()
                 .unwrap_or_else(|panic| std::panic::resume_unwind(panic));

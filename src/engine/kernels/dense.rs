@@ -142,12 +142,10 @@ impl HostDense {
 
     /// The weight re-laid for the host decode step's products ([`PackedRows`]): a bfloat16
     /// weight, or an f32 one whose single-token product OpenBLAS sums in panels (its GEMM
-    /// driver). Made on the first call and kept when its single-token product matched MLX's;
-    /// it then computes the products of every token count up to [`MAX_TOKENS`] that is summed
-    /// in its order and matched MLX's too (bfloat16 on the rows of [`probe_windows`], f32 on
-    /// every row; checked once per shape: the packed sums do not depend on the values). `None`
-    /// for f16, an f32 weight on the small-matrix kernel, a shape it does not take, or a
-    /// single-token product that differed.
+    /// driver). Made at the first call and kept when its single-token product matched MLX's;
+    /// it computes the products of the token counts [`HostDense::check_packed`] has found to
+    /// match too. `None` for f16, an f32 weight on the small-matrix kernel, a shape it does
+    /// not take, or a single-token product that differed.
     pub fn packed(&self) -> Result<Option<&PackedRows>> {
         if let Some(p) = self.packed.get() {
             return Ok(p.as_ref());
@@ -162,32 +160,45 @@ impl HostDense {
             _ => None,
         };
         let packed = match packed {
-            Some(mut p) => {
-                let checked = self.packed_matches_mlx(&p)?;
-                p.set_checked(checked);
-                (checked & 0b10 != 0).then_some(p)
+            Some(p) if self.packed_matches_mlx(&p, 1)? => {
+                p.set_checked(1);
+                Some(p)
             }
-            None => None,
+            _ => None,
         };
         Ok(self.packed.get_or_init(|| packed).as_ref())
     }
 
-    /// The token counts (bit `t` for `t` tokens) whose packed products match MLX's (decided
-    /// once per shape and dtype).
-    fn packed_matches_mlx(&self, packed: &PackedRows) -> Result<u32> {
-        type Verdicts = Mutex<HashMap<(usize, usize, Dtype), u32>>;
+    /// Lets the packed copy (made now if it was not) compute products of `tokens` tokens when
+    /// they are summed in its order and matched MLX's (bfloat16 on the rows of
+    /// [`probe_windows`], f32 on every row; checked once per shape, dtype and token count: the
+    /// packed sums do not depend on the values). Run where MLX may run (the step's caller), at
+    /// the first block of each size.
+    pub fn check_packed(&self, tokens: usize) -> Result<()> {
+        if let Some(p) = self.packed()? {
+            if p.sums_in(&self.order(tokens)) && self.packed_matches_mlx(p, tokens)? {
+                p.set_checked(tokens);
+            }
+        }
+        Ok(())
+    }
+
+    /// Whether the packed product of `tokens` tokens matches MLX's (decided once per shape,
+    /// dtype and token count).
+    fn packed_matches_mlx(&self, packed: &PackedRows, tokens: usize) -> Result<bool> {
+        type Verdicts = Mutex<HashMap<(usize, usize, Dtype, usize), bool>>;
         static VERDICTS: OnceLock<Verdicts> = OnceLock::new();
         let verdicts = VERDICTS.get_or_init(Default::default);
-        let key = (self.rows, self.cols, self.array.dtype());
+        let key = (self.rows, self.cols, self.array.dtype(), tokens);
         if let Some(v) = lock(verdicts).get(&key) {
             return Ok(*v);
         }
-        let same = self.packed_products_match_mlx(packed)?;
+        let same = self.packed_products_match_mlx(packed, tokens)?;
         lock(verdicts).insert(key, same);
         Ok(same)
     }
 
-    fn packed_products_match_mlx(&self, packed: &PackedRows) -> Result<u32> {
+    fn packed_products_match_mlx(&self, packed: &PackedRows, tokens: usize) -> Result<bool> {
         let group = packed.group();
         let dtype = self.array.dtype();
         let windows = if dtype == Dtype::Float32 {
@@ -195,49 +206,45 @@ impl HostDense {
         } else {
             probe_windows(self.rows)
         };
-        let mut checked = 0u32;
-        'tokens: for tokens in (1..=MAX_TOKENS).filter(|&t| packed.sums_in(&self.order(t))) {
-            let x = Array::from_slice(
-                &probe(tokens * self.cols, 0x6a09_e667 + tokens as u64),
-                &[tokens as i32, self.cols as i32],
-            )
-            .as_dtype(dtype)?;
-            let wide = x.as_dtype(Dtype::Float32)?;
-            let wide = wide.try_as_slice::<f32>().map_err(|e| {
-                EngineError::Runtime(format!("cannot read a packed product's check input ({e})"))
-            })?;
-            for window in &windows {
-                let rows = window.start.div_ceil(group) * group
-                    ..(window.end.min(packed.rows()) / group * group);
-                if rows.is_empty() {
-                    continue;
-                }
-                let mut ours = vec![0.0f32; tokens * rows.len()];
-                packed
-                    .check_rows_into(wide, tokens, rows.clone(), &mut ours)
-                    .map_err(|e| EngineError::Runtime(format!("packed host product: {e}")))?;
-                if dtype == Dtype::Bfloat16 {
-                    ours.iter_mut().for_each(|v| *v = bf16_mlx(*v).to_f32());
-                }
-                // MLX's product over the whole window (for f32 every row: OpenBLAS picks its
-                // kernels by the product's size), of which the packed rows are a part.
-                let weight = self.array.index(window.start as i32..window.end as i32);
-                let theirs = check_bits(&ops::matmul(&x, weight.t())?)?;
-                let width = window.len();
-                let same = (0..tokens).all(|t| {
-                    let mine = &ours[t * rows.len()..(t + 1) * rows.len()];
-                    let at = t * width + rows.start - window.start;
-                    mine.iter()
-                        .map(|v| v.to_bits())
-                        .eq(theirs[at..at + rows.len()].iter().copied())
-                });
-                if !same {
-                    continue 'tokens;
-                }
+        let x = Array::from_slice(
+            &probe(tokens * self.cols, 0x6a09_e667 + tokens as u64),
+            &[tokens as i32, self.cols as i32],
+        )
+        .as_dtype(dtype)?;
+        let wide = x.as_dtype(Dtype::Float32)?;
+        let wide = wide.try_as_slice::<f32>().map_err(|e| {
+            EngineError::Runtime(format!("cannot read a packed product's check input ({e})"))
+        })?;
+        for window in &windows {
+            let rows = window.start.div_ceil(group) * group
+                ..(window.end.min(packed.rows()) / group * group);
+            if rows.is_empty() {
+                continue;
             }
-            checked |= 1 << tokens;
+            let mut ours = vec![0.0f32; tokens * rows.len()];
+            packed
+                .check_rows_into(wide, tokens, rows.clone(), &mut ours)
+                .map_err(|e| EngineError::Runtime(format!("packed host product: {e}")))?;
+            if dtype == Dtype::Bfloat16 {
+                ours.iter_mut().for_each(|v| *v = bf16_mlx(*v).to_f32());
+            }
+            // MLX's product over the whole window (for f32 every row: OpenBLAS picks its
+            // kernels by the product's size), of which the packed rows are a part.
+            let weight = self.array.index(window.start as i32..window.end as i32);
+            let theirs = check_bits(&ops::matmul(&x, weight.t())?)?;
+            let width = window.len();
+            let same = (0..tokens).all(|t| {
+                let mine = &ours[t * rows.len()..(t + 1) * rows.len()];
+                let at = t * width + rows.start - window.start;
+                mine.iter()
+                    .map(|v| v.to_bits())
+                    .eq(theirs[at..at + rows.len()].iter().copied())
+            });
+            if !same {
+                return Ok(false);
+            }
         }
-        Ok(checked)
+        Ok(true)
     }
 
     /// Whether a product of `tokens` tokens through this weight is summed on the host in MLX's

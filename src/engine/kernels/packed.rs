@@ -14,7 +14,7 @@
 
 use super::mlx_order::{simd, Order, Simd};
 use std::ops::Range;
-use std::sync::atomic::{AtomicUsize, Ordering};
+use std::sync::atomic::{AtomicU32, AtomicUsize, Ordering};
 
 static BF16_CALLS: AtomicUsize = AtomicUsize::new(0);
 static F32_CALLS: AtomicUsize = AtomicUsize::new(0);
@@ -53,7 +53,7 @@ pub struct PackedRows {
     rows: usize,
     cols: usize,
     /// Bit `t`: products of `t` tokens matched MLX's (see [`PackedRows::set_checked`]).
-    checked: u32,
+    checked: AtomicU32,
 }
 
 impl PackedRows {
@@ -117,20 +117,24 @@ impl PackedRows {
             lanes,
             rows: held,
             cols,
-            checked: 0,
+            checked: AtomicU32::new(0),
         })
     }
 
-    /// Records the token counts (bit `t` for `t` tokens, up to 31) whose products matched
-    /// MLX's: the only ones [`PackedRows::takes`] accepts.
-    pub(super) fn set_checked(&mut self, tokens: u32) {
-        self.checked = tokens;
+    /// Records that products of `tokens` tokens (up to 31) matched MLX's: [`PackedRows::takes`]
+    /// accepts only such token counts.
+    pub(super) fn set_checked(&self, tokens: usize) {
+        if tokens < 32 {
+            self.checked.fetch_or(1 << tokens, Ordering::Relaxed);
+        }
     }
 
     /// Whether a product of `tokens` tokens summed in `order` is this copy's to compute: its
     /// order, and a token count checked against MLX.
     pub fn takes(&self, order: &Order, tokens: usize) -> bool {
-        tokens < 32 && self.checked & (1 << tokens) != 0 && self.sums_in(order)
+        tokens < 32
+            && self.checked.load(Ordering::Relaxed) & (1 << tokens) != 0
+            && self.sums_in(order)
     }
 
     /// Whether a product summed in `order` is summed as this copy sums it.

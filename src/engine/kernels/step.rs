@@ -348,6 +348,7 @@ impl HostDecoder {
                 if !dense.accepts(m)? {
                     return Ok(false);
                 }
+                dense.check_packed(m)?;
             }
         }
         Ok(true)

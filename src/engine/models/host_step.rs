@@ -195,6 +195,20 @@ impl HostStep {
         Ok(Some(HostOut { head, taps }))
     }
 
+    /// Builds the step (`build`, as [`HostStep::run`] would at its first block) and makes the
+    /// checks and packed copies of a one-token block, unless that is done already.
+    pub fn prepare(&self, build: impl FnOnce(usize) -> Result<Option<HostDecoder>>) -> Result<()> {
+        if self.decoder.borrow().is_none() {
+            let built = build(FIRST_POSITIONS)?;
+            *self.decoder.borrow_mut() = Some(built);
+        }
+        let held = self.decoder.borrow();
+        if let Some(decoder) = held.as_ref().and_then(Option::as_ref) {
+            self.ready_for(decoder, 1)?;
+        }
+        Ok(())
+    }
+
     /// Whether the step may run a block of `m` tokens: always for the L3 step; for the L1 one
     /// once every product and the attention of `m` tokens matched MLX's (checked at the first
     /// block of that size).

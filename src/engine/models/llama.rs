@@ -479,5 +479,14 @@ impl Decoder for Model {
 impl LanguageModel for Model {
     super::decoder_model!();
 
+    fn prepare_host_step(&mut self) -> Result<()> {
+        match &self.host_step {
+            Some(step) if self.exact_step && crate::engine::kernels::host_allowed() => {
+                step.prepare(|positions| self.host_decoder(HostForm::Exact, positions))
+            }
+            _ => Ok(()),
+        }
+    }
+
     super::llama_layout_accessors!();
 }

@@ -75,6 +75,13 @@ pub trait LanguageModel {
     fn lm_head_rows(&self, _ids: &Array) -> Result<Option<Array>> {
         Ok(None)
     }
+    /// Does now the one-time work of the L1 host decode step the model will take (building it,
+    /// checking its parts against MLX, packing its weights), so that it falls in loading, as
+    /// llama.cpp repacks weights at load, not in the first generated tokens; nothing for a
+    /// model without one.
+    fn prepare_host_step(&mut self) -> Result<()> {
+        Ok(())
+    }
     /// Fresh caches of the kinds this architecture uses per layer.
     fn make_caches(&self) -> Caches;
     /// Output vocabulary size.
