@@ -265,7 +265,7 @@ fn a_tiny_bf16_llama_takes_the_host_products_and_swiglu_with_the_same_logits() {
     let products_before = dense_calls();
     // A 23-token prompt (past the 16-token verify-block limit: the prompt path of the host
     // products), then single-token steps.
-    let mut t = common::Twins::prefill(dir.path(), off, Forks::default(), 23, 5);
+    let mut t = common::Twins::prefill(dir.path(), off, common::per_layer_forks(), 23, 5);
     assert_eq!(t.prefill.0.dtype(), Dtype::Bfloat16);
     t.assert_agree(8);
     let calls = host_swiglu_calls() - before;
