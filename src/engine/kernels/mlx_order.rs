@@ -622,7 +622,7 @@ fn reduce_halving(a: &[f32; LANES]) -> f32 {
 }
 
 #[cfg(target_arch = "x86_64")]
-mod x86 {
+pub(super) mod x86 {
     use super::{reduce_halving, reduce_quads, Simd, LANES};
     use std::arch::x86_64::*;
     use std::ops::Range;
@@ -691,7 +691,7 @@ mod x86 {
 
     /// A vector of f32 lanes the chain kernels run on: sixteen (AVX-512) or eight (AVX2). Each
     /// output's chain is the same whatever the width, so both give the same bits.
-    pub(super) trait Lane: Copy {
+    pub(in crate::engine::kernels) trait Lane: Copy {
         /// Lanes per vector (outputs summed side by side).
         const N: usize;
         /// Tokens [`token_panels`] runs past one transposed block of weights (their
@@ -711,6 +711,9 @@ mod x86 {
         unsafe fn load_bf16(p: *const u16) -> Self;
         /// `N` IEEE half values widened exactly.
         unsafe fn load_f16(p: *const u16) -> Self;
+        /// `N` 32-bit words, each two bfloat16 values: the low halves and the high halves,
+        /// widened exactly ([`super::super::packed`]'s layout).
+        unsafe fn load_pair(p: *const u32) -> (Self, Self);
         /// The first `N` entries are `N` rows of `N` values; returns them as columns (element
         /// `g` of column `j` is row `g`'s value `j`) in the first `N` entries.
         unsafe fn transpose(rows: [Self; LANES]) -> [Self; LANES];
@@ -752,6 +755,13 @@ mod x86 {
         #[inline(always)]
         unsafe fn load_f16(p: *const u16) -> Self {
             _mm512_cvtph_ps(_mm256_loadu_si256(p.cast()))
+        }
+        #[inline(always)]
+        unsafe fn load_pair(p: *const u32) -> (Self, Self) {
+            let v = _mm512_loadu_si512(p.cast());
+            let low = _mm512_slli_epi32::<16>(v);
+            let high = _mm512_and_si512(v, _mm512_set1_epi32(0xFFFF_0000u32 as i32));
+            (_mm512_castsi512_ps(low), _mm512_castsi512_ps(high))
         }
         #[inline(always)]
         unsafe fn transpose(r: [Self; LANES]) -> [Self; LANES] {
@@ -821,6 +831,13 @@ mod x86 {
         #[inline(always)]
         unsafe fn load_f16(p: *const u16) -> Self {
             _mm256_cvtph_ps(_mm_loadu_si128(p.cast()))
+        }
+        #[inline(always)]
+        unsafe fn load_pair(p: *const u32) -> (Self, Self) {
+            let v = _mm256_loadu_si256(p.cast());
+            let low = _mm256_slli_epi32::<16>(v);
+            let high = _mm256_and_si256(v, _mm256_set1_epi32(0xFFFF_0000u32 as i32));
+            (_mm256_castsi256_ps(low), _mm256_castsi256_ps(high))
         }
         #[inline(always)]
         unsafe fn transpose(r: [Self; LANES]) -> [Self; LANES] {
@@ -1249,7 +1266,7 @@ mod x86 {
 }
 
 #[cfg(test)]
-mod tests {
+pub(super) mod tests {
     use super::*;
 
     #[test]
@@ -1463,6 +1480,25 @@ mod tests {
         }
     }
 
+    /// The scalar reference of the panel order: per panel one fused multiply-add chain from
+    /// zero over `row · x`, the panels' sums added in order to a total from zero.
+    pub(in crate::engine::kernels) fn panel_chains(
+        row: &[f32],
+        x: &[f32],
+        panels: &[usize],
+    ) -> f32 {
+        let (mut total, mut k0) = (0.0f32, 0);
+        for depth in panels {
+            let mut acc = 0.0f32;
+            for k in k0..k0 + depth {
+                acc = row[k].mul_add(x[k], acc);
+            }
+            total += acc;
+            k0 += depth;
+        }
+        total
+    }
+
     /// The panel order with sums that round: for every set this CPU runs, 1 to 16 tokens, rows
     /// that fill whole vectors and rows past them, every output of every token equals a scalar
     /// re-computation (per panel a fused multiply-add chain from zero, panels added in order),
@@ -1481,15 +1517,8 @@ mod tests {
             for (set, y) in products(Weights::F32(&w), rows, cols, &x, tokens, &order, 2) {
                 for t in 0..tokens {
                     for r in 0..rows {
-                        let (mut total, mut k0) = (0.0f32, 0);
-                        for depth in cuts {
-                            let mut acc = 0.0f32;
-                            for k in k0..k0 + depth {
-                                acc = w[r * cols + k].mul_add(x[t * cols + k], acc);
-                            }
-                            total += acc;
-                            k0 += depth;
-                        }
+                        let row = &w[r * cols..(r + 1) * cols];
+                        let total = panel_chains(row, &x[t * cols..(t + 1) * cols], cuts);
                         let got = y[t * rows + r];
                         assert_eq!(got.to_bits(), total.to_bits(), "{set:?} x{tokens} {t} {r}");
                     }

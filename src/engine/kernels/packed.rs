@@ -214,92 +214,12 @@ impl PackedRows {
 
 #[cfg(target_arch = "x86_64")]
 mod x86 {
+    use super::super::mlx_order::x86::Lane as Vector;
     use super::{Layout, PackedRows, TOKEN_BLOCK};
     use std::arch::x86_64::*;
     use std::ops::Range;
 
-    /// The vector operations the kernels need, at one width.
-    trait Vector: Copy {
-        unsafe fn zero() -> Self;
-        unsafe fn splat(v: f32) -> Self;
-        unsafe fn fmadd(a: Self, b: Self, c: Self) -> Self;
-        unsafe fn add(a: Self, b: Self) -> Self;
-        /// One vector of f32 words.
-        unsafe fn load(p: *const u32) -> Self;
-        /// One vector of words: each lane's low and high bfloat16, widened exactly.
-        unsafe fn load_pair(p: *const u32) -> (Self, Self);
-        unsafe fn store(p: *mut f32, v: Self);
-    }
-
-    impl Vector for __m512 {
-        #[inline(always)]
-        unsafe fn zero() -> Self {
-            _mm512_setzero_ps()
-        }
-        #[inline(always)]
-        unsafe fn splat(v: f32) -> Self {
-            _mm512_set1_ps(v)
-        }
-        #[inline(always)]
-        unsafe fn fmadd(a: Self, b: Self, c: Self) -> Self {
-            _mm512_fmadd_ps(a, b, c)
-        }
-        #[inline(always)]
-        unsafe fn add(a: Self, b: Self) -> Self {
-            _mm512_add_ps(a, b)
-        }
-        #[inline(always)]
-        unsafe fn load(p: *const u32) -> Self {
-            _mm512_loadu_ps(p.cast())
-        }
-        #[inline(always)]
-        unsafe fn load_pair(p: *const u32) -> (Self, Self) {
-            let v = _mm512_loadu_si512(p.cast());
-            let low = _mm512_slli_epi32::<16>(v);
-            let high = _mm512_and_si512(v, _mm512_set1_epi32(0xFFFF_0000u32 as i32));
-            (_mm512_castsi512_ps(low), _mm512_castsi512_ps(high))
-        }
-        #[inline(always)]
-        unsafe fn store(p: *mut f32, v: Self) {
-            _mm512_storeu_ps(p, v)
-        }
-    }
-
-    impl Vector for __m256 {
-        #[inline(always)]
-        unsafe fn zero() -> Self {
-            _mm256_setzero_ps()
-        }
-        #[inline(always)]
-        unsafe fn splat(v: f32) -> Self {
-            _mm256_set1_ps(v)
-        }
-        #[inline(always)]
-        unsafe fn fmadd(a: Self, b: Self, c: Self) -> Self {
-            _mm256_fmadd_ps(a, b, c)
-        }
-        #[inline(always)]
-        unsafe fn add(a: Self, b: Self) -> Self {
-            _mm256_add_ps(a, b)
-        }
-        #[inline(always)]
-        unsafe fn load(p: *const u32) -> Self {
-            _mm256_loadu_ps(p.cast())
-        }
-        #[inline(always)]
-        unsafe fn load_pair(p: *const u32) -> (Self, Self) {
-            let v = _mm256_loadu_si256(p.cast());
-            let low = _mm256_slli_epi32::<16>(v);
-            let high = _mm256_and_si256(v, _mm256_set1_epi32(0xFFFF_0000u32 as i32));
-            (_mm256_castsi256_ps(low), _mm256_castsi256_ps(high))
-        }
-        #[inline(always)]
-        unsafe fn store(p: *mut f32, v: Self) {
-            _mm256_storeu_ps(p, v)
-        }
-    }
-
-    #[target_feature(enable = "avx512f,avx512bw,fma")]
+    #[target_feature(enable = "avx512f,avx512bw,f16c,fma")]
     pub(super) unsafe fn rows_avx512(
         w: &PackedRows,
         x: &[f32],
@@ -310,7 +230,7 @@ mod x86 {
         rows::<__m512>(w, x, tokens, range, out)
     }
 
-    #[target_feature(enable = "avx2,fma")]
+    #[target_feature(enable = "avx2,f16c,fma")]
     pub(super) unsafe fn rows_avx2(
         w: &PackedRows,
         x: &[f32],
@@ -403,7 +323,7 @@ mod x86 {
                     let mut acc = [[V::zero(); T]; G];
                     for k in k0..k0 + depth {
                         for (g, chains) in acc.iter_mut().enumerate() {
-                            let wv = V::load(base.add((g * cols + k) * lanes));
+                            let wv = V::load(base.add((g * cols + k) * lanes).cast());
                             for (t, a) in chains.iter_mut().enumerate() {
                                 *a = V::fmadd(wv, V::splat(*p.x.add(t * cols + k)), *a);
                             }
@@ -439,6 +359,7 @@ mod x86 {
 mod tests {
     use super::*;
     use crate::engine::kernels::elementwise::{bf16_mlx, probe_values};
+    use crate::engine::kernels::mlx_order::tests::panel_chains;
 
     /// Every whole group's outputs equal one f32 chain per output over the columns in order
     /// (an independent scalar computation of MLX's `simd_gemm` sum), for 1-9 tokens (a decode
@@ -508,16 +429,8 @@ mod tests {
                 .unwrap();
             for t in 0..tokens {
                 for r in range.clone() {
-                    let mut total = 0.0f32;
-                    let mut k0 = 0;
-                    for depth in panels {
-                        let mut acc = 0.0f32;
-                        for k in k0..k0 + depth {
-                            acc = w[r * cols + k].mul_add(x[t * cols + k], acc);
-                        }
-                        total += acc;
-                        k0 += depth;
-                    }
+                    let row = &w[r * cols..(r + 1) * cols];
+                    let total = panel_chains(row, &x[t * cols..(t + 1) * cols], &panels);
                     assert_eq!(
                         out[t * range.len() + r].to_bits(),
                         total.to_bits(),

@@ -163,27 +163,27 @@ impl SwiGlu {
     /// Whether the L1 host step may compute this activation on the host: the host form is on
     /// and its f32 kernel matched MLX's (checked now if it has not been yet).
     pub fn host_exact(&self) -> Result<bool> {
-        if !self.host {
-            return Ok(false);
+        match self.host_probe() {
+            Some(mut probe) => probe.host_matches_mlx(),
+            None => Ok(false),
         }
-        let mut probe = SwiGlu {
-            op: swiglu(false),
-            host: true,
-        };
-        probe.host_matches_mlx()
     }
 
     /// MLX's bfloat16 `silu` of every bfloat16 value, for the bfloat16 L1 host step: `None`
     /// unless the host form is on and the SwiGLU built on the table matched MLX's kernel.
     pub fn host_exact_bf16(&self) -> Result<Option<&'static [half::bf16]>> {
-        if !self.host {
-            return Ok(None);
+        match self.host_probe() {
+            Some(mut probe) => probe.silu_table_bf16(),
+            None => Ok(None),
         }
-        let mut probe = SwiGlu {
+    }
+
+    /// An eager host SwiGLU to run the one-time checks on, when the host form is on.
+    fn host_probe(&self) -> Option<SwiGlu> {
+        self.host.then(|| SwiGlu {
             op: swiglu(false),
             host: true,
-        };
-        probe.silu_table_bf16()
+        })
     }
 
     /// The host kernel's result, or `None` for inputs it does not take (not f32 or bfloat16,
