@@ -334,9 +334,11 @@ impl HostDecoder {
         self.numerics.bf16()
     }
 
-    /// Under [`Numerics::Mlx`], whether every projection's host product of `m` tokens matched
+    /// Under the L1 numerics, whether every projection's host product of `m` tokens matched
     /// MLX's (each weight shape checked against MLX once per token count, see
-    /// [`super::dense::HostDense::accepts`]); always under [`Numerics::Fast`].
+    /// [`super::dense::HostDense::accepts`]; the packed copies' products of `m` tokens are
+    /// checked here too, see [`super::dense::HostDense::check_packed`]); always under
+    /// [`Numerics::Fast`].
     pub fn exact_ready(&self, m: usize) -> Result<bool> {
         let projections = self
             .layers
