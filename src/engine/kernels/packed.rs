@@ -28,6 +28,40 @@ pub fn packed_calls() -> (usize, usize) {
     )
 }
 
+/// Bytes the packed copies of this process hold.
+static PACKED_BYTES: AtomicUsize = AtomicUsize::new(0);
+
+/// Bytes the packed copies may take in this process, so that a large model is not doubled
+/// into swap: half the memory the system had available when the first copy was made
+/// (Linux's `MemAvailable`), or 1 GiB where that cannot be read; `MLXB_PACKED_BUDGET_MB`
+/// sets it. Weights past it keep the row-major kernels (same bits, slower).
+fn budget() -> usize {
+    static BUDGET: std::sync::OnceLock<usize> = std::sync::OnceLock::new();
+    *BUDGET.get_or_init(|| {
+        let set = std::env::var("MLXB_PACKED_BUDGET_MB")
+            .ok()
+            .and_then(|v| v.trim().parse::<usize>().ok());
+        let available_kb = || -> Option<usize> {
+            let info = std::fs::read_to_string("/proc/meminfo").ok()?;
+            let line = info.lines().find(|l| l.starts_with("MemAvailable:"))?;
+            line.split_whitespace().nth(1)?.parse().ok()
+        };
+        match (set, available_kb()) {
+            (Some(mb), _) => mb << 20,
+            (None, Some(kb)) => (kb << 10) / 2,
+            (None, None) => 1 << 30,
+        }
+    })
+}
+
+/// Adds `bytes` to `used` when the total stays within `budget`; whether it did.
+fn reserve(used: &AtomicUsize, budget: usize, bytes: usize) -> bool {
+    used.fetch_update(Ordering::Relaxed, Ordering::Relaxed, |u| {
+        u.checked_add(bytes).filter(|&total| total <= budget)
+    })
+    .is_ok()
+}
+
 /// Tokens one pass over a group of rows serves (one accumulator each).
 const TOKEN_BLOCK: usize = 4;
 
@@ -54,6 +88,12 @@ pub struct PackedRows {
     cols: usize,
     /// Bit `t`: products of `t` tokens matched MLX's (see [`PackedRows::set_checked`]).
     checked: AtomicU32,
+}
+
+impl Drop for PackedRows {
+    fn drop(&mut self) {
+        PACKED_BYTES.fetch_sub(self.words.len() * 4, Ordering::Relaxed);
+    }
 }
 
 impl PackedRows {
@@ -102,6 +142,9 @@ impl PackedRows {
             Layout::Bf16Pairs => cols / 2,
             Layout::F32Panels(_) => cols,
         };
+        if !reserve(&PACKED_BYTES, budget(), held * columns * 4) {
+            return None;
+        }
         let mut words = vec![0u32; held * columns];
         for (g, group) in words.chunks_exact_mut(lanes * columns).enumerate() {
             for lane in 0..lanes {
@@ -442,6 +485,19 @@ mod tests {
         assert!(
             PackedRows::f32(&w, rows, cols, &[12, 9]).is_none(),
             "panels short of the depth"
+        );
+    }
+
+    #[test]
+    fn copies_stop_at_the_budget() {
+        let used = AtomicUsize::new(0);
+        assert!(reserve(&used, 100, 60));
+        assert!(!reserve(&used, 100, 41), "past the budget");
+        assert!(reserve(&used, 100, 40));
+        assert_eq!(used.load(Ordering::Relaxed), 100);
+        assert!(
+            !reserve(&used, usize::MAX, usize::MAX),
+            "an overflowing total"
         );
     }
 
