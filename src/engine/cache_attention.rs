@@ -332,11 +332,7 @@ pub fn exact_attention_matches_mlx(
                 _ => {
                     let mut scaled = vec![0.0f32; dim];
                     kernels::attention::scale_bf16_query(&qh[row..row + dim], scale, &mut scaled);
-                    let narrow = |a: &[f32]| -> Vec<half::bf16> {
-                        a.iter()
-                            .map(|v| kernels::elementwise::bf16_mlx(*v))
-                            .collect()
-                    };
+                    let narrow = kernels::elementwise::narrow_bf16;
                     kernels::attention::attend_bf16_query(
                         &scaled,
                         (

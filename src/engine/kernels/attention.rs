@@ -13,7 +13,7 @@
 //! [`super::super::cache_attention`] compares this with MLX's own SDPA once per head layout
 //! before using it.
 
-use super::elementwise::{bf16_mlx, exp_mlx_slice};
+use super::elementwise::{bf16_mlx, bits_of, exp_mlx_slice, round_bf16};
 use super::mlx_order::{self, Order, Weights};
 use half::bf16;
 use rayon::prelude::*;
@@ -84,7 +84,7 @@ pub fn attend_bf16(
             .map(|x| x.to_f32())
             .collect();
         // SAFETY: `bf16` is `repr(transparent)` over `u16`.
-        let k_bits = unsafe { std::slice::from_raw_parts(kg.as_ptr().cast::<u16>(), kg.len()) };
+        let k_bits = unsafe { bits_of(kg) };
         let scores = mlx_order::matmul(
             Weights::Bf16(k_bits),
             keys,
@@ -126,9 +126,7 @@ pub fn attend_bf16(
 /// weighted values. The keys MLX's mask hides are left out: their score is bfloat16's lowest,
 /// whose exponential is zero, so they change neither the maximum, nor the sum, nor the output.
 fn weigh_values<'v>(row: &mut [f32], value: impl Fn(usize) -> &'v [bf16], acc: &mut [f32]) {
-    for x in row.iter_mut() {
-        *x = bf16_mlx(*x).to_f32();
-    }
+    round_bf16(row);
     softmax_row(row);
     // A zero weight (an exponential that underflowed) adds a signed zero to a sum that starts
     // at +0 and so can never be -0: it changes nothing and is skipped.
@@ -182,7 +180,7 @@ pub fn attend_bf16_query(
             continue;
         }
         // SAFETY: `bf16` is `repr(transparent)` over `u16`.
-        let bits = unsafe { std::slice::from_raw_parts(keys.as_ptr().cast::<u16>(), keys.len()) };
+        let bits = unsafe { bits_of(keys) };
         let rows = keys.len() / dim;
         mlx_order::block_rows(
             Weights::Bf16(bits),
@@ -203,9 +201,7 @@ pub fn attend_bf16_query(
         }
     };
     weigh_values(row, value, out);
-    for o in out.iter_mut() {
-        *o = bf16_mlx(*o).to_f32();
-    }
+    round_bf16(out);
     Ok(())
 }
 

@@ -16,7 +16,7 @@
 //! model cost up to a second). An f32 check keeps every row: OpenBLAS picks its kernels by the
 //! matrix's size.
 
-use super::elementwise::bf16_mlx;
+use super::elementwise::{bf16_mlx, bits_of, round_bf16};
 use super::host::{check_bits, widened, HostSlice};
 use super::lock;
 use super::mlx_order::{self, Order, Weights, MAX_TOKENS};
@@ -226,7 +226,7 @@ impl HostDense {
                 .check_rows_into(wide, tokens, rows.clone(), &mut ours)
                 .map_err(|e| EngineError::Runtime(format!("packed host product: {e}")))?;
             if dtype == Dtype::Bfloat16 {
-                ours.iter_mut().for_each(|v| *v = bf16_mlx(*v).to_f32());
+                round_bf16(&mut ours);
             }
             // MLX's product over the whole window (for f32 every row: OpenBLAS picks its
             // kernels by the product's size), of which the packed rows are a part.
@@ -456,14 +456,6 @@ fn checked_tokens(tokens: usize) -> usize {
     } else {
         tokens
     }
-}
-
-/// The bits of a 16-bit float slice.
-///
-/// # Safety
-/// `T` must be a `repr(transparent)` wrapper of `u16`.
-unsafe fn bits_of<T>(s: &[T]) -> &[u16] {
-    std::slice::from_raw_parts(s.as_ptr().cast(), s.len())
 }
 
 /// What one check decides: a weight shape and dtype summed in one order for a token count.

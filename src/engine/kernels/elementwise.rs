@@ -213,6 +213,26 @@ pub fn rms_norm_bf16(x: &[half::bf16], w: &[half::bf16], eps: f32, out: &mut [ha
     }
 }
 
+/// Rounds each value to bfloat16 (MLX's rounding), kept widened to f32.
+pub fn round_bf16(x: &mut [f32]) {
+    for v in x {
+        *v = bf16_mlx(*v).to_f32();
+    }
+}
+
+/// Bfloat16 values held widened to f32, narrowed back (exact for such values).
+pub fn narrow_bf16(x: &[f32]) -> Vec<half::bf16> {
+    x.iter().map(|v| bf16_mlx(*v)).collect()
+}
+
+/// The bits of 16-bit floats (`half::bf16`, `half::f16`), as the product kernels read them.
+///
+/// # Safety
+/// `T` must be a `repr(transparent)` wrapper of `u16`.
+pub unsafe fn bits_of<T>(s: &[T]) -> &[u16] {
+    std::slice::from_raw_parts(s.as_ptr().cast(), s.len())
+}
+
 /// `a + b` in bfloat16 as MLX adds it: the f32 sum rounded by [`bf16_mlx`].
 pub fn add_bf16(a: &[half::bf16], b: &[half::bf16], out: &mut [half::bf16]) {
     for ((o, x), y) in out.iter_mut().zip(a).zip(b) {

@@ -14,7 +14,7 @@
 use super::affine::{Prepared, MAX_M};
 use super::attention::{attend_bf16_query, attend_f32_query, scale_bf16_query, F32AttentionOrder};
 use super::dispatch::{by_token, selection, Selection};
-use super::elementwise;
+use super::elementwise::{self, narrow_bf16, round_bf16};
 use super::proj::{HostProj, ProjView, ProjWeight};
 use super::rope_table::RopeTable;
 use super::team::{run_team, ErrorSlot, Member, Shared};
@@ -82,18 +82,6 @@ impl Numerics {
     fn bf16(&self) -> bool {
         matches!(self, Numerics::MlxBf16(_))
     }
-}
-
-/// Rounds each value to bfloat16 (MLX's rounding), kept widened.
-fn round_bf16(x: &mut [f32]) {
-    for v in x {
-        *v = elementwise::bf16_mlx(*v).to_f32();
-    }
-}
-
-/// Bfloat16 values held widened, narrowed back (exact).
-fn narrow(x: &[f32]) -> Vec<half::bf16> {
-    x.iter().map(|v| elementwise::bf16_mlx(*v)).collect()
 }
 
 /// A layer's cache buffers, in the cache's dtype.
@@ -329,9 +317,14 @@ impl HostDecoder {
         matches!(self.numerics, Numerics::Mlx(_) | Numerics::MlxBf16(_))
     }
 
-    /// Whether the step's activations, caches and logits are bfloat16 ([`Numerics::MlxBf16`]).
-    pub fn is_bf16(&self) -> bool {
-        self.numerics.bf16()
+    /// The dtype of the step's activations, caches and logits: bfloat16 under
+    /// [`Numerics::MlxBf16`], f32 otherwise.
+    pub fn dtype(&self) -> mlx_rs::Dtype {
+        if self.numerics.bf16() {
+            mlx_rs::Dtype::Bfloat16
+        } else {
+            mlx_rs::Dtype::Float32
+        }
     }
 
     /// Under the L1 numerics, whether every projection's host product of `m` tokens matched
@@ -530,7 +523,7 @@ impl View<'_> {
             Numerics::Mlx(_) => elementwise::rms_norm(h, w, self.eps, out),
             Numerics::MlxBf16(_) => {
                 let mut y = vec![half::bf16::ZERO; h.len()];
-                elementwise::rms_norm_bf16(&narrow(h), &narrow(w), self.eps, &mut y);
+                elementwise::rms_norm_bf16(&narrow_bf16(h), &narrow_bf16(w), self.eps, &mut y);
                 for (o, v) in out.iter_mut().zip(y) {
                     *o = v.to_f32();
                 }
@@ -575,7 +568,7 @@ impl View<'_> {
             }
             Numerics::MlxBf16(b) => {
                 let mut y = vec![half::bf16::ZERO; gate.len()];
-                elementwise::swiglu_bf16(&narrow(gate), &narrow(up), b.silu, &mut y);
+                elementwise::swiglu_bf16(&narrow_bf16(gate), &narrow_bf16(up), b.silu, &mut y);
                 for (o, v) in gate.iter_mut().zip(y) {
                     *o = v.to_f32();
                 }
@@ -632,7 +625,7 @@ impl View<'_> {
                 }
             }
             (Numerics::MlxBf16(_), KvBuffers::Bf16 { keys, values }) => {
-                let (new_keys, new_values) = (narrow(new.0), narrow(new.1));
+                let (new_keys, new_values) = (narrow_bf16(new.0), narrow_bf16(new.1));
                 let mut scaled = vec![0.0f32; hd];
                 let (cached, fresh) = (past.len * hd, m * hd);
                 for (n, out) in items.zip(out.chunks_exact_mut(hd)) {

@@ -14,6 +14,7 @@ use super::{Caches, ForwardOpts};
 use crate::engine::cache::{KvCache, StoredKv};
 use crate::engine::cache_attention::exact_attention_matches_mlx;
 use crate::engine::error::{EngineError, Result};
+use crate::engine::kernels::elementwise::narrow_bf16;
 use crate::engine::kernels::{HostDecoder, KvBuffers, PastKv, StepOut, StepPlan, MAX_M};
 use mlx_rs::{Array, Dtype};
 use std::cell::RefCell;
@@ -30,9 +31,10 @@ pub struct HostStep {
 /// Positions the first build of a step covers; each rebuild doubles past what a step needs.
 const FIRST_POSITIONS: usize = 1024;
 
-/// One layer's cache buffers as host slices (bfloat16 ones for a `bf16` step, f32 otherwise), or
-/// `None` when the step cannot read them.
-fn past_of(stored: StoredKv<'_>, offset: i32, bf16: bool) -> Result<Option<PastKv<'_>>> {
+/// One layer's cache buffers as host slices of the step's `dtype` (f32 or bfloat16), or `None`
+/// when the step cannot read them.
+fn past_of(stored: StoredKv<'_>, offset: i32, dtype: Dtype) -> Result<Option<PastKv<'_>>> {
+    let bf16 = dtype == Dtype::Bfloat16;
     let (k, v) = match stored {
         StoredKv::Unsupported => return Ok(None),
         StoredKv::Empty => {
@@ -54,11 +56,6 @@ fn past_of(stored: StoredKv<'_>, offset: i32, bf16: bool) -> Result<Option<PastK
             }));
         }
         StoredKv::Buffers(k, v) => (k, v),
-    };
-    let dtype = if bf16 {
-        Dtype::Bfloat16
-    } else {
-        Dtype::Float32
     };
     if k.dtype() != dtype || v.dtype() != dtype || k.ndim() != 4 {
         return Ok(None);
@@ -219,13 +216,8 @@ impl HostStep {
         if let Some(Some(known)) = self.exact_ready.borrow().get(m) {
             return Ok(*known);
         }
-        let dtype = if decoder.is_bf16() {
-            Dtype::Bfloat16
-        } else {
-            Dtype::Float32
-        };
-        let ready =
-            decoder.exact_ready(m)? && exact_attention_matches_mlx(decoder.heads, m, dtype)?;
+        let ready = decoder.exact_ready(m)?
+            && exact_attention_matches_mlx(decoder.heads, m, decoder.dtype())?;
         let mut known = self.exact_ready.borrow_mut();
         if known.len() <= m {
             known.resize(m + 1, None);
@@ -238,14 +230,9 @@ impl HostStep {
 /// The step's values as an MLX array of the model's activation dtype (a bfloat16 step's values
 /// are bfloat16 already, held widened: narrowing them is exact).
 fn host_array(values: &[f32], shape: &[i32], decoder: &HostDecoder) -> Array {
-    if decoder.is_bf16() {
-        let narrow: Vec<half::bf16> = values
-            .iter()
-            .map(|v| crate::engine::kernels::elementwise::bf16_mlx(*v))
-            .collect();
-        Array::from_slice(&narrow, shape)
-    } else {
-        Array::from_slice(values, shape)
+    match decoder.dtype() {
+        Dtype::Bfloat16 => Array::from_slice(&narrow_bf16(values), shape),
+        _ => Array::from_slice(values, shape),
     }
 }
 
@@ -260,7 +247,7 @@ fn block_step(
     let out = {
         let mut past = Vec::with_capacity(caches.len());
         for c in caches.iter() {
-            match past_of(c.stored_kv(), c.offset(), decoder.is_bf16())? {
+            match past_of(c.stored_kv(), c.offset(), decoder.dtype())? {
                 Some(p) => past.push(p),
                 None => return Ok(None),
             }
