@@ -7,6 +7,7 @@ mod common;
 use common::{tiny_qwen3_5, with};
 use mlxb::engine::forks::Forks;
 use mlxb::engine::generate::{Flow, GenerateConfig, Generator};
+use mlxb::engine::kernels::dense::dense_packed_calls;
 use mlxb::engine::kernels::exact_steps_here;
 use mlxb::engine::kernels::mlx_order::F32Kernels;
 use mlxb::engine::kernels::packed::packed_calls;
@@ -45,6 +46,9 @@ fn check_lengths(
     }));
 
     let mut loaded = models::load(dir.path(), Forks::default()).unwrap();
+    // As a session opens a model: the host step and its packed copies made at load, so the
+    // prompt's products may read them.
+    loaded.model.prepare_host_step().unwrap();
     let logits = Generator::prompt_logits(loaded.model.as_mut(), &prompt).unwrap();
     let want = &oracle["prompt_logits"];
     assert_eq!(logits.shape(), want.shape(), "prompt logits shape");
@@ -115,6 +119,7 @@ fn assert_bf16_host_steps(steps: usize, gen_tokens: usize) {
 #[test]
 fn llama_bf16() {
     let packed = packed_calls().0;
+    let prompt_packed = dense_packed_calls();
     let steps = check_lengths(
         llama(json!({})),
         "bf16",
@@ -128,6 +133,11 @@ fn llama_bf16() {
         assert!(
             packed_calls().0 > packed,
             "the bfloat16 host step's products"
+        );
+        // So do the prompts' products (any number of tokens: one chain per output).
+        assert!(
+            dense_packed_calls() > prompt_packed,
+            "the bfloat16 prompt's products"
         );
     }
 }

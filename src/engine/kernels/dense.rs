@@ -294,7 +294,11 @@ impl HostDense {
             return Ok(None);
         }
         let bias = bias.map(widened).transpose()?;
-        self.product_rows(x, tokens, 0..self.rows, bias.as_deref())
+        let y = self.product_rows(x, tokens, 0..self.rows, bias.as_deref())?;
+        if y.is_some() && self.prompt_packed(tokens).is_some() {
+            PACKED_CALLS.fetch_add(1, Ordering::Relaxed);
+        }
+        Ok(y)
     }
 
     /// [`HostDense::product`] through the weight's first `rows` rows only (the outputs of the
@@ -340,15 +344,10 @@ impl HostDense {
                 }
             }
         };
-        let mut y = mlx_order::matmul(
-            self.weights(rows.clone()),
-            rows.len(),
-            self.cols,
-            host,
-            tokens,
-            &self.order(tokens),
-            rayon::current_num_threads(),
-        )
+        let mut y = match self.prompt_packed(tokens) {
+            Some(packed) => self.packed_product(packed, host, tokens, rows.clone()),
+            None => self.row_major_product(host, tokens, rows.clone()),
+        }
         .map_err(|e| EngineError::Runtime(format!("host product: {e}")))?;
         if let Some(bias) = bias {
             for out in y.chunks_exact_mut(rows.len()) {
@@ -374,6 +373,67 @@ impl HostDense {
         }))
     }
 
+    /// The packed copy a product of `tokens` tokens through [`HostDense::product_rows`] reads:
+    /// a bfloat16 weight's (one chain per output whatever the token count, so a prompt's
+    /// products take it too), once the step has made it and its product matched MLX's.
+    fn prompt_packed(&self, tokens: usize) -> Option<&PackedRows> {
+        let order = self.order(tokens);
+        match self.packed.get() {
+            Some(Some(p)) if order == Order::Sequential && p.sums_in(&order) => Some(p),
+            _ => None,
+        }
+    }
+
+    /// `x · Wᵀ` through rows `rows` on the row-major kernels (`tokens × rows.len()`).
+    fn row_major_product(
+        &self,
+        x: &[f32],
+        tokens: usize,
+        rows: Range<usize>,
+    ) -> std::result::Result<Vec<f32>, String> {
+        mlx_order::matmul(
+            self.weights(rows.clone()),
+            rows.len(),
+            self.cols,
+            x,
+            tokens,
+            &self.order(tokens),
+            rayon::current_num_threads(),
+        )
+    }
+
+    /// [`HostDense::row_major_product`] with the whole groups of `rows` read from the packed
+    /// copy instead, written in place; the rows before and after them (off the groups, or past
+    /// the copy) on the row-major kernels. The same sums: only the layout read differs.
+    fn packed_product(
+        &self,
+        packed: &PackedRows,
+        x: &[f32],
+        tokens: usize,
+        rows: Range<usize>,
+    ) -> std::result::Result<Vec<f32>, String> {
+        let g = packed.group();
+        let start = (rows.start.div_ceil(g) * g).min(rows.end);
+        let inner = start..(rows.end.min(packed.rows()) / g * g).max(start);
+        let width = rows.len();
+        let mut y = vec![0.0f32; tokens * width];
+        let at = inner.start - rows.start;
+        if !inner.is_empty() {
+            packed.rows_into_shared(x, tokens, inner.clone(), &mut y[at..], width)?;
+        }
+        for part in [rows.start..inner.start, inner.end..rows.end] {
+            if part.is_empty() {
+                continue;
+            }
+            let at = part.start - rows.start;
+            let part_y = self.row_major_product(x, tokens, part.clone())?;
+            for (t, values) in part_y.chunks_exact(part.len()).enumerate() {
+                y[t * width + at..][..part.len()].copy_from_slice(values);
+            }
+        }
+        Ok(y)
+    }
+
     /// Compares the host product of `tokens` tokens with MLX's on two fixed inputs, once per
     /// weight shape, dtype, order and token count.
     fn matches_mlx(&self, tokens: usize, bias: Option<&Array>) -> Result<bool> {
@@ -385,6 +445,7 @@ impl HostDense {
             order: self.order(tokens),
             tokens,
             biased: bias.is_some(),
+            packed: self.prompt_packed(tokens).is_some(),
         };
         if let Some(v) = lock(verdicts()).get(&key) {
             return Ok(*v);
@@ -468,6 +529,8 @@ struct Verdict {
     tokens: usize,
     /// `addmm` with a bias, not a plain product.
     biased: bool,
+    /// Read from the packed copy ([`HostDense::prompt_packed`]), not the row-major weight.
+    packed: bool,
 }
 
 /// The check's verdicts, for this process.
@@ -525,6 +588,14 @@ static CALLS: AtomicUsize = AtomicUsize::new(0);
 /// tests and benchmarks check that `--host-matvec on` really took it).
 pub fn dense_calls() -> usize {
     CALLS.load(Ordering::Relaxed)
+}
+
+static PACKED_CALLS: AtomicUsize = AtomicUsize::new(0);
+
+/// How many of those products read a packed copy (a bfloat16 prompt's, after the step made
+/// the copies), the one-time checks not counted.
+pub fn dense_packed_calls() -> usize {
+    PACKED_CALLS.load(Ordering::Relaxed)
 }
 
 /// A [`HostDense`] decided on first use (the weight may still be lazy when a layer loads).

@@ -36,7 +36,8 @@
 //!   the number of tokens: prompts of any length take it ([`takes_tokens`]), through a kernel
 //!   that widens and transposes each sixteen weight rows once per call and then runs every
 //!   token past them (MLX's own `simd_gemm` copies its tiles element by element, single
-//!   threaded: SmolLM2 bf16 prefilled at ~35 tokens/s on it).
+//!   threaded: SmolLM2 bf16 prefilled at ~35 tokens/s on it); a weight the host step has
+//!   packed at load is read from that copy instead ([`super::packed`]).
 //!
 //! The kernels run on AVX-512 or AVX2 ([`Simd`]): each output's chain is the same at either
 //! width. Nothing here assumes the running library really sums that way: [`super::dense`]
@@ -62,9 +63,9 @@ pub const MAX_TOKENS: usize = LANES;
 /// instead of transposing them per eight tokens.
 const PACKED_MIN_TOKENS: usize = MAX_TOKENS + 1;
 /// Weights below which one thread does the whole product (a fork/join costs more).
-const PARALLEL_MIN_WEIGHTS: usize = 1 << 16;
+pub(super) const PARALLEL_MIN_WEIGHTS: usize = 1 << 16;
 /// Chunks a product's rows are cut into for the two threads to claim one at a time.
-const CHUNKS: usize = 8;
+pub(super) const CHUNKS: usize = 8;
 
 /// How MLX's CPU backend sums a single-token product.
 #[derive(Debug, Clone, PartialEq, Eq, Hash)]

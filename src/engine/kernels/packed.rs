@@ -10,9 +10,12 @@
 //! row-major bytes already hold them). A product then streams each group once, one vector per
 //! column (bfloat16: per pair, both halves widened with a shift and a mask), each added to its
 //! row's chain in column order: the same sums as MLX, with every lane busy. It costs a second
-//! copy of the weights it is made for.
+//! copy of the weights it is made for. A bfloat16 prompt's products read the copy too
+//! ([`super::dense::HostDense`]): their chains do not depend on the number of tokens, and a
+//! block of tokens runs past each group while it sits in the first-level cache.
 
-use super::mlx_order::{simd, Order, Simd};
+use super::mlx_order::{simd, Order, Simd, CHUNKS, PARALLEL_MIN_WEIGHTS};
+use super::pair;
 use std::ops::Range;
 use std::sync::atomic::{AtomicU32, AtomicUsize, Ordering};
 
@@ -210,12 +213,49 @@ impl PackedRows {
         range: Range<usize>,
         out: &mut [f32],
     ) -> Result<(), String> {
+        self.count();
+        self.check_rows_into(x, tokens, range, out)
+    }
+
+    /// [`PackedRows::rows_into`] shared with the [`pair`] helper thread (chunks of whole
+    /// groups claimed one at a time; the cut never changes a bit), into the first
+    /// `range.len()` columns of `out`'s token rows of `stride` values: a prompt's product
+    /// written straight into the rows it is part of.
+    pub fn rows_into_shared(
+        &self,
+        x: &[f32],
+        tokens: usize,
+        range: Range<usize>,
+        out: &mut [f32],
+        stride: usize,
+    ) -> Result<(), String> {
+        self.check_lengths(x, tokens, &range, out.len(), stride)?;
+        self.count();
+        let groups = range.len() / self.lanes;
+        let per_chunk = if range.len() * self.cols < PARALLEL_MIN_WEIGHTS {
+            groups
+        } else {
+            groups.div_ceil(CHUNKS)
+        }
+        .max(1);
+        let shared = SharedOut(out.as_mut_ptr());
+        pair::share(groups.div_ceil(per_chunk), &|i| {
+            let first = i * per_chunk;
+            let end = (first + per_chunk).min(groups);
+            let chunk = range.start + first * self.lanes..range.start + end * self.lanes;
+            // SAFETY: `check_lengths` checked `out` against every token row and column of
+            // `range`; the chunks' columns are disjoint, so no two threads write one value.
+            unsafe { self.run(x, tokens, chunk, shared.at(first * self.lanes), stride) }
+        });
+        Ok(())
+    }
+
+    fn count(&self) {
         let calls = match self.layout {
             Layout::Bf16Pairs => &BF16_CALLS,
             Layout::F32Panels(_) => &F32_CALLS,
         };
         calls.fetch_add(1, Ordering::Relaxed);
-        self.check_rows_into(x, tokens, range, out)
     }
 
     /// [`PackedRows::rows_into`] for the one-time check against MLX, which [`packed_calls`]
@@ -227,31 +267,81 @@ impl PackedRows {
         range: Range<usize>,
         out: &mut [f32],
     ) -> Result<(), String> {
-        if x.len() != tokens * self.cols
-            || out.len() != tokens * range.len()
-            || range.end > self.rows
-            || !range.start.is_multiple_of(self.lanes)
-            || !range.end.is_multiple_of(self.lanes)
-        {
+        self.check_lengths(x, tokens, &range, out.len(), range.len())?;
+        // SAFETY: the lengths were checked above.
+        unsafe { self.run(x, tokens, range.clone(), out.as_mut_ptr(), range.len()) };
+        Ok(())
+    }
+
+    /// Errors unless `x` holds `tokens` rows of the depth, `range` is whole groups within the
+    /// held rows, and `out` holds `tokens` rows of `stride ≥ range.len()` values.
+    fn check_lengths(
+        &self,
+        x: &[f32],
+        tokens: usize,
+        range: &Range<usize>,
+        out: usize,
+        stride: usize,
+    ) -> Result<(), String> {
+        let rows_fit = range.end <= self.rows
+            && range.start <= range.end
+            && range.start.is_multiple_of(self.lanes)
+            && range.end.is_multiple_of(self.lanes);
+        let out_fits = stride >= range.len()
+            && tokens
+                .checked_sub(1)
+                .is_none_or(|t| t * stride + range.len() <= out);
+        if x.len() != tokens * self.cols || !rows_fit || !out_fits {
             return Err(format!(
-                "rows {range:?} of {} packed in groups of {} for {tokens} tokens of {} values, output {}",
+                "rows {range:?} of {} packed in groups of {} for {tokens} tokens of {} values, output {out} in rows of {stride}",
                 self.rows,
                 self.lanes,
                 x.len(),
-                out.len()
             ));
         }
+        Ok(())
+    }
+
+    /// The kernels on this CPU's vector width.
+    ///
+    /// # Safety
+    /// [`PackedRows::check_lengths`] accepted `x`, `tokens`, `range` and an output of `tokens`
+    /// rows of `stride` values from `out`.
+    unsafe fn run(
+        &self,
+        x: &[f32],
+        tokens: usize,
+        range: Range<usize>,
+        out: *mut f32,
+        stride: usize,
+    ) {
         #[cfg(target_arch = "x86_64")]
-        // SAFETY: `pack` took `simd` from the CPU's own sets; every length was checked above.
+        // SAFETY: `pack` took `simd` from the CPU's own sets; the caller checked the lengths.
         unsafe {
             match self.simd {
-                Simd::Avx512 => x86::rows_avx512(self, x, tokens, range, out),
-                Simd::Avx2 => x86::rows_avx2(self, x, tokens, range, out),
+                Simd::Avx512 => x86::rows_avx512(self, x, tokens, range, out, stride),
+                Simd::Avx2 => x86::rows_avx2(self, x, tokens, range, out, stride),
             }
         }
         #[cfg(not(target_arch = "x86_64"))]
-        unreachable!("no host kernels off x86_64: `pack` packs nothing");
-        Ok(())
+        {
+            let _ = (x, tokens, range, out, stride);
+            unreachable!("no host kernels off x86_64: `pack` packs nothing");
+        }
+    }
+}
+
+/// The output of a shared product: each thread writes its own chunk's columns.
+#[derive(Clone, Copy)]
+struct SharedOut(*mut f32);
+
+// SAFETY: the chunks of [`PackedRows::rows_into_shared`] write disjoint values of one buffer
+// that outlives [`pair::share`].
+unsafe impl Sync for SharedOut {}
+
+impl SharedOut {
+    fn at(self, column: usize) -> *mut f32 {
+        self.0.wrapping_add(column)
     }
 }
 
@@ -268,9 +358,10 @@ mod x86 {
         x: &[f32],
         tokens: usize,
         range: Range<usize>,
-        out: &mut [f32],
+        out: *mut f32,
+        stride: usize,
     ) {
-        rows::<__m512>(w, x, tokens, range, out)
+        rows::<__m512>(w, x, tokens, range, out, stride)
     }
 
     #[target_feature(enable = "avx2,f16c,fma")]
@@ -279,9 +370,10 @@ mod x86 {
         x: &[f32],
         tokens: usize,
         range: Range<usize>,
-        out: &mut [f32],
+        out: *mut f32,
+        stride: usize,
     ) {
-        rows::<__m256>(w, x, tokens, range, out)
+        rows::<__m256>(w, x, tokens, range, out, stride)
     }
 
     /// Where one pass reads and writes: groups `group..` of the packed weight, `T` tokens.
@@ -289,50 +381,78 @@ mod x86 {
         w: &'a PackedRows,
         x: *const f32,
         out: *mut f32,
-        /// Outputs per token row of `out`.
+        /// Values per token row of `out`.
         len: usize,
         /// The first group, and where its outputs start in a token's row of `out`.
         group: usize,
         at: usize,
     }
 
-    /// Every group of `range` for every token: a decode token runs two groups side by side (two
-    /// independent chains hide the multiply-add's latency), blocks of tokens one group past up
-    /// to [`TOKEN_BLOCK`] tokens at a time.
+    /// Every group of `range` for every token. A decode token runs two groups side by side (two
+    /// independent chains hide the multiply-add's latency). A block of tokens runs group by
+    /// group, each group past all the tokens (up to `V::PACKED_TOKENS` bfloat16 chains, or
+    /// [`TOKEN_BLOCK`] f32 panel chains with their totals, in the registers at once) before
+    /// the next: the weight is read from memory once per block, the group's repeats hit the
+    /// first-level cache.
     #[inline(always)]
     unsafe fn rows<V: Vector>(
         w: &PackedRows,
         x: &[f32],
         tokens: usize,
         range: Range<usize>,
-        out: &mut [f32],
+        out: *mut f32,
+        stride: usize,
     ) {
-        let (lanes, cols, len) = (w.lanes, w.cols, range.len());
+        let lanes = w.lanes;
         let (first, last) = (range.start / lanes, range.end / lanes);
-        let mut t0 = 0;
-        while t0 < tokens {
-            let n = (tokens - t0).min(TOKEN_BLOCK);
+        let pass = |group: usize, t0: usize| Pass {
+            w,
+            x: x.as_ptr().add(t0 * w.cols),
+            out: out.add(t0 * stride),
+            len: stride,
+            group,
+            at: (group - first) * lanes,
+        };
+        if tokens == 1 {
             let mut g = first;
             while g < last {
-                let pass = Pass {
-                    w,
-                    x: x.as_ptr().add(t0 * cols),
-                    out: out.as_mut_ptr().add(t0 * len),
-                    len,
-                    group: g,
-                    at: (g - first) * lanes,
-                };
-                let two = g + 2 <= last;
-                match (n, two) {
-                    (1, true) => pass_groups::<V, 2, 1>(pass),
-                    (1, false) => pass_groups::<V, 1, 1>(pass),
-                    (2, _) => pass_groups::<V, 1, 2>(pass),
-                    (3, _) => pass_groups::<V, 1, 3>(pass),
-                    _ => pass_groups::<V, 1, 4>(pass),
+                if g + 2 <= last {
+                    pass_groups::<V, 2, 1>(pass(g, 0));
+                    g += 2;
+                } else {
+                    pass_groups::<V, 1, 1>(pass(g, 0));
+                    g += 1;
                 }
-                g += if n == 1 && two { 2 } else { 1 };
             }
-            t0 += n;
+            return;
+        }
+        let block = match w.layout {
+            Layout::Bf16Pairs => V::PACKED_TOKENS,
+            Layout::F32Panels(_) => TOKEN_BLOCK,
+        };
+        for g in first..last {
+            let mut t0 = 0;
+            while t0 < tokens {
+                let n = (tokens - t0).min(block);
+                let p = pass(g, t0);
+                match n {
+                    1 => pass_groups::<V, 1, 1>(p),
+                    2 => pass_groups::<V, 1, 2>(p),
+                    3 => pass_groups::<V, 1, 3>(p),
+                    4 => pass_groups::<V, 1, 4>(p),
+                    5 => pass_groups::<V, 1, 5>(p),
+                    6 => pass_groups::<V, 1, 6>(p),
+                    7 => pass_groups::<V, 1, 7>(p),
+                    8 => pass_groups::<V, 1, 8>(p),
+                    9 => pass_groups::<V, 1, 9>(p),
+                    10 => pass_groups::<V, 1, 10>(p),
+                    11 => pass_groups::<V, 1, 11>(p),
+                    12 => pass_groups::<V, 1, 12>(p),
+                    13 => pass_groups::<V, 1, 13>(p),
+                    _ => pass_groups::<V, 1, 14>(p),
+                }
+                t0 += n;
+            }
         }
     }
 
@@ -404,10 +524,28 @@ mod tests {
     use crate::engine::kernels::elementwise::{bf16_mlx, probe_values};
     use crate::engine::kernels::mlx_order::tests::panel_chains;
 
-    /// Every whole group's outputs equal one f32 chain per output over the columns in order
-    /// (an independent scalar computation of MLX's `simd_gemm` sum), for 1-9 tokens (a decode
-    /// token's two-group pass, the token blocks and a remainder), ranges of one group and of
-    /// several, on a shape whose rows end past the last whole group.
+    /// One f32 chain over the columns in order: an independent scalar computation of MLX's
+    /// `simd_gemm` sum for output `r` of token `t`.
+    fn scalar_chain(w: &[u16], x: &[f32], cols: usize, r: usize, t: usize) -> f32 {
+        let mut acc = 0.0f32;
+        for k in 0..cols {
+            let wk = f32::from_bits(u32::from(w[r * cols + k]) << 16);
+            acc = wk.mul_add(x[t * cols + k], acc);
+        }
+        acc
+    }
+
+    fn bf16_probe(n: usize, seed: u64) -> Vec<f32> {
+        probe_values(n, seed)
+            .into_iter()
+            .map(|v| bf16_mlx(v).to_f32())
+            .collect()
+    }
+
+    /// Every whole group's outputs equal one f32 chain per output over the columns in order,
+    /// for 1-9, 14, 15 and 29 tokens (a decode token's two-group pass, the token blocks of
+    /// either width and remainders), ranges of one group and of several, on a shape whose rows
+    /// end past the last whole group.
     #[test]
     fn packed_products_are_one_chain_per_output_in_column_order() {
         let (rows, cols) = (53, 38);
@@ -424,11 +562,8 @@ mod tests {
         };
         let g = packed.group();
         assert_eq!(packed.rows(), rows / g * g);
-        for tokens in 1..=9 {
-            let x: Vec<f32> = probe_values(tokens * cols, 0x85a3_08d3 + tokens as u64)
-                .into_iter()
-                .map(|v| bf16_mlx(v).to_f32())
-                .collect();
+        for tokens in (1..=9).chain([14, 15, 29]) {
+            let x = bf16_probe(tokens * cols, 0x85a3_08d3 + tokens as u64);
             for range in [0..packed.rows(), g..2 * g, 0..g] {
                 let mut out = vec![f32::NAN; tokens * range.len()];
                 packed
@@ -436,20 +571,61 @@ mod tests {
                     .unwrap();
                 for t in 0..tokens {
                     for (i, r) in range.clone().enumerate() {
-                        let mut acc = 0.0f32;
-                        for k in 0..cols {
-                            let wk = f32::from_bits(u32::from(w[r * cols + k]) << 16);
-                            acc = wk.mul_add(x[t * cols + k], acc);
-                        }
                         assert_eq!(
                             out[t * range.len() + i].to_bits(),
-                            acc.to_bits(),
+                            scalar_chain(&w, &x, cols, r, t).to_bits(),
                             "token {t}, row {r} of {range:?}"
                         );
                     }
                 }
             }
         }
+    }
+
+    /// The shared product (a prompt's: chunks claimed by both threads, written into wider
+    /// token rows) gives the same chains, in the columns of its range only.
+    #[test]
+    fn shared_products_write_the_same_chains_into_their_columns() {
+        let (rows, cols, tokens, stride) = (256, 320, 17, 300);
+        let w: Vec<u16> = probe_values(rows * cols, 0x4528_21e6)
+            .into_iter()
+            .map(|v| bf16_mlx(v).to_bits())
+            .collect();
+        let Some(packed) = PackedRows::bf16(&w, rows, cols) else {
+            assert!(simd().is_none());
+            return;
+        };
+        let range = 16..240;
+        assert!(
+            range.len() * cols >= PARALLEL_MIN_WEIGHTS,
+            "cut into chunks"
+        );
+        let x = bf16_probe(tokens * cols, 0x38d0_1377);
+        let at = 5;
+        let mut out = vec![f32::NAN; tokens * stride];
+        packed
+            .rows_into_shared(&x, tokens, range.clone(), &mut out[at..], stride)
+            .unwrap();
+        for t in 0..tokens {
+            for c in 0..stride {
+                let v = out[t * stride + c];
+                match (c + range.start)
+                    .checked_sub(at)
+                    .filter(|r| range.contains(r))
+                {
+                    Some(r) => assert_eq!(
+                        v.to_bits(),
+                        scalar_chain(&w, &x, cols, r, t).to_bits(),
+                        "token {t}, row {r}"
+                    ),
+                    None => assert!(v.is_nan(), "token {t}, column {c} written"),
+                }
+            }
+        }
+        let mut short = vec![0.0; (tokens - 1) * stride + range.len() - 1];
+        assert!(packed
+            .rows_into_shared(&x, tokens, range, &mut short, stride)
+            .is_err());
     }
 
     /// The f32 layout: per panel one chain per output in column order, the panels' sums added
