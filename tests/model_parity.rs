@@ -388,6 +388,27 @@ fn gemma3_text_bf16_sliding_window() {
     check(gemma3(json!({})), "bf16", None, 2048);
 }
 
+/// An f32 gemma3 (off the llama host step: its layers run per layer on MLX and the host
+/// products) with an MLP and a tied head wide enough (over 1,200 outputs) that OpenBLAS sums
+/// their single-token products on its GEMM driver: those read the packed copies, made at the
+/// first decode token, and still give mlx-lm's bits.
+#[test]
+fn gemma3_text_f32_wide_products_read_packed_copies() {
+    let packed = dense_packed_calls();
+    check(
+        gemma3(json!({"intermediate_size": 1280, "vocab_size": 1536})),
+        "f32",
+        None,
+        2048,
+    );
+    if mlxb::engine::kernels::mlx_order::available() {
+        assert!(
+            dense_packed_calls() > packed,
+            "single-token products of the GEMM driver's shapes"
+        );
+    }
+}
+
 #[test]
 fn gemma3_text_bf16_chunked_prefill_tied() {
     // No lm_head in the checkpoint: gemma3's sanitize ties the head to the embedding.

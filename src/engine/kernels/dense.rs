@@ -295,7 +295,7 @@ impl HostDense {
         }
         let bias = bias.map(widened).transpose()?;
         let y = self.product_rows(x, tokens, 0..self.rows, bias.as_deref())?;
-        if y.is_some() && self.prompt_packed(tokens).is_some() {
+        if y.is_some() && self.packed_for(tokens)?.is_some() {
             PACKED_CALLS.fetch_add(1, Ordering::Relaxed);
         }
         Ok(y)
@@ -344,7 +344,7 @@ impl HostDense {
                 }
             }
         };
-        let mut y = match self.prompt_packed(tokens) {
+        let mut y = match self.packed_for(tokens)? {
             Some(packed) => self.packed_product(packed, host, tokens, rows.clone()),
             None => self.row_major_product(host, tokens, rows.clone()),
         }
@@ -373,15 +373,22 @@ impl HostDense {
         }))
     }
 
-    /// The packed copy a product of `tokens` tokens through [`HostDense::product_rows`] reads:
-    /// a bfloat16 weight's (one chain per output whatever the token count, so a prompt's
-    /// products take it too), once the step has made it and its product matched MLX's.
-    fn prompt_packed(&self, tokens: usize) -> Option<&PackedRows> {
+    /// The packed copy a product of `tokens` tokens through [`HostDense::product_rows`] reads
+    /// (made at the first such product, see [`HostDense::packed`]): a bfloat16 weight's for
+    /// any number of tokens (one chain per output whatever the count, so prompts take it too),
+    /// an f32 one's for a single token summed in panels (OpenBLAS's GEMM driver), as the host
+    /// step's products read them. `None` for other products, or where no copy matched MLX.
+    fn packed_for(&self, tokens: usize) -> Result<Option<&PackedRows>> {
         let order = self.order(tokens);
-        match self.packed.get() {
-            Some(Some(p)) if order == Order::Sequential && p.sums_in(&order) => Some(p),
-            _ => None,
+        let packs = match order {
+            Order::Sequential => true,
+            Order::Panels(_) => tokens == 1,
+            Order::Lanes => false,
+        };
+        if !packs {
+            return Ok(None);
         }
+        Ok(self.packed()?.filter(|p| p.sums_in(&order)))
     }
 
     /// `x · Wᵀ` through rows `rows` on the row-major kernels (`tokens × rows.len()`).
@@ -445,7 +452,7 @@ impl HostDense {
             order: self.order(tokens),
             tokens,
             biased: bias.is_some(),
-            packed: self.prompt_packed(tokens).is_some(),
+            packed: self.packed_for(tokens)?.is_some(),
         };
         if let Some(v) = lock(verdicts()).get(&key) {
             return Ok(*v);
@@ -529,7 +536,7 @@ struct Verdict {
     tokens: usize,
     /// `addmm` with a bias, not a plain product.
     biased: bool,
-    /// Read from the packed copy ([`HostDense::prompt_packed`]), not the row-major weight.
+    /// Read from the packed copy ([`HostDense::packed_for`]), not the row-major weight.
     packed: bool,
 }
 
@@ -592,8 +599,8 @@ pub fn dense_calls() -> usize {
 
 static PACKED_CALLS: AtomicUsize = AtomicUsize::new(0);
 
-/// How many of those products read a packed copy (a bfloat16 prompt's, after the step made
-/// the copies), the one-time checks not counted.
+/// How many of those products read a packed copy ([`HostDense::packed_for`]), the one-time
+/// checks not counted.
 pub fn dense_packed_calls() -> usize {
     PACKED_CALLS.load(Ordering::Relaxed)
 }
