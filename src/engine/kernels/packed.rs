@@ -77,81 +77,11 @@ enum Layout {
     F32Panels(Vec<usize>),
 }
 
-/// A packed copy's words in an anonymous mapping of their own rather than the allocator's
-/// heap: a copy is written once, read for the process's life and may be a gigabyte, and an
-/// allocator's arenas (eagerly committed, huge-page advised) made the first writes several
-/// times slower than plain zero-filled pages where page faults are expensive (virtual
-/// machines: 3.6 s against 0.8 s for Gemma-3-270m's copies).
-#[derive(Debug)]
-struct Words {
-    ptr: std::ptr::NonNull<u32>,
-    len: usize,
-}
-
-// SAFETY: `Words` owns its mapping exclusively, like a `Vec<u32>`.
-unsafe impl Send for Words {}
-// SAFETY: shared access only reads.
-unsafe impl Sync for Words {}
-
-impl Words {
-    /// `len` zero words, or `None` when the mapping fails.
-    fn zeroed(len: usize) -> Option<Self> {
-        if len == 0 {
-            return Some(Self {
-                ptr: std::ptr::NonNull::dangling(),
-                len,
-            });
-        }
-        let bytes = len.checked_mul(4)?;
-        // SAFETY: a fresh private anonymous mapping; the result is checked before use.
-        let ptr = unsafe {
-            libc::mmap(
-                std::ptr::null_mut(),
-                bytes,
-                libc::PROT_READ | libc::PROT_WRITE,
-                libc::MAP_PRIVATE | libc::MAP_ANONYMOUS,
-                -1,
-                0,
-            )
-        };
-        if ptr == libc::MAP_FAILED {
-            return None;
-        }
-        Some(Self {
-            ptr: std::ptr::NonNull::new(ptr.cast())?,
-            len,
-        })
-    }
-
-    fn as_slice(&self) -> &[u32] {
-        // SAFETY: `ptr` maps `len` initialized (zero-filled) words owned by `self`.
-        unsafe { std::slice::from_raw_parts(self.ptr.as_ptr(), self.len) }
-    }
-
-    fn as_mut_slice(&mut self) -> &mut [u32] {
-        // SAFETY: as for `as_slice`, borrowed mutably through `self`.
-        unsafe { std::slice::from_raw_parts_mut(self.ptr.as_ptr(), self.len) }
-    }
-
-    fn len(&self) -> usize {
-        self.len
-    }
-}
-
-impl Drop for Words {
-    fn drop(&mut self) {
-        if self.len > 0 {
-            // SAFETY: unmaps exactly the mapping `zeroed` made.
-            unsafe { libc::munmap(self.ptr.as_ptr().cast(), self.len * 4) };
-        }
-    }
-}
-
 /// A `rows × cols` weight in the column-interleaved layout (see the module docs); rows past
 /// the last whole group are not held (the caller sums them from the row-major weight).
 #[derive(Debug)]
 pub struct PackedRows {
-    words: Words,
+    words: Vec<u32>,
     layout: Layout,
     simd: Simd,
     /// Rows per group (the vector width in f32 lanes).
@@ -218,15 +148,8 @@ impl PackedRows {
         if !reserve(&PACKED_BYTES, budget(), held * columns * 4) {
             return None;
         }
-        let Some(mut words) = Words::zeroed(held * columns) else {
-            PACKED_BYTES.fetch_sub(held * columns * 4, Ordering::Relaxed);
-            return None;
-        };
-        for (g, group) in words
-            .as_mut_slice()
-            .chunks_exact_mut(lanes * columns)
-            .enumerate()
-        {
+        let mut words = vec![0u32; held * columns];
+        for (g, group) in words.chunks_exact_mut(lanes * columns).enumerate() {
             for lane in 0..lanes {
                 for c in 0..columns {
                     group[c * lanes + lane] = word(g * lanes + lane, c);
@@ -542,7 +465,7 @@ mod x86 {
         match &p.w.layout {
             Layout::Bf16Pairs => {
                 let pairs = cols / 2;
-                let base = p.w.words.as_slice().as_ptr().add(p.group * lanes * pairs);
+                let base = p.w.words.as_ptr().add(p.group * lanes * pairs);
                 let mut acc = [[V::zero(); T]; G];
                 for k in 0..pairs {
                     for (g, chains) in acc.iter_mut().enumerate() {
@@ -557,7 +480,7 @@ mod x86 {
                 add_into(&mut total, &acc);
             }
             Layout::F32Panels(panels) => {
-                let base = p.w.words.as_slice().as_ptr().add(p.group * lanes * cols);
+                let base = p.w.words.as_ptr().add(p.group * lanes * cols);
                 let mut k0 = 0;
                 for &depth in panels {
                     let mut acc = [[V::zero(); T]; G];
