@@ -16,6 +16,7 @@
 
 use super::mlx_order::{simd, Order, Simd, CHUNKS, PARALLEL_MIN_WEIGHTS};
 use super::pair;
+use rayon::prelude::*;
 use std::ops::Range;
 use std::sync::atomic::{AtomicU32, AtomicUsize, Ordering};
 
@@ -130,7 +131,7 @@ impl PackedRows {
         rows: usize,
         cols: usize,
         layout: Layout,
-        word: impl Fn(usize, usize) -> u32,
+        word: impl Fn(usize, usize) -> u32 + Sync,
     ) -> Option<Self> {
         let simd = simd()?;
         let lanes = match simd {
@@ -148,14 +149,19 @@ impl PackedRows {
         if !reserve(&PACKED_BYTES, budget(), held * columns * 4) {
             return None;
         }
+        // Both cores write (most of the time is the kernel zero-filling fresh pages, which it
+        // does on the faulting core).
         let mut words = vec![0u32; held * columns];
-        for (g, group) in words.chunks_exact_mut(lanes * columns).enumerate() {
-            for lane in 0..lanes {
-                for c in 0..columns {
-                    group[c * lanes + lane] = word(g * lanes + lane, c);
+        words
+            .par_chunks_exact_mut(lanes * columns)
+            .enumerate()
+            .for_each(|(g, group)| {
+                for lane in 0..lanes {
+                    for c in 0..columns {
+                        group[c * lanes + lane] = word(g * lanes + lane, c);
+                    }
                 }
-            }
-        }
+            });
         Some(Self {
             words,
             layout,
