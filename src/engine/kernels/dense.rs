@@ -322,7 +322,12 @@ impl HostDense {
             contiguous = x.contiguous()?;
             &contiguous
         };
-        let widened: Vec<f32>;
+        // A prompt's buffers are reused from product to product: fresh ones cost zero-filling
+        // and page faults at every call.
+        let mut fresh = Scratch::default();
+        let mut kept =
+            SCRATCH.with(|s| s.try_borrow_mut().ok().map(|mut s| std::mem::take(&mut *s)));
+        let scratch = kept.as_mut().unwrap_or(&mut fresh);
         let wide_array: Array;
         let host: &[f32] = match x.dtype() {
             Dtype::Float32 => match x.try_as_slice::<f32>() {
@@ -331,8 +336,9 @@ impl HostDense {
             },
             Dtype::Bfloat16 => match x.try_as_slice::<half::bf16>() {
                 Ok(s) => {
-                    widened = s.iter().map(|v| v.to_f32()).collect();
-                    &widened
+                    scratch.input.clear();
+                    scratch.input.extend(s.iter().map(|v| v.to_f32()));
+                    &scratch.input
                 }
                 Err(_) => return Ok(None),
             },
@@ -344,11 +350,26 @@ impl HostDense {
                 }
             }
         };
-        let mut y = match self.packed_for(tokens)? {
-            Some(packed) => self.packed_product(packed, host, tokens, rows.clone()),
-            None => self.row_major_product(host, tokens, rows.clone()),
-        }
-        .map_err(|e| EngineError::Runtime(format!("host product: {e}")))?;
+        let n = tokens * rows.len();
+        let row_major;
+        let y: &mut [f32] = match self.packed_for(tokens)? {
+            Some(packed) => {
+                if scratch.output.len() < n {
+                    scratch.output.resize(n, 0.0);
+                }
+                let y = &mut scratch.output[..n];
+                self.packed_product(packed, host, tokens, rows.clone(), y)
+                    .map_err(|e| EngineError::Runtime(format!("host product: {e}")))?;
+                y
+            }
+            None => {
+                row_major = self
+                    .row_major_product(host, tokens, rows.clone())
+                    .map_err(|e| EngineError::Runtime(format!("host product: {e}")))?;
+                scratch.output = row_major;
+                &mut scratch.output[..n]
+            }
+        };
         if let Some(bias) = bias {
             for out in y.chunks_exact_mut(rows.len()) {
                 for (o, b) in out.iter_mut().zip(&bias[rows.clone()]) {
@@ -363,14 +384,23 @@ impl HostDense {
         }
         // MLX rounds a 16-bit product's f32 sum to the dtype: bfloat16 here with MLX's
         // rounding, f16 by MLX's own cast.
-        Ok(Some(match x.dtype() {
-            Dtype::Float32 => Array::from_slice(&y, &shape),
+        let out = match x.dtype() {
+            Dtype::Float32 => Array::from_slice(y, &shape),
             Dtype::Bfloat16 => {
-                let y: Vec<half::bf16> = y.into_iter().map(bf16_mlx).collect();
-                Array::from_slice(&y, &shape)
+                scratch.narrow.clear();
+                scratch.narrow.extend(y.iter().map(|v| bf16_mlx(*v)));
+                Array::from_slice(&scratch.narrow, &shape)
             }
-            dtype => Array::from_slice(&y, &shape).as_dtype(dtype)?,
-        }))
+            dtype => Array::from_slice(y, &shape).as_dtype(dtype)?,
+        };
+        if let Some(kept) = kept {
+            SCRATCH.with(|s| {
+                if let Ok(mut s) = s.try_borrow_mut() {
+                    *s = kept;
+                }
+            });
+        }
+        Ok(Some(out))
     }
 
     /// The packed copy a product of `tokens` tokens through [`HostDense::product_rows`] reads
@@ -418,12 +448,12 @@ impl HostDense {
         x: &[f32],
         tokens: usize,
         rows: Range<usize>,
-    ) -> std::result::Result<Vec<f32>, String> {
+        y: &mut [f32],
+    ) -> std::result::Result<(), String> {
         let g = packed.group();
         let start = (rows.start.div_ceil(g) * g).min(rows.end);
         let inner = start..(rows.end.min(packed.rows()) / g * g).max(start);
         let width = rows.len();
-        let mut y = vec![0.0f32; tokens * width];
         let at = inner.start - rows.start;
         if !inner.is_empty() {
             packed.rows_into_shared(x, tokens, inner.clone(), &mut y[at..], width)?;
@@ -438,7 +468,7 @@ impl HostDense {
                 y[t * width + at..][..part.len()].copy_from_slice(values);
             }
         }
-        Ok(y)
+        Ok(())
     }
 
     /// Compares the host product of `tokens` tokens with MLX's on two fixed inputs, once per
@@ -590,6 +620,19 @@ fn probe(n: usize, seed: u64) -> Vec<f32> {
 }
 
 static CALLS: AtomicUsize = AtomicUsize::new(0);
+
+/// A thread's buffers for [`HostDense::product_rows`]: the widened input, the f32 outputs and
+/// their bfloat16 narrowing.
+#[derive(Default)]
+struct Scratch {
+    input: Vec<f32>,
+    output: Vec<f32>,
+    narrow: Vec<half::bf16>,
+}
+
+thread_local! {
+    static SCRATCH: std::cell::RefCell<Scratch> = std::cell::RefCell::default();
+}
 
 /// How many products (single tokens and blocks) the host path computed in this process (lets
 /// tests and benchmarks check that `--host-matvec on` really took it).

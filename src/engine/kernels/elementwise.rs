@@ -171,16 +171,40 @@ pub fn rms_norm(x: &[f32], w: &[f32], eps: f32, out: &mut [f32]) {
     );
     // MLX's `mean` multiplies by `1 / n` made in f64 and cast to the array's f32.
     let inv_n = (1.0 / dim as f64) as f32;
-    for (row, o) in x.chunks_exact(dim).zip(out.chunks_exact_mut(dim)) {
-        let mut sum = 0.0f32;
-        for v in row {
-            sum += v * v;
-        }
+    let sums = square_sums(x.len() / dim, dim, |i| x[i]);
+    for ((row, o), sum) in x.chunks_exact(dim).zip(out.chunks_exact_mut(dim)).zip(sums) {
         let r = 1.0 / (sum * inv_n + eps).sqrt();
         for ((o, v), wv) in o.iter_mut().zip(row).zip(w) {
             *o = (v * r) * wv;
         }
     }
+}
+
+/// `Σ v²` of each of `rows` rows of `dim` values (`value(i)`, row-major), each row summed from
+/// zero in order, every square rounded before its add (MLX's order for one row). Eight rows'
+/// chains run side by side: a prompt's rows no longer wait on one add's latency each.
+fn square_sums(rows: usize, dim: usize, value: impl Fn(usize) -> f32) -> Vec<f32> {
+    const WAYS: usize = 8;
+    let mut sums = vec![0.0f32; rows];
+    let mut r0 = 0;
+    while r0 + WAYS <= rows {
+        let mut acc = [0.0f32; WAYS];
+        for k in 0..dim {
+            for (j, a) in acc.iter_mut().enumerate() {
+                let v = value((r0 + j) * dim + k);
+                *a += v * v;
+            }
+        }
+        sums[r0..r0 + WAYS].copy_from_slice(&acc);
+        r0 += WAYS;
+    }
+    for (r, sum) in sums.iter_mut().enumerate().skip(r0) {
+        for k in 0..dim {
+            let v = value(r * dim + k);
+            *sum += v * v;
+        }
+    }
+    sums
 }
 
 /// `out = a + b`, element by element (MLX's add of two same-shape f32 arrays).
@@ -200,12 +224,8 @@ pub fn rms_norm_bf16(x: &[half::bf16], w: &[half::bf16], eps: f32, out: &mut [ha
         "rms_norm_bf16: rows do not match the weight"
     );
     let inv_n = (1.0 / dim as f64) as f32;
-    for (row, o) in x.chunks_exact(dim).zip(out.chunks_exact_mut(dim)) {
-        let mut sum = 0.0f32;
-        for v in row {
-            let v = v.to_f32();
-            sum += v * v;
-        }
+    let sums = square_sums(x.len() / dim, dim, |i| x[i].to_f32());
+    for ((row, o), sum) in x.chunks_exact(dim).zip(out.chunks_exact_mut(dim)).zip(sums) {
         let r = 1.0 / (sum * inv_n + eps).sqrt();
         for ((o, v), wv) in o.iter_mut().zip(row).zip(w) {
             *o = bf16_mlx(bf16_mlx(v.to_f32() * r).to_f32() * wv.to_f32());
