@@ -128,10 +128,27 @@ pub fn attend_bf16(
 fn weigh_values<'v>(row: &mut [f32], value: impl Fn(usize) -> &'v [bf16], acc: &mut [f32]) {
     round_bf16(row);
     softmax_row(row);
-    // A zero weight (an exponential that underflowed) adds a signed zero to a sum that starts
-    // at +0 and so can never be -0: it changes nothing and is skipped.
     acc.fill(0.0);
+    #[cfg(target_arch = "x86_64")]
+    // SAFETY: `simd` names only instruction sets this CPU runs.
+    unsafe {
+        match mlx_order::simd() {
+            Some(mlx_order::Simd::Avx512) => return sum_values_avx512(row, &value, acc),
+            Some(mlx_order::Simd::Avx2) => return sum_values_avx2(row, &value, acc),
+            None => {}
+        }
+    }
+    sum_values(row, &value, acc);
+}
+
+/// `acc[d] += p_s · value(s)[d]` over the keys `s` in order (MLX's multiply, then add; the
+/// product of a bfloat16 weight and a bfloat16 value is exact in f32). Compiled for the vector
+/// width at hand: each dimension's chain is the same at any width.
+#[inline(always)]
+fn sum_values<'v>(row: &[f32], value: &impl Fn(usize) -> &'v [bf16], acc: &mut [f32]) {
     for (s, p) in row.iter().enumerate() {
+        // A zero weight (an exponential that underflowed) adds a signed zero to a sum that
+        // starts at +0 and so can never be -0: it changes nothing and is skipped.
         if *p == 0.0 {
             continue;
         }
@@ -140,6 +157,68 @@ fn weigh_values<'v>(row: &mut [f32], value: impl Fn(usize) -> &'v [bf16], acc: &
             *a += p * f32::from_bits(u32::from(x.to_bits()) << 16);
         }
     }
+}
+
+#[cfg(target_arch = "x86_64")]
+#[target_feature(enable = "avx512f,avx512bw")]
+unsafe fn sum_values_avx512<'v>(
+    row: &[f32],
+    value: &impl Fn(usize) -> &'v [bf16],
+    acc: &mut [f32],
+) {
+    // The usual head widths with their sums held in registers across the keys.
+    match acc.len() {
+        64 => sum_values_in_registers::<4>(row, value, acc),
+        128 => sum_values_in_registers::<8>(row, value, acc),
+        _ => sum_values(row, value, acc),
+    }
+}
+
+/// [`sum_values`] for heads of `V` sixteen-lane vectors, the sums kept in `V` registers.
+#[cfg(target_arch = "x86_64")]
+#[target_feature(enable = "avx512f,avx512bw")]
+unsafe fn sum_values_in_registers<'v, const V: usize>(
+    row: &[f32],
+    value: &impl Fn(usize) -> &'v [bf16],
+    acc: &mut [f32],
+) {
+    use std::arch::x86_64::*;
+    let mut sums = [_mm512_setzero_ps(); V];
+    for (s, p) in row.iter().enumerate() {
+        if *p == 0.0 {
+            continue;
+        }
+        let v = value(s);
+        if v.len() < 16 * V {
+            // Not head-wide (never for a cache's rows): the plain form, from these sums.
+            let mut partial = vec![0.0f32; 16 * V];
+            for (j, sum) in sums.iter().enumerate() {
+                _mm512_storeu_ps(partial.as_mut_ptr().add(16 * j), *sum);
+            }
+            for (a, x) in partial.iter_mut().zip(v) {
+                *a += p * f32::from_bits(u32::from(x.to_bits()) << 16);
+            }
+            for (j, sum) in sums.iter_mut().enumerate() {
+                *sum = _mm512_loadu_ps(partial.as_ptr().add(16 * j));
+            }
+            continue;
+        }
+        let weight = _mm512_set1_ps(*p);
+        for (j, sum) in sums.iter_mut().enumerate() {
+            let bits = _mm256_loadu_si256(v.as_ptr().add(16 * j).cast());
+            let x = _mm512_castsi512_ps(_mm512_slli_epi32::<16>(_mm512_cvtepu16_epi32(bits)));
+            *sum = _mm512_add_ps(*sum, _mm512_mul_ps(weight, x));
+        }
+    }
+    for (j, sum) in sums.iter().enumerate() {
+        _mm512_storeu_ps(acc.as_mut_ptr().add(16 * j), *sum);
+    }
+}
+
+#[cfg(target_arch = "x86_64")]
+#[target_feature(enable = "avx2")]
+unsafe fn sum_values_avx2<'v>(row: &[f32], value: &impl Fn(usize) -> &'v [bf16], acc: &mut [f32]) {
+    sum_values(row, value, acc)
 }
 
 /// One query head's bfloat16 attention as [`attend_bf16`] computes it, for the host decode
