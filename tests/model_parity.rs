@@ -10,7 +10,7 @@ use mlxb::engine::generate::{Flow, GenerateConfig, Generator};
 use mlxb::engine::kernels::dense::dense_packed_calls;
 use mlxb::engine::kernels::exact_steps_here;
 use mlxb::engine::kernels::mlx_order::F32Kernels;
-use mlxb::engine::kernels::packed::packed_calls;
+use mlxb::engine::kernels::packed::{dot_available, dot_calls, packed_calls};
 use mlxb::engine::models;
 use mlxb::engine::sample::{LogitsProcessors, ProcessorConfig, Sampler, SamplerConfig};
 use serde_json::json;
@@ -120,6 +120,7 @@ fn assert_bf16_host_steps(steps: usize, gen_tokens: usize) {
 fn llama_bf16() {
     let packed = packed_calls().0;
     let prompt_packed = dense_packed_calls();
+    let dot = dot_calls();
     let steps = check_lengths(
         llama(json!({})),
         "bf16",
@@ -138,6 +139,12 @@ fn llama_bf16() {
         assert!(
             dense_packed_calls() > prompt_packed,
             "the bfloat16 prompt's products"
+        );
+        // On a CPU with AVX512_BF16, through `vdpbf16ps` in the chains' order.
+        assert_eq!(
+            dot_calls() > dot,
+            dot_available(),
+            "the bfloat16 dot-product kernel"
         );
     }
 }

@@ -22,6 +22,18 @@ use std::sync::atomic::{AtomicU32, AtomicUsize, Ordering};
 
 static BF16_CALLS: AtomicUsize = AtomicUsize::new(0);
 static F32_CALLS: AtomicUsize = AtomicUsize::new(0);
+static DOT_CALLS: AtomicUsize = AtomicUsize::new(0);
+
+/// How many bfloat16 products took the `vdpbf16ps` kernel in this process, the one-time checks
+/// not counted (lets tests require it where the CPU has it).
+pub fn dot_calls() -> usize {
+    DOT_CALLS.load(Ordering::Relaxed)
+}
+
+/// Whether this CPU runs the bfloat16 dot-product kernel (see [`dot_calls`]).
+pub fn dot_available() -> bool {
+    dot_runs_here()
+}
 
 /// How many products the packed kernels computed in this process, bfloat16 and f32 (lets tests
 /// check that the host step really read a packed copy).
@@ -92,6 +104,56 @@ pub struct PackedRows {
     cols: usize,
     /// Bit `t`: products of `t` tokens matched MLX's (see [`PackedRows::set_checked`]).
     checked: AtomicU32,
+    /// For a bfloat16 copy on a CPU with `vdpbf16ps` and no subnormal weight: the exponent of
+    /// the finest spacing any nonzero weight lies on (see [`dot_product_is_exact`]).
+    dot_grid: Option<i32>,
+}
+
+/// The exponent of the smallest bfloat16 step (unit in the last place) among the nonzero
+/// values `bits`, `None` when one is subnormal, infinite or NaN (which `vdpbf16ps` would treat
+/// otherwise than MLX's chain). `i32::MAX` when every value is zero.
+fn bf16_grid(bits: impl Iterator<Item = u16>) -> Option<i32> {
+    let mut finest = i32::MAX;
+    for b in bits {
+        let exponent = i32::from((b >> 7) & 0xFF);
+        match exponent {
+            0 if b & 0x7F == 0 => continue,
+            0 | 255 => return None,
+            e => finest = finest.min(e - 127 - 7),
+        }
+    }
+    Some(finest)
+}
+
+/// [`bf16_grid`] of a weight.
+fn weight_grid(w: &[u16]) -> Option<i32> {
+    bf16_grid(w.iter().copied())
+}
+
+/// Whether `vdpbf16ps` sums a product of weights on `weight` and inputs on `input` (grids of
+/// [`bf16_grid`]) exactly as MLX's chain: it adds each pair's two products in turn, each
+/// rounded to nearest (the products of two bfloat16 values are exact in f32), but treats
+/// subnormal inputs as zero and flushes subnormal results. Every product is then a multiple
+/// of `2^(weight + input)`, and so is every partial sum; with that at least the smallest
+/// normal f32 (`2^-126`), no nonzero value it meets is subnormal.
+fn dot_product_is_exact(weight: i32, input: i32) -> bool {
+    weight.saturating_add(input) >= -126
+}
+
+/// Whether this CPU runs the bfloat16 dot-product kernel: AVX-512 with `AVX512_BF16`
+/// (`MLXB_BF16_DOT=off` keeps the multiply-add kernels, to compare).
+fn dot_runs_here() -> bool {
+    static HERE: std::sync::OnceLock<bool> = std::sync::OnceLock::new();
+    *HERE.get_or_init(|| {
+        #[cfg(target_arch = "x86_64")]
+        {
+            simd() == Some(Simd::Avx512)
+                && std::is_x86_feature_detected!("avx512bf16")
+                && std::env::var("MLXB_BF16_DOT").as_deref() != Ok("off")
+        }
+        #[cfg(not(target_arch = "x86_64"))]
+        false
+    })
 }
 
 impl Drop for PackedRows {
@@ -107,10 +169,15 @@ impl PackedRows {
         if !cols.is_multiple_of(2) || w.len() != rows * cols {
             return None;
         }
-        Self::pack(rows, cols, Layout::Bf16Pairs, |row, p| {
+        // Column `2p` in the high half: `vdpbf16ps` adds a pair's high product first.
+        let mut packed = Self::pack(rows, cols, Layout::Bf16Pairs, |row, p| {
             let pair = &w[row * cols + 2 * p..][..2];
-            u32::from(pair[0]) | (u32::from(pair[1]) << 16)
-        })
+            (u32::from(pair[0]) << 16) | u32::from(pair[1])
+        })?;
+        if dot_runs_here() {
+            packed.dot_grid = weight_grid(&w[..packed.rows * cols]);
+        }
+        Some(packed)
     }
 
     /// Packs the row-major f32 `w` (`rows × cols`) for products summed in `panels` (depths
@@ -170,6 +237,7 @@ impl PackedRows {
             rows: held,
             cols,
             checked: AtomicU32::new(0),
+            dot_grid: None,
         })
     }
 
@@ -219,8 +287,13 @@ impl PackedRows {
         range: Range<usize>,
         out: &mut [f32],
     ) -> Result<(), String> {
-        self.count();
-        self.check_rows_into(x, tokens, range, out)
+        self.check_lengths(x, tokens, &range, out.len(), range.len())?;
+        let pairs = self.dot_pairs(x);
+        self.count(pairs.is_some());
+        let (out, stride) = (out.as_mut_ptr(), range.len());
+        // SAFETY: the lengths were checked above.
+        unsafe { self.run(x, pairs.as_deref(), tokens, range, out, stride) };
+        Ok(())
     }
 
     /// [`PackedRows::rows_into`] shared with the [`pair`] helper thread (chunks of whole
@@ -236,7 +309,6 @@ impl PackedRows {
         stride: usize,
     ) -> Result<(), String> {
         self.check_lengths(x, tokens, &range, out.len(), stride)?;
-        self.count();
         let groups = range.len() / self.lanes;
         let per_chunk = if range.len() * self.cols < PARALLEL_MIN_WEIGHTS {
             groups
@@ -245,23 +317,31 @@ impl PackedRows {
         }
         .max(1);
         let shared = SharedOut(out.as_mut_ptr());
+        let pairs = self.dot_pairs(x);
+        self.count(pairs.is_some());
         pair::share(groups.div_ceil(per_chunk), &|i| {
             let first = i * per_chunk;
             let end = (first + per_chunk).min(groups);
             let chunk = range.start + first * self.lanes..range.start + end * self.lanes;
             // SAFETY: `check_lengths` checked `out` against every token row and column of
             // `range`; the chunks' columns are disjoint, so no two threads write one value.
-            unsafe { self.run(x, tokens, chunk, shared.at(first * self.lanes), stride) }
+            unsafe {
+                let out = shared.at(first * self.lanes);
+                self.run(x, pairs.as_deref(), tokens, chunk, out, stride)
+            }
         });
         Ok(())
     }
 
-    fn count(&self) {
+    fn count(&self, dot: bool) {
         let calls = match self.layout {
             Layout::Bf16Pairs => &BF16_CALLS,
             Layout::F32Panels(_) => &F32_CALLS,
         };
         calls.fetch_add(1, Ordering::Relaxed);
+        if dot {
+            DOT_CALLS.fetch_add(1, Ordering::Relaxed);
+        }
     }
 
     /// [`PackedRows::rows_into`] for the one-time check against MLX, which [`packed_calls`]
@@ -274,8 +354,10 @@ impl PackedRows {
         out: &mut [f32],
     ) -> Result<(), String> {
         self.check_lengths(x, tokens, &range, out.len(), range.len())?;
+        let pairs = self.dot_pairs(x);
+        let (out, stride) = (out.as_mut_ptr(), range.len());
         // SAFETY: the lengths were checked above.
-        unsafe { self.run(x, tokens, range.clone(), out.as_mut_ptr(), range.len()) };
+        unsafe { self.run(x, pairs.as_deref(), tokens, range, out, stride) };
         Ok(())
     }
 
@@ -313,27 +395,52 @@ impl PackedRows {
     /// # Safety
     /// [`PackedRows::check_lengths`] accepted `x`, `tokens`, `range` and an output of `tokens`
     /// rows of `stride` values from `out`.
+    #[allow(clippy::too_many_arguments)]
     unsafe fn run(
         &self,
         x: &[f32],
+        pairs: Option<&[u32]>,
         tokens: usize,
         range: Range<usize>,
         out: *mut f32,
         stride: usize,
     ) {
         #[cfg(target_arch = "x86_64")]
-        // SAFETY: `pack` took `simd` from the CPU's own sets; the caller checked the lengths.
+        // SAFETY: `pack` took `simd` from the CPU's own sets, `dot_grid` is set only where
+        // `vdpbf16ps` runs and `pairs` only with it; the caller checked the lengths.
         unsafe {
-            match self.simd {
-                Simd::Avx512 => x86::rows_avx512(self, x, tokens, range, out, stride),
-                Simd::Avx2 => x86::rows_avx2(self, x, tokens, range, out, stride),
+            match (pairs, self.simd) {
+                (Some(pairs), _) => x86::rows_dot(self, pairs, tokens, range, out, stride),
+                (None, Simd::Avx512) => x86::rows_avx512(self, x, tokens, range, out, stride),
+                (None, Simd::Avx2) => x86::rows_avx2(self, x, tokens, range, out, stride),
             }
         }
         #[cfg(not(target_arch = "x86_64"))]
         {
-            let _ = (x, tokens, range, out, stride);
+            let _ = (x, pairs, tokens, range, out, stride);
             unreachable!("no host kernels off x86_64: `pack` packs nothing");
         }
+    }
+
+    /// The input as the dot-product kernel reads it (each token's pairs of bfloat16 values,
+    /// the first in the high half), when this copy takes that kernel and the input's values
+    /// keep its sums exact ([`dot_product_is_exact`]); `None` sends the product to the
+    /// multiply-add kernels.
+    fn dot_pairs(&self, x: &[f32]) -> Option<Vec<u32>> {
+        let weight = self.dot_grid?;
+        // The values are bfloat16 ones, widened: their low halves are zero.
+        if x.iter().any(|v| v.to_bits() & 0xFFFF != 0) {
+            return None;
+        }
+        let input = bf16_grid(x.iter().map(|v| (v.to_bits() >> 16) as u16))?;
+        if !dot_product_is_exact(weight, input) {
+            return None;
+        }
+        Some(
+            x.chunks_exact(2)
+                .map(|p| (p[0].to_bits() & 0xFFFF_0000) | (p[1].to_bits() >> 16))
+                .collect(),
+        )
     }
 }
 
@@ -462,6 +569,111 @@ mod x86 {
         }
     }
 
+    /// Every group of `range` for every token through `vdpbf16ps`: per pair of columns one
+    /// instruction adds both products to each row's chain, the high (first) one first, each
+    /// rounded ([`super::dot_product_is_exact`] says when that is MLX's chain). A decode token
+    /// runs four groups side by side (four chains hide the instruction's latency), a block of
+    /// tokens up to [`DOT_TOKENS`] per pass over one group.
+    ///
+    /// # Safety
+    /// The CPU runs AVX-512F and AVX512_BF16; `pairs` holds `tokens` rows of `cols / 2` words,
+    /// `range` is whole groups of `w` and `out` holds `tokens` rows of `stride` values.
+    #[target_feature(enable = "avx512f,avx512bf16")]
+    pub(super) unsafe fn rows_dot(
+        w: &PackedRows,
+        pairs: &[u32],
+        tokens: usize,
+        range: Range<usize>,
+        out: *mut f32,
+        stride: usize,
+    ) {
+        let (lanes, half) = (w.lanes, w.cols / 2);
+        let (first, last) = (range.start / lanes, range.end / lanes);
+        let pass = |group: usize, t0: usize| DotPass {
+            words: w.words.as_ptr().add(group * lanes * half),
+            half,
+            pairs: pairs.as_ptr().add(t0 * half),
+            out: out.add(t0 * stride + (group - first) * lanes),
+            stride,
+        };
+        if tokens == 1 {
+            let mut g = first;
+            while g < last {
+                if g + 4 <= last {
+                    dot_pass::<4, 1>(pass(g, 0));
+                    g += 4;
+                } else {
+                    dot_pass::<1, 1>(pass(g, 0));
+                    g += 1;
+                }
+            }
+            return;
+        }
+        for g in first..last {
+            let mut t0 = 0;
+            while t0 < tokens {
+                let n = (tokens - t0).min(DOT_TOKENS);
+                let p = pass(g, t0);
+                match n {
+                    1 => dot_pass::<1, 1>(p),
+                    2 => dot_pass::<1, 2>(p),
+                    3 => dot_pass::<1, 3>(p),
+                    4 => dot_pass::<1, 4>(p),
+                    5 => dot_pass::<1, 5>(p),
+                    6 => dot_pass::<1, 6>(p),
+                    7 => dot_pass::<1, 7>(p),
+                    8 => dot_pass::<1, 8>(p),
+                    9 => dot_pass::<1, 9>(p),
+                    10 => dot_pass::<1, 10>(p),
+                    11 => dot_pass::<1, 11>(p),
+                    12 => dot_pass::<1, 12>(p),
+                    13 => dot_pass::<1, 13>(p),
+                    _ => dot_pass::<1, 14>(p),
+                }
+                t0 += n;
+            }
+        }
+    }
+
+    /// Tokens one dot-product pass runs past a group (one accumulator each).
+    const DOT_TOKENS: usize = 14;
+
+    /// Where one dot-product pass reads and writes: `G` groups from `words`, `T` tokens.
+    struct DotPass {
+        words: *const u32,
+        /// Pairs of columns per row (words per row and token).
+        half: usize,
+        pairs: *const u32,
+        out: *mut f32,
+        stride: usize,
+    }
+
+    /// `G` consecutive groups past `T` tokens; the total starts at zero as the multiply-add
+    /// kernels' does.
+    #[inline]
+    #[target_feature(enable = "avx512f,avx512bf16")]
+    unsafe fn dot_pass<const G: usize, const T: usize>(p: DotPass) {
+        let mut acc = [[_mm512_setzero_ps(); T]; G];
+        for k in 0..p.half {
+            for (g, chains) in acc.iter_mut().enumerate() {
+                let wv: __m512bh = std::mem::transmute(_mm512_loadu_si512(
+                    p.words.add((g * p.half + k) * 16).cast(),
+                ));
+                for (t, a) in chains.iter_mut().enumerate() {
+                    let xv: __m512bh =
+                        std::mem::transmute(_mm512_set1_epi32(*p.pairs.add(t * p.half + k) as i32));
+                    *a = _mm512_dpbf16_ps(*a, wv, xv);
+                }
+            }
+        }
+        for (g, chains) in acc.iter().enumerate() {
+            for (t, a) in chains.iter().enumerate() {
+                let total = _mm512_add_ps(_mm512_setzero_ps(), *a);
+                _mm512_storeu_ps(p.out.add(t * p.stride + g * 16), total);
+            }
+        }
+    }
+
     /// `G` groups past `T` tokens: each output's chains in the layout's order, the total (from
     /// zero, each panel's chain added in order) stored.
     #[inline(always)]
@@ -475,7 +687,8 @@ mod x86 {
                 let mut acc = [[V::zero(); T]; G];
                 for k in 0..pairs {
                     for (g, chains) in acc.iter_mut().enumerate() {
-                        let (even, odd) = V::load_pair(base.add((g * pairs + k) * lanes));
+                        // Column `2k` in the high halves (the dot-product kernel's order).
+                        let (odd, even) = V::load_pair(base.add((g * pairs + k) * lanes));
                         for (t, a) in chains.iter_mut().enumerate() {
                             let xt = p.x.add(t * cols + 2 * k);
                             *a = V::fmadd(even, V::splat(*xt), *a);
@@ -668,6 +881,63 @@ mod tests {
             PackedRows::f32(&w, rows, cols, &[12, 9]).is_none(),
             "panels short of the depth"
         );
+    }
+
+    /// The dot-product kernel adds a pair's first column first, each product rounded: on a
+    /// row whose sum depends on the order (1 + 2^-24 - 1 is 0 left to right, 2^-24 otherwise)
+    /// it gives the chain's bits, and an input whose values would meet subnormals (which
+    /// `vdpbf16ps` flushes) takes the multiply-add kernels instead, with the same bits.
+    #[test]
+    fn dot_products_keep_the_chain_order_and_refuse_subnormal_risks() {
+        let (rows, cols) = (32, 64);
+        let mut w = vec![0u16; rows * cols];
+        for r in 0..rows {
+            // Columns 2 and 3 share a pair: their order decides the sum.
+            w[r * cols + 1] = bf16_mlx(1.0).to_bits();
+            w[r * cols + 2] = bf16_mlx(2f32.powi(-24)).to_bits();
+            w[r * cols + 3] = bf16_mlx(-1.0).to_bits();
+            w[r * cols + 4 + r % 7] = bf16_mlx(0.5 + r as f32).to_bits();
+        }
+        let Some(packed) = PackedRows::bf16(&w, rows, cols) else {
+            assert!(simd().is_none());
+            return;
+        };
+        let mut x = vec![0.0f32; cols];
+        x[..4].fill(1.0);
+        x[5] = 3.0;
+        let before = dot_calls();
+        let mut out = vec![f32::NAN; rows];
+        packed.rows_into(&x, 1, 0..rows, &mut out).unwrap();
+        for (r, v) in out.iter().enumerate() {
+            assert_eq!(
+                v.to_bits(),
+                scalar_chain(&w, &x, cols, r, 0).to_bits(),
+                "row {r}"
+            );
+        }
+        assert_eq!(
+            dot_calls() > before,
+            dot_available(),
+            "the dot kernel where it runs"
+        );
+        // 2^-100 times a weight of 2^-30 lies far below f32's smallest normal.
+        x[12] = bf16_mlx(2f32.powi(-100)).to_f32();
+        w[12] = bf16_mlx(2f32.powi(-30)).to_bits();
+        let packed = PackedRows::bf16(&w, rows, cols).unwrap();
+        let before = dot_calls();
+        packed.rows_into(&x, 1, 0..rows, &mut out).unwrap();
+        for (r, v) in out.iter().enumerate() {
+            assert_eq!(
+                v.to_bits(),
+                scalar_chain(&w, &x, cols, r, 0).to_bits(),
+                "row {r}"
+            );
+        }
+        assert_eq!(dot_calls(), before, "an input that could meet subnormals");
+        assert!(dot_product_is_exact(-60, -66) && !dot_product_is_exact(-60, -67));
+        assert_eq!(bf16_grid([0x3F80, 0x0000, 0x8000].into_iter()), Some(-7));
+        assert_eq!(bf16_grid([0x0001].into_iter()), None, "subnormal");
+        assert_eq!(bf16_grid([0x7F80].into_iter()), None, "infinite");
     }
 
     #[test]
