@@ -393,7 +393,7 @@ impl HostDense {
             }
             dtype => Array::from_slice(y, &shape).as_dtype(dtype)?,
         };
-        if let Some(kept) = kept {
+        if let Some(kept) = kept.filter(|k| k.output.capacity() <= SCRATCH_KEPT_VALUES) {
             SCRATCH.with(|s| {
                 if let Ok(mut s) = s.try_borrow_mut() {
                     *s = kept;
@@ -633,6 +633,10 @@ struct Scratch {
 thread_local! {
     static SCRATCH: std::cell::RefCell<Scratch> = std::cell::RefCell::default();
 }
+
+/// Outputs past which a product's buffers are not kept for the next (16 MiB of f32): a long
+/// prompt through a wide layer does not hold its buffers for the process's life.
+const SCRATCH_KEPT_VALUES: usize = 4 << 20;
 
 /// How many products (single tokens and blocks) the host path computed in this process (lets
 /// tests and benchmarks check that `--host-matvec on` really took it).

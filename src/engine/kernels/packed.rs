@@ -6,11 +6,12 @@
 //! rows side by side: more shuffles and more memory streams than a decode token has time for.
 //! Here the transposition is done once, when the step is built: each group of [`Simd`]-width
 //! rows stores, for every column, the rows' values side by side (bfloat16: every pair of
-//! columns as one 32-bit word per row, the first column's value in the low half, as the
-//! row-major bytes already hold them). A product then streams each group once, one vector per
-//! column (bfloat16: per pair, both halves widened with a shift and a mask), each added to its
-//! row's chain in column order: the same sums as MLX, with every lane busy. It costs a second
-//! copy of the weights it is made for. A bfloat16 prompt's products read the copy too
+//! columns as one 32-bit word per row, the first column's value in the high half, the order in
+//! which `vdpbf16ps` adds a pair). A product then streams each group once, one vector per
+//! column (bfloat16: per pair, both halves widened with a shift and a mask, or both multiplied
+//! and added by one `vdpbf16ps` where that is exact, see [`dot_product_is_exact`]), each added
+//! to its row's chain in column order: the same sums as MLX, with every lane busy. It costs a
+//! second copy of the weights it is made for. A bfloat16 prompt's products read the copy too
 //! ([`super::dense::HostDense`]): their chains do not depend on the number of tokens, and a
 //! block of tokens runs past each group while it sits in the first-level cache.
 
