@@ -1179,22 +1179,7 @@ pub(super) mod x86 {
                     len,
                     at: r - range.start,
                 };
-                match n {
-                    1 => packed_block::<V, 1>(block),
-                    2 => packed_block::<V, 2>(block),
-                    3 => packed_block::<V, 3>(block),
-                    4 => packed_block::<V, 4>(block),
-                    5 => packed_block::<V, 5>(block),
-                    6 => packed_block::<V, 6>(block),
-                    7 => packed_block::<V, 7>(block),
-                    8 => packed_block::<V, 8>(block),
-                    9 => packed_block::<V, 9>(block),
-                    10 => packed_block::<V, 10>(block),
-                    11 => packed_block::<V, 11>(block),
-                    12 => packed_block::<V, 12>(block),
-                    13 => packed_block::<V, 13>(block),
-                    _ => packed_block::<V, 14>(block),
-                }
+                by_tokens!(n, packed_block::<V>(block));
                 t0 += n;
             }
             r += lanes;

@@ -15,6 +15,19 @@
 //! and `team` run a whole llama-style decode step on the host, `proj` holds its projections
 //! (4-/8-bit, other widths, dense f32, with biases).
 
+/// `$pass::<…, T>($p)` with the token count `T` a constant: `$n` from 1 to 14 (more runs as
+/// 14, the most a register block of the kernels takes).
+macro_rules! by_tokens {
+    ($n:expr, $pass:ident::<$($g:tt),*>($p:expr)) => {
+        seq_macro::seq!(T in 1..=13 {
+            match $n {
+                #(T => $pass::<$($g,)* T>($p),)*
+                _ => $pass::<$($g,)* 14>($p),
+            }
+        })
+    };
+}
+
 pub mod affine;
 pub mod attention;
 pub mod dense;

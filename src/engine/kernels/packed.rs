@@ -461,6 +461,7 @@ impl SharedOut {
 
 #[cfg(target_arch = "x86_64")]
 mod x86 {
+
     use super::super::mlx_order::x86::Lane as Vector;
     use super::{Layout, PackedRows, TOKEN_BLOCK};
     use std::arch::x86_64::*;
@@ -549,22 +550,7 @@ mod x86 {
             while t0 < tokens {
                 let n = (tokens - t0).min(block);
                 let p = pass(g, t0);
-                match n {
-                    1 => pass_groups::<V, 1, 1>(p),
-                    2 => pass_groups::<V, 1, 2>(p),
-                    3 => pass_groups::<V, 1, 3>(p),
-                    4 => pass_groups::<V, 1, 4>(p),
-                    5 => pass_groups::<V, 1, 5>(p),
-                    6 => pass_groups::<V, 1, 6>(p),
-                    7 => pass_groups::<V, 1, 7>(p),
-                    8 => pass_groups::<V, 1, 8>(p),
-                    9 => pass_groups::<V, 1, 9>(p),
-                    10 => pass_groups::<V, 1, 10>(p),
-                    11 => pass_groups::<V, 1, 11>(p),
-                    12 => pass_groups::<V, 1, 12>(p),
-                    13 => pass_groups::<V, 1, 13>(p),
-                    _ => pass_groups::<V, 1, 14>(p),
-                }
+                by_tokens!(n, pass_groups::<V, 1>(p));
                 t0 += n;
             }
         }
@@ -615,22 +601,7 @@ mod x86 {
             while t0 < tokens {
                 let n = (tokens - t0).min(DOT_TOKENS);
                 let p = pass(g, t0);
-                match n {
-                    1 => dot_pass::<1, 1>(p),
-                    2 => dot_pass::<1, 2>(p),
-                    3 => dot_pass::<1, 3>(p),
-                    4 => dot_pass::<1, 4>(p),
-                    5 => dot_pass::<1, 5>(p),
-                    6 => dot_pass::<1, 6>(p),
-                    7 => dot_pass::<1, 7>(p),
-                    8 => dot_pass::<1, 8>(p),
-                    9 => dot_pass::<1, 9>(p),
-                    10 => dot_pass::<1, 10>(p),
-                    11 => dot_pass::<1, 11>(p),
-                    12 => dot_pass::<1, 12>(p),
-                    13 => dot_pass::<1, 13>(p),
-                    _ => dot_pass::<1, 14>(p),
-                }
+                by_tokens!(n, dot_pass::<1>(p));
                 t0 += n;
             }
         }
@@ -903,38 +874,29 @@ mod tests {
             assert!(simd().is_none());
             return;
         };
+        // Every row equal to its chain; whether the dot kernel computed them.
+        let took_dot = |packed: &PackedRows, w: &[u16], x: &[f32]| {
+            let before = dot_calls();
+            let mut out = vec![f32::NAN; rows];
+            packed.rows_into(x, 1, 0..rows, &mut out).unwrap();
+            for (r, v) in out.iter().enumerate() {
+                let chain = scalar_chain(w, x, cols, r, 0);
+                assert_eq!(v.to_bits(), chain.to_bits(), "row {r}");
+            }
+            dot_calls() > before
+        };
         let mut x = vec![0.0f32; cols];
         x[..4].fill(1.0);
         x[5] = 3.0;
-        let before = dot_calls();
-        let mut out = vec![f32::NAN; rows];
-        packed.rows_into(&x, 1, 0..rows, &mut out).unwrap();
-        for (r, v) in out.iter().enumerate() {
-            assert_eq!(
-                v.to_bits(),
-                scalar_chain(&w, &x, cols, r, 0).to_bits(),
-                "row {r}"
-            );
-        }
-        assert_eq!(
-            dot_calls() > before,
-            dot_available(),
-            "the dot kernel where it runs"
-        );
+        assert_eq!(took_dot(&packed, &w, &x), dot_available(), "where it runs");
         // 2^-100 times a weight of 2^-30 lies far below f32's smallest normal.
         x[12] = bf16_mlx(2f32.powi(-100)).to_f32();
         w[12] = bf16_mlx(2f32.powi(-30)).to_bits();
         let packed = PackedRows::bf16(&w, rows, cols).unwrap();
-        let before = dot_calls();
-        packed.rows_into(&x, 1, 0..rows, &mut out).unwrap();
-        for (r, v) in out.iter().enumerate() {
-            assert_eq!(
-                v.to_bits(),
-                scalar_chain(&w, &x, cols, r, 0).to_bits(),
-                "row {r}"
-            );
-        }
-        assert_eq!(dot_calls(), before, "an input that could meet subnormals");
+        assert!(
+            !took_dot(&packed, &w, &x),
+            "an input that could meet subnormals"
+        );
         assert!(dot_product_is_exact(-60, -66) && !dot_product_is_exact(-60, -67));
         assert_eq!(bf16_grid([0x3F80, 0x0000, 0x8000].into_iter()), Some(-7));
         assert_eq!(bf16_grid([0x0001].into_iter()), None, "subnormal");
