@@ -188,21 +188,8 @@ unsafe fn sum_values_in_registers<'v, const V: usize>(
         if *p == 0.0 {
             continue;
         }
-        let v = value(s);
-        if v.len() < 16 * V {
-            // Not head-wide (never for a cache's rows): the plain form, from these sums.
-            let mut partial = vec![0.0f32; 16 * V];
-            for (j, sum) in sums.iter().enumerate() {
-                _mm512_storeu_ps(partial.as_mut_ptr().add(16 * j), *sum);
-            }
-            for (a, x) in partial.iter_mut().zip(v) {
-                *a += p * f32::from_bits(u32::from(x.to_bits()) << 16);
-            }
-            for (j, sum) in sums.iter_mut().enumerate() {
-                *sum = _mm512_loadu_ps(partial.as_ptr().add(16 * j));
-            }
-            continue;
-        }
+        // Value rows are head-wide (both callers cut them `acc.len()` long).
+        let v = &value(s)[..16 * V];
         let weight = _mm512_set1_ps(*p);
         for (j, sum) in sums.iter_mut().enumerate() {
             let bits = _mm256_loadu_si256(v.as_ptr().add(16 * j).cast());
