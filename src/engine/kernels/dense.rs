@@ -199,7 +199,6 @@ impl HostDense {
     }
 
     fn packed_products_match_mlx(&self, packed: &PackedRows, tokens: usize) -> Result<bool> {
-        let group = packed.group();
         let dtype = self.array.dtype();
         let windows = if dtype == Dtype::Float32 {
             std::iter::once(0..self.rows).collect()
@@ -216,8 +215,7 @@ impl HostDense {
             EngineError::Runtime(format!("cannot read a packed product's check input ({e})"))
         })?;
         for window in &windows {
-            let rows = window.start.div_ceil(group) * group
-                ..(window.end.min(packed.rows()) / group * group);
+            let rows = packed.groups_within(window);
             if rows.is_empty() {
                 continue;
             }
@@ -450,9 +448,7 @@ impl HostDense {
         rows: Range<usize>,
         y: &mut [f32],
     ) -> std::result::Result<(), String> {
-        let g = packed.group();
-        let start = (rows.start.div_ceil(g) * g).min(rows.end);
-        let inner = start..(rows.end.min(packed.rows()) / g * g).max(start);
+        let inner = packed.groups_within(&rows);
         let width = rows.len();
         let at = inner.start - rows.start;
         if !inner.is_empty() {

@@ -277,6 +277,15 @@ impl PackedRows {
         self.lanes
     }
 
+    /// The whole groups this copy holds within `rows`: the outputs of a product over `rows`
+    /// that it computes (an empty range where it holds none; the rows before and after it
+    /// take the row-major weight).
+    pub fn groups_within(&self, rows: &Range<usize>) -> Range<usize> {
+        let g = self.lanes;
+        let start = (rows.start.div_ceil(g) * g).min(rows.end);
+        start..(rows.end.min(self.rows) / g * g).max(start)
+    }
+
     /// Outputs `range` (whole groups within [`PackedRows::rows`]) of `x · Wᵀ` for `tokens`
     /// tokens (`x`: `tokens × cols`; for bfloat16, bfloat16 values widened) into `out`
     /// (token-major, `tokens × range.len()`), on this thread. Errors when the lengths or the
@@ -288,13 +297,7 @@ impl PackedRows {
         range: Range<usize>,
         out: &mut [f32],
     ) -> Result<(), String> {
-        self.check_lengths(x, tokens, &range, out.len(), range.len())?;
-        let pairs = self.dot_pairs(x);
-        self.count(pairs.is_some());
-        let (out, stride) = (out.as_mut_ptr(), range.len());
-        // SAFETY: the lengths were checked above.
-        unsafe { self.run(x, pairs.as_deref(), tokens, range, out, stride) };
-        Ok(())
+        self.product_into(x, tokens, range, out, true)
     }
 
     /// [`PackedRows::rows_into`] shared with the [`pair`] helper thread (chunks of whole
@@ -354,8 +357,24 @@ impl PackedRows {
         range: Range<usize>,
         out: &mut [f32],
     ) -> Result<(), String> {
+        self.product_into(x, tokens, range, out, false)
+    }
+
+    /// [`PackedRows::rows_into`] on this thread, counted in [`packed_calls`] and [`dot_calls`]
+    /// when `counted`.
+    fn product_into(
+        &self,
+        x: &[f32],
+        tokens: usize,
+        range: Range<usize>,
+        out: &mut [f32],
+        counted: bool,
+    ) -> Result<(), String> {
         self.check_lengths(x, tokens, &range, out.len(), range.len())?;
         let pairs = self.dot_pairs(x);
+        if counted {
+            self.count(pairs.is_some());
+        }
         let (out, stride) = (out.as_mut_ptr(), range.len());
         // SAFETY: the lengths were checked above.
         unsafe { self.run(x, pairs.as_deref(), tokens, range, out, stride) };

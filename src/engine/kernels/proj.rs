@@ -313,11 +313,7 @@ fn with_packed(
     row_major: impl Fn(Range<usize>, &mut [f32]) -> std::result::Result<(), String>,
 ) -> std::result::Result<(), String> {
     let inner = match packed {
-        Some(p) => {
-            let g = p.group();
-            let start = (rows.start.div_ceil(g) * g).min(rows.end);
-            start..(rows.end.min(p.rows()) / g * g).max(start)
-        }
+        Some(p) => p.groups_within(&rows),
         None => rows.end..rows.end,
     };
     let parts = [rows.start..inner.start, inner.clone(), inner.end..rows.end];
