@@ -50,6 +50,11 @@ pub struct HostDense {
     /// The copy for the host decode step, made at the step's first use ([`HostDense::packed`]);
     /// shared by the clones the step holds.
     packed: std::sync::Arc<OnceLock<Option<PackedRows>>>,
+    /// The copy for the step's verify blocks of an f32 weight that has no single-token copy
+    /// (its one-token product takes OpenBLAS's small-matrix kernel, a block of a few tokens
+    /// its GEMM driver's panels): made at the first such block ([`HostDense::check_packed`]),
+    /// so only speculative decoding pays its memory.
+    block_packed: std::sync::Arc<OnceLock<Option<PackedRows>>>,
 }
 
 impl HostDense {
@@ -86,6 +91,7 @@ impl HostDense {
             cols: cols as usize,
             forced: order,
             packed: Default::default(),
+            block_packed: Default::default(),
         };
         // A one-token product this CPU's kernels cannot sum in MLX's order (the small-matrix
         // order on the AVX2 path) stays on MLX.
@@ -175,12 +181,42 @@ impl HostDense {
     /// packed sums do not depend on the values). Run where MLX may run (the step's caller), at
     /// the first block of each size.
     pub fn check_packed(&self, tokens: usize) -> Result<()> {
-        if let Some(p) = self.packed()? {
-            if p.sums_in(&self.order(tokens)) && self.packed_matches_mlx(p, tokens)? {
+        let order = self.order(tokens);
+        let copy = match self.packed()? {
+            Some(p) => Some(p),
+            None => self.block_packed(&order),
+        };
+        if let Some(p) = copy {
+            if p.sums_in(&order) && self.packed_matches_mlx(p, tokens)? {
                 p.set_checked(tokens);
             }
         }
         Ok(())
+    }
+
+    /// The verify blocks' copy (the `block_packed` field), made now when a block
+    /// in `order` is the first to sum an f32 weight without a single-token copy in panels.
+    fn block_packed(&self, order: &Order) -> Option<&PackedRows> {
+        if let Some(p) = self.block_packed.get() {
+            return p.as_ref();
+        }
+        let copy = match (&self.pinned, order) {
+            (Pinned::F32(w), Order::Panels(panels)) if self.forced.is_none() => {
+                PackedRows::f32(w.get(), self.rows, self.cols, panels)
+            }
+            // Undecided: a longer block may still sum in panels.
+            _ => return None,
+        };
+        self.block_packed.get_or_init(|| copy).as_ref()
+    }
+
+    /// The packed copy the host step's products read where it takes their token count
+    /// ([`PackedRows::takes`]): the single-token copy, else the verify blocks' one once made.
+    pub fn step_copy(&self) -> Result<Option<&PackedRows>> {
+        Ok(match self.packed()? {
+            Some(p) => Some(p),
+            None => self.block_packed.get().and_then(Option::as_ref),
+        })
     }
 
     /// Whether the packed product of `tokens` tokens matches MLX's (decided once per shape,

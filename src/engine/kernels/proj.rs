@@ -156,13 +156,13 @@ impl HostProj {
                 (Some((w, rows, cols)), _) => ProjView {
                     rows,
                     cols,
-                    kind: Kind::Exact(w, h.packed()?),
+                    kind: Kind::Exact(w, h.step_copy()?),
                     bias,
                 },
                 (None, Some((w, rows, cols))) => ProjView {
                     rows,
                     cols,
-                    kind: Kind::ExactBf16(w, h.packed()?),
+                    kind: Kind::ExactBf16(w, h.step_copy()?),
                     bias,
                 },
                 (None, None) => {
