@@ -688,6 +688,11 @@ fn one_forward_matches_the_spec_reference() {
                 .multiply(Array::from_f32(20.0))
                 .unwrap();
             t.insert("markov_head.markov_w2.weight".into(), w2);
+            // And the RNN's state: a joint projection large enough that it moves the bias.
+            if let Some(j) = t.get("markov_head.joint_proj.weight") {
+                let j = j.multiply(Array::from_f32(20.0)).unwrap();
+                t.insert("markov_head.joint_proj.weight".into(), j);
+            }
         });
         let mut loaded = models::load(dir.path(), Forks::default()).unwrap();
         let model = loaded.model.as_mut();
@@ -721,6 +726,18 @@ fn one_forward_matches_the_spec_reference() {
             let s = module.sample(&b, anchor, 0.0).unwrap();
             let conf = s.confidence.unwrap();
             eval([&b.hidden, &b.base_logits, &s.logits, &s.tokens, &conf]).unwrap();
+            // The drafter's greedy path samples on the host: held to the same reference.
+            let host = module.sample_greedy_on_host(&b, anchor).unwrap().unwrap();
+            let host_tokens: Vec<i32> = host.tokens.iter().map(|&t| t as i32).collect();
+            let n = host_tokens.len() as i32;
+            mine.insert(
+                format!("step{i}.host_tokens"),
+                Array::from_slice(&host_tokens, &[n]),
+            );
+            mine.insert(
+                format!("step{i}.host_confidence"),
+                Array::from_slice(&host.confidence, &[n]),
+            );
             mine.insert(format!("step{i}.hidden"), b.hidden);
             mine.insert(format!("step{i}.base_logits"), b.base_logits);
             mine.insert(format!("step{i}.logits"), s.logits);
@@ -745,7 +762,7 @@ fn one_forward_matches_the_spec_reference() {
         );
         let theirs = Array::load_safetensors(&res).unwrap();
         for (name, a) in &mine {
-            let b = &theirs[name];
+            let b = &theirs[&name.replace("host_", "")];
             assert_eq!(a.shape(), b.shape(), "{head:?} {name}");
             if name.ends_with("tokens") {
                 assert_eq!(a.as_slice::<i32>(), b.as_slice::<i32>(), "{head:?} {name}");

@@ -455,6 +455,15 @@ impl Linear {
         self.weight.rows(ids).map(Some)
     }
 
+    /// The dense weight `[out, in]` and bias, for a layer neither quantized nor split over
+    /// ranks (host code that reads the weights itself); `None` otherwise.
+    pub fn dense_parts(&self) -> Option<(&Array, Option<&Array>)> {
+        match (&self.weight, &self.all_sum) {
+            (LinearWeight::Dense(w), None) => Some((w, self.bias.as_ref())),
+            _ => None,
+        }
+    }
+
     /// `x @ W.T (+ b)`, with `addmm` for the dense biased case as mlx does.
     pub fn forward(&self, x: &Array) -> Result<Array> {
         if let Some(group) = &self.all_sum {

@@ -390,25 +390,40 @@ impl DraftSource for DsparkSource {
         let out = self
             .module
             .block(&*target.model, anchor, &mut self.caches)?;
-        let sampled = self.module.sample(&out, anchor, self.temp)?;
         self.passes += 1;
-        let conf = match &sampled.confidence {
-            Some(c) => Some(c.as_dtype(Dtype::Float32)?),
-            None => None,
+        // Greedy blocks are sampled on the host after one read of the block; sampled ones (and
+        // heads that are not dense f32) on MLX, whose random draws the rejection rule reads.
+        let on_host = match self.temp {
+            0.0 => {
+                eval([&out.hidden, &out.base_logits])?;
+                self.module.sample_greedy_on_host(&out, anchor)?
+            }
+            _ => None,
         };
-        let mut outputs = vec![&sampled.tokens];
-        outputs.extend(conf.as_ref());
-        eval(outputs)?;
-        let tokens: Vec<u32> = sampled.tokens.as_slice::<u32>().to_vec();
-        let confidence = match &conf {
-            Some(c) => self.calibrate(c.as_slice::<f32>()),
-            None => Vec::new(),
+        let (tokens, confidence, probs) = match on_host {
+            Some(d) => (d.tokens, self.calibrate(&d.confidence), None),
+            None => {
+                let sampled = self.module.sample(&out, anchor, self.temp)?;
+                let conf = match &sampled.confidence {
+                    Some(c) => Some(c.as_dtype(Dtype::Float32)?),
+                    None => None,
+                };
+                let mut outputs = vec![&sampled.tokens];
+                outputs.extend(conf.as_ref());
+                eval(outputs)?;
+                let tokens: Vec<u32> = sampled.tokens.as_slice::<u32>().to_vec();
+                let confidence = match &conf {
+                    Some(c) => self.calibrate(c.as_slice::<f32>()),
+                    None => Vec::new(),
+                };
+                (tokens, confidence, sampled.probs)
+            }
         };
         let kept = surviving_length(&confidence, &self.thresholds, tokens.len(), self.prune);
         let len = kept.min(n);
         let draft = Draft {
             tokens: tokens[..len].to_vec(),
-            probs: sampled.probs.as_ref().map(|p| p.index(..len as i32)),
+            probs: probs.as_ref().map(|p| p.index(..len as i32)),
         };
         self.last = Some(BlockRecord {
             anchor_position: start,

@@ -18,6 +18,7 @@
 //! then the block runs over the same cache, which is trimmed back by γ.
 
 use super::checkpoint::{DsparkConfig, LayerStyle, SeqHead};
+use super::host_sampler::{HeadWeights, HostDraft, HostSampler};
 use super::vocab::DraftVocab;
 use crate::engine::cache::{AttentionMask, CacheSnapshot, FullCache, KvCache};
 use crate::engine::error::Result;
@@ -130,6 +131,9 @@ pub struct DsparkModule {
     draft_w2: Option<Linear>,
     /// Whether dense products take the host path (`--host-matvec`), for the restricted maps.
     host_matvec: bool,
+    /// The heads' weights for greedy sampling on the host (made at the first greedy block;
+    /// `None` inside when they are not dense f32).
+    host_sampler: std::cell::OnceCell<Option<HostSampler>>,
 }
 
 /// Gemma4 checkpoints with K==V have no `v_proj`: values are the raw `k_proj` output, so the
@@ -278,6 +282,7 @@ impl DsparkModule {
             draft_head: None,
             draft_w2,
             host_matvec: w.host_matvec(),
+            host_sampler: Default::default(),
         })
     }
 
@@ -477,6 +482,61 @@ impl DsparkModule {
             probs: (!probs.is_empty())
                 .then(|| ops::concatenate(&probs, 0))
                 .transpose()?,
+        })
+    }
+}
+
+impl DsparkModule {
+    /// [`Self::sample`] at temperature 0 on the host ([`HostSampler`]): the drafted target ids
+    /// and confidence logits from one read of the block. `None` where the heads are not dense
+    /// f32 (the caller samples on MLX).
+    pub fn sample_greedy_on_host(&self, out: &BlockOut, anchor: u32) -> Result<Option<HostDraft>> {
+        let sampler = match self.host_sampler.get() {
+            Some(s) => s,
+            None => {
+                let s = match self.head_weights() {
+                    Some(w) => HostSampler::new(w)?,
+                    None => None,
+                };
+                self.host_sampler.get_or_init(|| s)
+            }
+        };
+        match sampler {
+            Some(s) => Ok(Some(s.sample(&out.hidden, &out.base_logits, anchor)?)),
+            None => Ok(None),
+        }
+    }
+
+    /// The weights the sequential and confidence heads read, over the draft ids; `None` when
+    /// one of them is not a dense layer (quantized or split over ranks).
+    fn head_weights(&self) -> Option<HeadWeights<'_>> {
+        // A layer that is there must be dense: `Some(None)` marks one that is not.
+        fn dense(l: Option<&Linear>) -> Option<Option<(&Array, Option<&Array>)>> {
+            l.map(Linear::dense_parts)
+        }
+        let seq = self.seq.as_ref();
+        let w2 = dense(self.draft_w2.as_ref().or(seq.map(|s| &s.w2)));
+        let w1 = seq.map(|s| s.w1.dense_weight());
+        let proj = dense(seq.and_then(|s| s.proj.as_ref()));
+        let confidence = dense(self.confidence.as_ref());
+        if [
+            w2.map(|p| p.is_some()),
+            w1.map(|p| p.is_some()),
+            proj.map(|p| p.is_some()),
+            confidence.map(|p| p.is_some()),
+        ]
+        .contains(&Some(false))
+        {
+            return None;
+        }
+        Some(HeadWeights {
+            kind: seq.map_or(SeqHead::None, |s| s.kind),
+            w1: w1.flatten(),
+            w2: w2.flatten().map(|(w, _)| w),
+            proj: proj.flatten(),
+            confidence: confidence.flatten(),
+            confidence_with_markov: self.config.confidence_head_with_markov,
+            target_ids: self.vocab.as_ref().map(|v| v.target_ids()),
         })
     }
 }

@@ -81,6 +81,11 @@ impl DraftVocab {
         }
     }
 
+    /// The target id of each draft id `[Vd]` (uint32, ascending).
+    pub fn target_ids(&self) -> &Array {
+        &self.target_ids
+    }
+
     /// Draft ids.
     pub fn size(&self) -> usize {
         self.target_ids.size()
