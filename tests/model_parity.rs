@@ -11,6 +11,7 @@ use mlxb::engine::kernels::dense::dense_packed_calls;
 use mlxb::engine::kernels::exact_steps_here;
 use mlxb::engine::kernels::mlx_order::F32Kernels;
 use mlxb::engine::kernels::packed::{dot_available, dot_calls, packed_calls};
+use mlxb::engine::logprobs::host_logprobs_calls;
 use mlxb::engine::models;
 use mlxb::engine::sample::{LogitsProcessors, ProcessorConfig, Sampler, SamplerConfig};
 use serde_json::json;
@@ -69,6 +70,7 @@ fn check_lengths(
         prefill_step_size: prefill_step,
     };
     let steps_before = exact_steps_here();
+    let host_logprobs_before = host_logprobs_calls();
     let mut ids = vec![];
     let mut lps = vec![];
     Generator::new(loaded.model.as_mut(), &mut sampler, &mut processors)
@@ -89,7 +91,17 @@ fn check_lengths(
             "logprobs differ from mlx-lm at step {i}"
         );
     }
-    exact_steps_here() - steps_before
+    let steps = exact_steps_here() - steps_before;
+    if dtype == "f32" {
+        // Each host step's logits stay on the host, and so does their logprobs tail (as do
+        // those of a per-layer forward whose head was a host product).
+        let rows = host_logprobs_calls() - host_logprobs_before;
+        assert!(
+            rows >= steps,
+            "{rows} logprob rows on the host for {steps} host steps"
+        );
+    }
+    steps
 }
 
 use mlx_rs::ops::indexing::IndexOp;

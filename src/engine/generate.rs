@@ -4,13 +4,13 @@
 //! Chunk boundaries change matmul shapes, so they are copied exactly to keep bits identical.
 
 use super::error::{EngineError, Result};
+use super::logprobs::{host_logprobs, logits_row};
 use super::models::activations::CompiledOp;
 use super::models::{Caches, ForwardOpts, LanguageModel};
 use super::plan::ForkPlan;
 use super::rollback::{rewind, Checkpoint, Rewind};
 use super::sample::{LogitsProcessors, Sampler};
 use super::startup::StartupTrace;
-use mlx_rs::ops::indexing::IndexOp;
 use mlx_rs::transforms::{async_eval, eval};
 use mlx_rs::{memory, ops, Array};
 use std::time::{Duration, Instant};
@@ -292,10 +292,16 @@ impl<'a> Generator<'a> {
                 logits = self.processors.apply(h, &logits)?;
             }
         }
-        match self.logprobs_op.as_mut() {
-            Some(op) => op.call1(&[logits]),
-            None => Ok(logits.subtract(logits.logsumexp(true)?)?),
+        if let Some(op) = self.logprobs_op.as_mut() {
+            return op.call1(&[logits]);
         }
+        // Logits the host step made are still on the host: the tail runs there, same bits.
+        if self.plan.forks.host_elem() {
+            if let Some(logprobs) = host_logprobs(&logits)? {
+                return Ok(logprobs);
+            }
+        }
+        Ok(logits.subtract(logits.logsumexp(true)?)?)
     }
 
     /// Positions the target's caches hold.
@@ -360,7 +366,8 @@ impl<'a> Generator<'a> {
     fn step(&mut self, tokens: &Array) -> Result<(Array, Array)> {
         let logits = self.forward_tokens(tokens)?;
         self.plan.quantize(&mut self.caches)?;
-        let logprobs = self.logprobs_row(logits.index((.., -1, ..)), tokens)?;
+        let last = logits.shape()[1].max(1) as usize - 1;
+        let logprobs = self.logprobs_row(logits_row(&logits, last), tokens)?;
         let sampled = match self.forced.as_mut().and_then(Iterator::next) {
             Some(t) => Array::from_slice(&[t], &[1]),
             None => self.sampler.sample(&logprobs)?,

@@ -17,6 +17,7 @@ pub mod fsutil;
 pub mod generate;
 pub mod kernels;
 pub mod loader;
+pub mod logprobs;
 pub mod models;
 pub mod nn;
 pub mod plan;

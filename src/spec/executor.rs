@@ -9,6 +9,7 @@ use super::source::{Draft, DraftSource, TargetView, VerifyMode};
 use super::verify::{reject_step, target_distribution, Decision};
 use crate::engine::error::{EngineError, Result};
 use crate::engine::generate::{Flow, GenerateConfig, GenerationStats, Generator, Speculator, Step};
+use crate::engine::logprobs::logits_row;
 use crate::engine::rollback::Rewind;
 use crate::spec::metrics::SpecMetrics;
 use crate::spec::trace::{RoundTrace, TraceSink};
@@ -249,10 +250,7 @@ fn accept_greedy(
     let mut rows = Vec::with_capacity(drafts.len() + 1);
     let mut picks = Vec::with_capacity(drafts.len() + 1);
     for i in 0..=drafts.len() {
-        let lp = gen.logprobs_row(
-            logits.index((.., i as i32, ..)),
-            &Array::from_slice::<i32>(&[], &[0]),
-        )?;
+        let lp = gen.logprobs_row(logits_row(logits, i), &Array::from_slice::<i32>(&[], &[0]))?;
         picks.push(argmax_axis(&lp, -1, false)?);
         rows.push(lp.squeeze_axes(&[0])?);
     }
@@ -280,7 +278,7 @@ fn accept_matching(
 ) -> Result<usize> {
     let mut accepted = 0;
     for i in 0..input.len() {
-        let lp = gen.logprobs_row(logits.index((.., i as i32, ..)), &ids(&input[i..=i]))?;
+        let lp = gen.logprobs_row(logits_row(logits, i), &ids(&input[i..=i]))?;
         let t = gen.sampler().sample(&lp)?.try_item_cast::<u32>()?;
         out.emit(t, lp.squeeze_axes(&[0])?)?;
         if out.stopped || i + 1 == input.len() || t != input[i + 1] {
@@ -302,7 +300,7 @@ fn accept_rejecting(
     let temp = gen.sampler().temp();
     let mut accepted = 0;
     for i in 0..input.len() {
-        let lp = gen.logprobs_row(logits.index((.., i as i32, ..)), &ids(&input[i..=i]))?;
+        let lp = gen.logprobs_row(logits_row(logits, i), &ids(&input[i..=i]))?;
         if i + 1 == input.len() {
             let t = gen.sampler().sample(&lp)?.try_item_cast::<u32>()?;
             out.emit(t, lp.squeeze_axes(&[0])?)?;

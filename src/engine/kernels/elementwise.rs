@@ -86,6 +86,32 @@ fn exp_mlx_slice_on(simd: Option<Simd>, x: &mut [f32]) {
     }
 }
 
+/// MLX CPU's `logsumexp` of one f32 row as MLX computes it on x86 Linux (`logsumexp.cpp` on
+/// one-lane SIMD): the row's maximum, the [`exp_mlx`] of every `x - max` added one after the
+/// other in row order, then `log(sum) + max`, or the maximum itself when it is infinite. The
+/// exps run in vector lanes (`scratch` holds them); only their sum is one chain. `None` for a
+/// row holding a NaN, whose maximum MLX may pick otherwise.
+pub fn logsumexp_mlx(x: &[f32], scratch: &mut Vec<f32>) -> Option<f32> {
+    let mut max = f32::NEG_INFINITY;
+    for &v in x {
+        if v.is_nan() {
+            return None;
+        }
+        if v > max {
+            max = v;
+        }
+    }
+    scratch.clear();
+    scratch.extend(x.iter().map(|v| v - max));
+    exp_mlx_slice(scratch);
+    let sum = scratch.iter().fold(0.0f32, |sum, e| sum + e);
+    Some(if max.is_infinite() {
+        max
+    } else {
+        sum.ln() + max
+    })
+}
+
 /// MLX CPU's `sigmoid`: `y = 1 / (1 + exp(|x|))`, then `y` for negative `x`, `1 - y` otherwise.
 pub fn sigmoid_mlx(x: f32) -> f32 {
     let y = 1.0 / (1.0 + exp_mlx(x.abs()));
