@@ -92,7 +92,7 @@ fn check_lengths(
         );
     }
     let steps = exact_steps_here() - steps_before;
-    if dtype == "f32" {
+    if ["f32", "bf16"].contains(&dtype) {
         // Each host step's logits stay on the host, and so does their logprobs tail (as do
         // those of a per-layer forward whose head was a host product).
         let rows = host_logprobs_calls() - host_logprobs_before;

@@ -1,5 +1,5 @@
 //! mlx-lm's logprobs tail, `logits - logsumexp(logits)`, on the host when a step's logits are
-//! already there (the host decode step's), bit-identical to MLX's.
+//! already there (the host decode step's, f32 or bfloat16), bit-identical to MLX's.
 //!
 //! Why: MLX on x86 Linux computes `logsumexp` one lane at a time with a libm `fmaf` call per
 //! polynomial coefficient: over SmolLM2's 49,152 logits about half a millisecond a token on one
@@ -7,9 +7,10 @@
 //! `exp` in vector lanes ([`elementwise::exp_mlx_slice`]) and adds the terms in MLX's order.
 
 use crate::engine::error::Result;
-use crate::engine::kernels::{check_bits, elementwise, ready_f32};
+use crate::engine::kernels::elementwise::{bf16_mlx, logsumexp_mlx, probe_values};
+use crate::engine::kernels::{check_bits, ready_bf16, ready_f32};
 use mlx_rs::ops::indexing::IndexOp;
-use mlx_rs::Array;
+use mlx_rs::{Array, Dtype};
 use std::sync::OnceLock;
 
 thread_local! {
@@ -22,52 +23,108 @@ pub fn host_logprobs_calls() -> usize {
     HOST_CALLS.with(std::cell::Cell::get)
 }
 
+/// A row of logits already on the host.
+#[derive(Clone, Copy)]
+enum HostRow<'a> {
+    F32(&'a [f32]),
+    Bf16(&'a [half::bf16]),
+}
+
+impl<'a> HostRow<'a> {
+    /// The values of `a` when MLX has computed them (never evaluates).
+    fn of(a: &'a Array) -> Option<Self> {
+        ready_f32(a)
+            .map(HostRow::F32)
+            .or_else(|| ready_bf16(a).map(HostRow::Bf16))
+    }
+
+    fn len(self) -> usize {
+        match self {
+            HostRow::F32(v) => v.len(),
+            HostRow::Bf16(v) => v.len(),
+        }
+    }
+
+    /// Values `range` as a new `[1, n]` array of the same dtype.
+    fn array(self, range: std::ops::Range<usize>) -> Array {
+        let n = [1, range.len() as i32];
+        match self {
+            HostRow::F32(v) => Array::from_slice(&v[range], &n),
+            HostRow::Bf16(v) => Array::from_slice(&v[range], &n),
+        }
+    }
+}
+
 /// Row `i` of a forward's logits `[1, L, V]` as `[1, V]`: a copy of the host's values when the
 /// step left them there (so [`host_logprobs`] can stay there too), else MLX's lazy slice.
 pub fn logits_row(logits: &Array, i: usize) -> Array {
-    if let (Some(values), &[1, len, width]) = (ready_f32(logits), logits.shape()) {
+    if let (Some(values), &[1, len, width]) = (HostRow::of(logits), logits.shape()) {
         let (len, width) = (len as usize, width as usize);
         if i < len && values.len() == len * width {
-            return Array::from_slice(&values[i * width..(i + 1) * width], &[1, width as i32]);
+            return values.array(i * width..(i + 1) * width);
         }
     }
     logits.index((.., i as i32, ..))
 }
 
-/// `logits - logsumexp(logits, keepdims)` over the last axis of a `[1, V]` f32 row whose values
-/// are already on the host, computed there; `None` (the caller runs MLX) for a row MLX has not
-/// computed yet, another shape or dtype, a NaN, or when the host's `logsumexp` differed from
-/// MLX's on the one-time probe.
+/// `logits - logsumexp(logits, keepdims)` over the last axis of a `[1, V]` f32 or bfloat16 row
+/// whose values are already on the host, computed there as MLX computes it (a bfloat16 row's
+/// sum in f32, its `logsumexp` and each difference rounded to bfloat16); `None` (the caller
+/// runs MLX) for a row MLX has not computed yet, another shape or dtype, a NaN, or when the
+/// host's result differed from MLX's on the one-time probe.
 pub fn host_logprobs(logits: &Array) -> Result<Option<Array>> {
-    let Some(row) = ready_f32(logits) else {
+    let Some(row) = HostRow::of(logits) else {
         return Ok(None);
     };
-    if logits.shape() != [1, row.len() as i32] || !host_matches_mlx()? {
+    if logits.shape() != [1, row.len() as i32] || !host_matches_mlx(logits.dtype())? {
         return Ok(None);
     }
-    let mut scratch = Vec::new();
-    let Some(lse) = elementwise::logsumexp_mlx(row, &mut scratch) else {
+    let Some(out) = logprobs(row) else {
         return Ok(None);
     };
-    scratch.clear();
-    scratch.extend(row.iter().map(|v| v - lse));
     HOST_CALLS.with(|c| c.set(c.get() + 1));
-    Ok(Some(Array::from_slice(&scratch, logits.shape())))
+    Ok(Some(out))
 }
 
-/// Whether the host's logprobs equal MLX's on a fixed probe: rows of logits over a wide range
-/// of magnitudes (the exps' underflow included), one with an infinite maximum; decided once
-/// per process.
-fn host_matches_mlx() -> Result<bool> {
-    static VERDICT: OnceLock<bool> = OnceLock::new();
-    if let Some(v) = VERDICT.get() {
+/// The logprobs of one host row (`None` for a row with a NaN).
+fn logprobs(row: HostRow<'_>) -> Option<Array> {
+    let mut scratch = Vec::new();
+    let n = [1, row.len() as i32];
+    match row {
+        HostRow::F32(x) => {
+            let lse = logsumexp_mlx(x, &mut scratch)?;
+            scratch.clear();
+            scratch.extend(x.iter().map(|v| v - lse));
+            Some(Array::from_slice(&scratch, &n))
+        }
+        HostRow::Bf16(x) => {
+            let wide: Vec<f32> = x.iter().map(|v| v.to_f32()).collect();
+            let lse = bf16_mlx(logsumexp_mlx(&wide, &mut scratch)?).to_f32();
+            let out: Vec<half::bf16> = wide.iter().map(|v| bf16_mlx(v - lse)).collect();
+            Some(Array::from_slice(&out, &n))
+        }
+    }
+}
+
+/// Whether the host's logprobs of `dtype` rows equal MLX's on a fixed probe: rows of logits
+/// over a wide range of magnitudes (the exps' underflow included), one with an infinite
+/// maximum; decided once per process and dtype (f32 and bfloat16; others never match).
+fn host_matches_mlx(dtype: Dtype) -> Result<bool> {
+    static F32: OnceLock<bool> = OnceLock::new();
+    static BF16: OnceLock<bool> = OnceLock::new();
+    let verdict = match dtype {
+        Dtype::Float32 => &F32,
+        Dtype::Bfloat16 => &BF16,
+        _ => return Ok(false),
+    };
+    if let Some(v) = verdict.get() {
         return Ok(*v);
     }
     let mut rows: Vec<Vec<f32>> = [(4096, 30.0), (49_152, 12.0), (1000, 200.0)]
         .into_iter()
         .enumerate()
         .map(|(i, (n, scale))| {
-            elementwise::probe_values(n, 0x9e37_79b9 + i as u64)
+            probe_values(n, 0x9e37_79b9 + i as u64)
                 .into_iter()
                 .map(|v| (v * scale).clamp(-1e4, 1e4))
                 .collect()
@@ -76,15 +133,14 @@ fn host_matches_mlx() -> Result<bool> {
     rows.push(vec![1.0, f32::INFINITY, -3.0]);
     let mut same = true;
     for row in &rows {
-        let x = Array::from_slice(row, &[1, row.len() as i32]);
+        let x = Array::from_slice(row, &[1, row.len() as i32]).as_dtype(dtype)?;
+        x.eval()?;
         let theirs = check_bits(&x.subtract(x.logsumexp_axis(-1, true)?)?)?;
-        let mut scratch = Vec::new();
-        let ours = elementwise::logsumexp_mlx(row, &mut scratch).map(|lse| {
-            row.iter()
-                .map(|v| (v - lse).to_bits())
-                .collect::<Vec<u32>>()
-        });
+        let ours = HostRow::of(&x)
+            .and_then(logprobs)
+            .map(|a| check_bits(&a))
+            .transpose()?;
         same &= ours.as_ref() == Some(&theirs);
     }
-    Ok(*VERDICT.get_or_init(|| same))
+    Ok(*verdict.get_or_init(|| same))
 }
