@@ -204,7 +204,7 @@ pub static FORKS: &[Fork] = &[
         name: "host-elementwise",
         domain: Domain::Choices(ON_OFF_EXACT),
         defaults: ["on", "on", "on"],
-        help: "CPU backend: f32 and bf16 element-wise work runs on the host computing exactly what MLX's CPU kernels compute, so bit-identical: the SwiGLU of llama-family MLPs (MLX's scalar sigmoid, its polynomial exp, in AVX-512 or AVX2 lanes: ~1/4 of a prompt's time on MLX), and RMSNorms and residual adds whose input is already on the host (a decode step then waits for MLX once per layer, not three times); each compared with MLX once per process and left to MLX if it differs; not under --compiled-decode",
+        help: "CPU backend: f32 and bf16 element-wise work runs on the host computing exactly what MLX's CPU kernels compute, so bit-identical: the SwiGLU of llama-family MLPs (MLX's scalar sigmoid, its polynomial exp, in AVX-512 or AVX2 lanes: ~1/4 of a prompt's time on MLX), RMSNorms and residual adds whose input is already on the host (a decode step then waits for MLX once per layer, not three times), and the logprobs tail (logits - logsumexp) of logits the host step made; each compared with MLX once per process and left to MLX if it differs; not under --compiled-decode",
     },
     Fork {
         name: "host-step",
