@@ -393,12 +393,11 @@ impl DraftSource for DsparkSource {
         self.passes += 1;
         // Greedy blocks are sampled on the host after one read of the block; sampled ones (and
         // heads that are not dense f32) on MLX, whose random draws the rejection rule reads.
-        let on_host = match self.temp {
-            0.0 => {
-                eval([&out.hidden, &out.base_logits])?;
-                self.module.sample_greedy_on_host(&out, anchor)?
-            }
-            _ => None,
+        let on_host = if self.temp == 0.0 {
+            eval([&out.hidden, &out.base_logits])?;
+            self.module.sample_greedy_on_host(&out, anchor)?
+        } else {
+            None
         };
         let (tokens, confidence, probs) = match on_host {
             Some(d) => (d.tokens, self.calibrate(&d.confidence), None),

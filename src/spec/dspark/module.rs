@@ -484,9 +484,7 @@ impl DsparkModule {
                 .transpose()?,
         })
     }
-}
 
-impl DsparkModule {
     /// [`Self::sample`] at temperature 0 on the host ([`HostSampler`]): the drafted target ids
     /// and confidence logits from one read of the block. `None` where the heads are not dense
     /// f32 (the caller samples on MLX).
