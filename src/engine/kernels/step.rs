@@ -333,20 +333,36 @@ impl HostDecoder {
     /// checked here too, see [`super::dense::HostDense::check_packed`]); always under
     /// [`Numerics::Fast`].
     pub fn exact_ready(&self, m: usize) -> Result<bool> {
-        let projections = self
-            .layers
-            .iter()
-            .flat_map(|l| l.attn.iter().chain(&l.mlp))
-            .chain(self.head.as_ref().or(Some(&self.embed)));
-        for p in projections {
+        for p in self.projections() {
             if let ProjWeight::Exact(dense) = p.weight() {
                 if !dense.accepts(m)? {
                     return Ok(false);
                 }
-                dense.check_packed(m)?;
+                dense.check_packed(m, false)?;
             }
         }
         Ok(true)
+    }
+
+    /// Makes (and checks against MLX) the packed copies blocks of `m` tokens read where a
+    /// weight has none for one token ([`super::dense::HostDense::check_packed`]); under the
+    /// L1 numerics only, where MLX may run (the step's caller).
+    pub fn make_block_copies(&self, m: usize) -> Result<()> {
+        for p in self.projections() {
+            if let ProjWeight::Exact(dense) = p.weight() {
+                dense.check_packed(m, true)?;
+            }
+        }
+        Ok(())
+    }
+
+    /// Every projection of the step: the layers' attention and MLP, then the head (the
+    /// embedding when tied).
+    fn projections(&self) -> impl Iterator<Item = &HostProj> {
+        self.layers
+            .iter()
+            .flat_map(|l| l.attn.iter().chain(&l.mlp))
+            .chain(self.head.as_ref().or(Some(&self.embed)))
     }
 
     /// Runs the block `ids` (1..=[`MAX_M`] tokens at positions `past[_].len..`) through the

@@ -26,7 +26,16 @@ pub struct HostStep {
     decoder: RefCell<Option<Option<HostDecoder>>>,
     /// Per block size, whether the L1 step's products and attention matched MLX's.
     exact_ready: RefCell<Vec<Option<bool>>>,
+    /// Per block size, how many blocks of it the L1 step has run (see [`BLOCK_COPIES_AFTER`]).
+    blocks_run: RefCell<Vec<usize>>,
 }
+
+/// Blocks of one size the L1 step runs before it makes the packed copies such blocks read where
+/// a weight has none for one token ([`HostDecoder::make_block_copies`]): writing them costs
+/// about what a hundred verify rounds save, so a short speculative generation never pays it and
+/// a long one (or a server) soon gets them; `mlxb measure`'s warm-up makes them at once
+/// ([`HostStep::prepare_blocks`]).
+const BLOCK_COPIES_AFTER: usize = 64;
 
 /// Positions the first build of a step covers; each rebuild doubles past what a step needs.
 const FIRST_POSITIONS: usize = 1024;
@@ -136,6 +145,9 @@ impl HostStep {
         if !decoder.takes(m, past) || !self.ready_for(decoder, m)? {
             return Ok(None);
         }
+        if m > 1 && decoder.is_exact() && self.count_block(m) == BLOCK_COPIES_AFTER {
+            decoder.make_block_copies(m)?;
+        }
         let run = opts.layers_to_run(decoder.layers.len(), decoder.layers.len(), caches.len())?;
         let caches = &mut caches[..run];
         if caches
@@ -204,6 +216,35 @@ impl HostStep {
             self.ready_for(decoder, 1)?;
         }
         Ok(())
+    }
+
+    /// Makes the packed copies of every block size from 2 to `max_block` the L1 step takes now,
+    /// rather than after [`BLOCK_COPIES_AFTER`] blocks (a warm-up before timed speculative
+    /// decoding); nothing before the step is prepared ([`HostStep::prepare`]).
+    pub fn prepare_blocks(&self, max_block: usize) -> Result<()> {
+        let held = self.decoder.borrow();
+        let Some(decoder) = held.as_ref().and_then(Option::as_ref) else {
+            return Ok(());
+        };
+        if !decoder.is_exact() {
+            return Ok(());
+        }
+        for m in 2..=max_block.min(MAX_M) {
+            if self.ready_for(decoder, m)? {
+                decoder.make_block_copies(m)?;
+            }
+        }
+        Ok(())
+    }
+
+    /// Counts a block of `m` tokens; how many there were, this one included.
+    fn count_block(&self, m: usize) -> usize {
+        let mut run = self.blocks_run.borrow_mut();
+        if run.len() <= m {
+            run.resize(m + 1, 0);
+        }
+        run[m] += 1;
+        run[m]
     }
 
     /// Whether the step may run a block of `m` tokens: always for the L3 step; for the L1 one

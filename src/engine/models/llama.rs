@@ -488,5 +488,15 @@ impl LanguageModel for Model {
         }
     }
 
+    fn prepare_verify_blocks(&mut self, max_block: usize) -> Result<()> {
+        self.prepare_host_step()?;
+        match &self.host_step {
+            Some(step) if self.exact_step && crate::engine::kernels::host_allowed() => {
+                step.prepare_blocks(max_block)
+            }
+            _ => Ok(()),
+        }
+    }
+
     super::llama_layout_accessors!();
 }

@@ -82,6 +82,12 @@ pub trait LanguageModel {
     fn prepare_host_step(&mut self) -> Result<()> {
         Ok(())
     }
+    /// Makes now what the host step would make for speculative verify blocks of up to
+    /// `max_block` tokens as they recur (packed copies; see
+    /// [`host_step::HostStep::prepare_blocks`]); nothing for a model without one.
+    fn prepare_verify_blocks(&mut self, _max_block: usize) -> Result<()> {
+        Ok(())
+    }
     /// Fresh caches of the kinds this architecture uses per layer.
     fn make_caches(&self) -> Caches;
     /// Output vocabulary size.
@@ -399,8 +405,10 @@ impl LoadedModel {
     /// Forwards one block of every size from one to `max_block` tokens over a short context on
     /// scratch caches, so that work a block size does once, at its first use (the L1 host
     /// step's checks of its products and attention against MLX, tens of milliseconds each),
-    /// is done before a measurement starts. The context goes in as a generation's first step
-    /// does (on MLX); nothing else about the model changes.
+    /// is done before a measurement starts, and so are the packed copies the step makes for
+    /// verify blocks once they recur ([`LanguageModel::prepare_verify_blocks`]). The context
+    /// goes in as a generation's first step does (on MLX); nothing else about the model
+    /// changes.
     pub fn warm_up_blocks(&mut self, max_block: usize) -> Result<()> {
         let mut caches = self.model.make_caches();
         self.plan.prepare(&mut caches);
@@ -420,7 +428,7 @@ impl LoadedModel {
                 cache.restore(snapshot)?;
             }
         }
-        Ok(())
+        self.model.prepare_verify_blocks(max_block)
     }
 }
 
