@@ -8,9 +8,9 @@ mod common;
 
 use mlx_rs::Array;
 use mlxb::engine::forks::Forks;
-use mlxb::engine::kernels::packed::packed_calls;
 use mlxb::engine::kernels::exact_steps_here;
 use mlxb::engine::kernels::mlx_order::{self, F32Kernels};
+use mlxb::engine::kernels::packed::packed_calls;
 use mlxb::engine::models;
 use serde_json::json;
 
@@ -55,7 +55,13 @@ fn recurring_blocks_get_their_packed_copies_at_the_64th() {
         assert_eq!(taken, 0, "8-token blocks on Haswell kernels");
     } else {
         assert_eq!(taken, 66, "blocks taken by the L1 host step");
-        assert!(reads[..63].iter().all(|&r| r == 0), "a copy before the 64th block: {reads:?}");
-        assert!(reads[63..].iter().all(|&r| r > 0), "no copy read from the 64th block: {reads:?}");
+        assert!(
+            reads[..63].iter().all(|&r| r == 0),
+            "a copy before the 64th block: {reads:?}"
+        );
+        assert!(
+            reads[63..].iter().all(|&r| r > 0),
+            "no copy read from the 64th block: {reads:?}"
+        );
     }
 }
