@@ -4,7 +4,8 @@
 //! Why: MLX on x86 Linux computes `logsumexp` one lane at a time with a libm `fmaf` call per
 //! polynomial coefficient: over SmolLM2's 49,152 logits about half a millisecond a token on one
 //! core while the other waits, 5-10 % of a 4-bit decode step. The host form takes MLX's own
-//! `exp` in vector lanes ([`elementwise::exp_mlx_slice`]) and adds the terms in MLX's order.
+//! `exp` in vector lanes ([`crate::engine::kernels::elementwise::exp_mlx_slice`]) and adds the
+//! terms in MLX's order.
 
 use crate::engine::error::Result;
 use crate::engine::kernels::elementwise::{bf16_mlx, logsumexp_mlx, probe_values};
