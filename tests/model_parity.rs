@@ -11,7 +11,7 @@ use mlxb::engine::kernels::dense::dense_packed_calls;
 use mlxb::engine::kernels::exact_steps_here;
 use mlxb::engine::kernels::mlx_order::F32Kernels;
 use mlxb::engine::kernels::packed::{dot_available, dot_calls, packed_calls};
-use mlxb::engine::logprobs::host_logprobs_calls;
+use mlxb::engine::logprobs::{host_argmax_calls, host_logprobs_calls};
 use mlxb::engine::models;
 use mlxb::engine::sample::{LogitsProcessors, ProcessorConfig, Sampler, SamplerConfig};
 use serde_json::json;
@@ -71,6 +71,7 @@ fn check_lengths(
     };
     let steps_before = exact_steps_here();
     let host_logprobs_before = host_logprobs_calls();
+    let host_argmax_before = host_argmax_calls();
     let mut ids = vec![];
     let mut lps = vec![];
     Generator::new(loaded.model.as_mut(), &mut sampler, &mut processors)
@@ -99,6 +100,12 @@ fn check_lengths(
         assert!(
             rows >= steps,
             "{rows} logprob rows on the host for {steps} host steps"
+        );
+        // And the greedy sampler picks from them there.
+        let picks = host_argmax_calls() - host_argmax_before;
+        assert!(
+            picks >= steps,
+            "{picks} greedy picks on the host for {steps} host steps"
         );
     }
     steps

@@ -16,6 +16,12 @@ use std::sync::OnceLock;
 
 thread_local! {
     static HOST_CALLS: std::cell::Cell<usize> = const { std::cell::Cell::new(0) };
+    static HOST_ARGMAX_CALLS: std::cell::Cell<usize> = const { std::cell::Cell::new(0) };
+}
+
+/// How many greedy picks the host made on this thread ([`host_argmax`]).
+pub fn host_argmax_calls() -> usize {
+    HOST_ARGMAX_CALLS.with(std::cell::Cell::get)
 }
 
 /// How many logprob rows the host computed on this thread (lets tests check the host path
@@ -85,6 +91,30 @@ pub fn host_logprobs(logits: &Array) -> Result<Option<Array>> {
     };
     HOST_CALLS.with(|c| c.set(c.get() + 1));
     Ok(Some(out))
+}
+
+/// The index of the largest value of a `[1, V]` row already on the host (the first of equal
+/// ones, NaNs never chosen unless first: MLX's `argmax` starts from the lowest value and
+/// replaces it only with a greater one); `None` for a row MLX has not computed yet.
+pub fn host_argmax(logprobs: &Array) -> Option<u32> {
+    let row = HostRow::of(logprobs)?;
+    if logprobs.shape() != [1, row.len() as i32] {
+        return None;
+    }
+    let first_greatest = |values: &mut dyn Iterator<Item = f32>| {
+        let (mut best, mut at) = (f32::NEG_INFINITY, 0);
+        for (i, v) in values.enumerate() {
+            if v > best {
+                (best, at) = (v, i);
+            }
+        }
+        at as u32
+    };
+    HOST_ARGMAX_CALLS.with(|c| c.set(c.get() + 1));
+    Some(match row {
+        HostRow::F32(x) => first_greatest(&mut x.iter().copied()),
+        HostRow::Bf16(x) => first_greatest(&mut x.iter().map(|v| v.to_f32())),
+    })
 }
 
 /// The logprobs of one host row (`None` for a row with a NaN).

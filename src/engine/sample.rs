@@ -23,6 +23,7 @@ use mlx_rs::transforms::compile::compile_with_state;
 use mlx_rs::{Array, Dtype};
 
 use super::error::{EngineError, Result};
+use super::logprobs::host_argmax;
 
 type MlxResult<T> = std::result::Result<T, Exception>;
 
@@ -324,7 +325,11 @@ impl Sampler {
     /// advances the shared random state.
     pub fn sample(&mut self, logprobs: &Array) -> Result<Array> {
         match &mut self.kind {
-            SamplerKind::Greedy => Ok(argmax_axis(logprobs, -1, false)?),
+            // Logprobs the host computed are picked from there (no MLX operation to wait on).
+            SamplerKind::Greedy => match host_argmax(logprobs) {
+                Some(t) => Ok(Array::from_slice(&[t], &[1])),
+                None => Ok(argmax_axis(logprobs, -1, false)?),
+            },
             SamplerKind::Chain {
                 filters,
                 top_k,

@@ -9,7 +9,7 @@ use super::source::{Draft, DraftSource, TargetView, VerifyMode};
 use super::verify::{reject_step, target_distribution, Decision};
 use crate::engine::error::{EngineError, Result};
 use crate::engine::generate::{Flow, GenerateConfig, GenerationStats, Generator, Speculator, Step};
-use crate::engine::logprobs::logits_row;
+use crate::engine::logprobs::{host_argmax, logits_row};
 use crate::engine::rollback::Rewind;
 use crate::spec::metrics::SpecMetrics;
 use crate::spec::trace::{RoundTrace, TraceSink};
@@ -248,15 +248,35 @@ fn accept_greedy(
     out: &mut Emitter<'_>,
 ) -> Result<usize> {
     let mut rows = Vec::with_capacity(drafts.len() + 1);
+    let mut lazy = Vec::new();
     let mut picks = Vec::with_capacity(drafts.len() + 1);
     for i in 0..=drafts.len() {
         let lp = gen.logprobs_row(logits_row(logits, i), &Array::from_slice::<i32>(&[], &[0]))?;
-        picks.push(argmax_axis(&lp, -1, false)?);
+        // Rows the host computed are picked there; the others in one MLX evaluation.
+        match host_argmax(&lp) {
+            Some(t) => picks.push(Some(t)),
+            None => {
+                lazy.push(argmax_axis(&lp, -1, false)?);
+                picks.push(None);
+            }
+        }
         rows.push(lp.squeeze_axes(&[0])?);
     }
-    let picks = ops::concatenate(&picks, 0)?;
-    eval([&picks])?;
-    let picks: Vec<u32> = picks.as_slice::<u32>().to_vec();
+    let mut lazy_picks = Vec::new().into_iter();
+    if !lazy.is_empty() {
+        let lazy = ops::concatenate(&lazy, 0)?;
+        eval([&lazy])?;
+        lazy_picks = lazy.as_slice::<u32>().to_vec().into_iter();
+    }
+    let picks = picks
+        .into_iter()
+        .map(|p| match p {
+            Some(t) => Ok(t),
+            None => lazy_picks
+                .next()
+                .ok_or_else(|| EngineError::Runtime("a verify row lost its pick".into())),
+        })
+        .collect::<Result<Vec<u32>>>()?;
     let mut accepted = 0;
     for (i, (t, lp)) in picks.into_iter().zip(rows).enumerate() {
         out.emit(t, lp)?;
