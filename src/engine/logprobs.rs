@@ -45,6 +45,11 @@ impl<'a> HostRow<'a> {
             .or_else(|| ready_bf16(a).map(HostRow::Bf16))
     }
 
+    /// [`HostRow::of`] a `[1, V]` row.
+    fn of_row(a: &'a Array) -> Option<Self> {
+        Self::of(a).filter(|row| a.shape() == [1, row.len() as i32])
+    }
+
     fn len(self) -> usize {
         match self {
             HostRow::F32(v) => v.len(),
@@ -80,10 +85,10 @@ pub fn logits_row(logits: &Array, i: usize) -> Array {
 /// runs MLX) for a row MLX has not computed yet, another shape or dtype, a NaN, or when the
 /// host's result differed from MLX's on the one-time probe.
 pub fn host_logprobs(logits: &Array) -> Result<Option<Array>> {
-    let Some(row) = HostRow::of(logits) else {
+    let Some(row) = HostRow::of_row(logits) else {
         return Ok(None);
     };
-    if logits.shape() != [1, row.len() as i32] || !host_matches_mlx(logits.dtype())? {
+    if !host_matches_mlx(logits.dtype())? {
         return Ok(None);
     }
     let Some(out) = logprobs(row) else {
@@ -93,28 +98,28 @@ pub fn host_logprobs(logits: &Array) -> Result<Option<Array>> {
     Ok(Some(out))
 }
 
-/// The index of the largest value of a `[1, V]` row already on the host (the first of equal
-/// ones, NaNs never chosen unless first: MLX's `argmax` starts from the lowest value and
-/// replaces it only with a greater one); `None` for a row MLX has not computed yet.
+/// The index of the largest value of a `[1, V]` row already on the host, as MLX's `argmax`
+/// picks it ([`first_greatest`]); `None` for a row MLX has not computed yet.
 pub fn host_argmax(logprobs: &Array) -> Option<u32> {
-    let row = HostRow::of(logprobs)?;
-    if logprobs.shape() != [1, row.len() as i32] {
-        return None;
-    }
-    let first_greatest = |values: &mut dyn Iterator<Item = f32>| {
-        let (mut best, mut at) = (f32::NEG_INFINITY, 0);
-        for (i, v) in values.enumerate() {
-            if v > best {
-                (best, at) = (v, i);
-            }
-        }
-        at as u32
-    };
+    let row = HostRow::of_row(logprobs)?;
     HOST_ARGMAX_CALLS.with(|c| c.set(c.get() + 1));
     Some(match row {
-        HostRow::F32(x) => first_greatest(&mut x.iter().copied()),
-        HostRow::Bf16(x) => first_greatest(&mut x.iter().map(|v| v.to_f32())),
-    })
+        HostRow::F32(x) => first_greatest(x.iter().copied()),
+        HostRow::Bf16(x) => first_greatest(x.iter().map(|v| v.to_f32())),
+    } as u32)
+}
+
+/// The index of the first of the greatest values, NaNs never chosen unless nothing else is
+/// (then 0): MLX's `argmax` starts from the lowest value and replaces it only with a greater
+/// one.
+pub fn first_greatest(values: impl Iterator<Item = f32>) -> usize {
+    let (mut best, mut at) = (f32::NEG_INFINITY, 0);
+    for (i, v) in values.enumerate() {
+        if v > best {
+            (best, at) = (v, i);
+        }
+    }
+    at
 }
 
 /// The logprobs of one host row (`None` for a row with a NaN).
@@ -174,4 +179,16 @@ fn host_matches_mlx(dtype: Dtype) -> Result<bool> {
         same &= ours.as_ref() == Some(&theirs);
     }
     Ok(*verdict.get_or_init(|| same))
+}
+
+#[cfg(test)]
+mod tests {
+    use super::first_greatest;
+
+    #[test]
+    fn first_greatest_takes_the_first_of_equals() {
+        let pick = |v: &[f32]| first_greatest(v.iter().copied());
+        assert_eq!(pick(&[1.0, 3.0, 3.0, -1.0]), 1);
+        assert_eq!(pick(&[2.0]), 0);
+    }
 }

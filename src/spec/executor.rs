@@ -247,36 +247,27 @@ fn accept_greedy(
     drafts: &[u32],
     out: &mut Emitter<'_>,
 ) -> Result<usize> {
-    let mut rows = Vec::with_capacity(drafts.len() + 1);
-    let mut lazy = Vec::new();
-    let mut picks = Vec::with_capacity(drafts.len() + 1);
+    let mut lps = Vec::with_capacity(drafts.len() + 1);
     for i in 0..=drafts.len() {
-        let lp = gen.logprobs_row(logits_row(logits, i), &Array::from_slice::<i32>(&[], &[0]))?;
-        // Rows the host computed are picked there; the others in one MLX evaluation.
-        match host_argmax(&lp) {
-            Some(t) => picks.push(Some(t)),
-            None => {
-                lazy.push(argmax_axis(&lp, -1, false)?);
-                picks.push(None);
-            }
+        lps.push(gen.logprobs_row(logits_row(logits, i), &Array::from_slice::<i32>(&[], &[0]))?);
+    }
+    // Rows the host computed are picked there; otherwise all in one MLX evaluation.
+    let picks = match lps.iter().map(host_argmax).collect::<Option<Vec<u32>>>() {
+        Some(picks) => picks,
+        None => {
+            let picks = lps
+                .iter()
+                .map(|lp| argmax_axis(lp, -1, false))
+                .collect::<std::result::Result<Vec<_>, _>>()?;
+            let picks = ops::concatenate(&picks, 0)?;
+            eval([&picks])?;
+            picks.as_slice::<u32>().to_vec()
         }
-        rows.push(lp.squeeze_axes(&[0])?);
-    }
-    let mut lazy_picks = Vec::new().into_iter();
-    if !lazy.is_empty() {
-        let lazy = ops::concatenate(&lazy, 0)?;
-        eval([&lazy])?;
-        lazy_picks = lazy.as_slice::<u32>().to_vec().into_iter();
-    }
-    let picks = picks
-        .into_iter()
-        .map(|p| match p {
-            Some(t) => Ok(t),
-            None => lazy_picks
-                .next()
-                .ok_or_else(|| EngineError::Runtime("a verify row lost its pick".into())),
-        })
-        .collect::<Result<Vec<u32>>>()?;
+    };
+    let rows = lps
+        .iter()
+        .map(|lp| lp.squeeze_axes(&[0]))
+        .collect::<std::result::Result<Vec<_>, _>>()?;
     let mut accepted = 0;
     for (i, (t, lp)) in picks.into_iter().zip(rows).enumerate() {
         out.emit(t, lp)?;

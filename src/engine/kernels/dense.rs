@@ -52,8 +52,8 @@ pub struct HostDense {
     packed: std::sync::Arc<OnceLock<Option<PackedRows>>>,
     /// The copy for the step's verify blocks of an f32 weight that has no single-token copy
     /// (its one-token product takes OpenBLAS's small-matrix kernel, a block of a few tokens
-    /// its GEMM driver's panels): made at the first such block ([`HostDense::check_packed`]),
-    /// so only speculative decoding pays its memory.
+    /// its GEMM driver's panels): made when the host step asks for it once such blocks recur
+    /// ([`HostDense::check_packed`]), so only speculative decoding pays its memory.
     block_packed: std::sync::Arc<OnceLock<Option<PackedRows>>>,
 }
 
@@ -185,10 +185,9 @@ impl HostDense {
     /// checked.
     pub fn check_packed(&self, tokens: usize, make_block_copy: bool) -> Result<()> {
         let order = self.order(tokens);
-        let copy = match self.packed()? {
-            Some(p) => Some(p),
+        let copy = match self.step_copy()? {
             None if make_block_copy => self.block_packed(&order),
-            None => self.block_packed.get().and_then(Option::as_ref),
+            copy => copy,
         };
         if let Some(p) = copy {
             if p.sums_in(&order) && self.packed_matches_mlx(p, tokens)? {

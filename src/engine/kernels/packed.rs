@@ -31,11 +31,6 @@ pub fn dot_calls() -> usize {
     DOT_CALLS.load(Ordering::Relaxed)
 }
 
-/// Whether this CPU runs the bfloat16 dot-product kernel (see [`dot_calls`]).
-pub fn dot_available() -> bool {
-    dot_runs_here()
-}
-
 /// How many products the packed kernels computed in this process, bfloat16 and f32 (lets tests
 /// check that the host step really read a packed copy).
 pub fn packed_calls() -> (usize, usize) {
@@ -126,11 +121,6 @@ fn bf16_grid(bits: impl Iterator<Item = u16>) -> Option<i32> {
     Some(finest)
 }
 
-/// [`bf16_grid`] of a weight.
-fn weight_grid(w: &[u16]) -> Option<i32> {
-    bf16_grid(w.iter().copied())
-}
-
 /// Whether `vdpbf16ps` sums a product of weights on `weight` and inputs on `input` (grids of
 /// [`bf16_grid`]) exactly as MLX's chain: it adds each pair's two products in turn, each
 /// rounded to nearest (the products of two bfloat16 values are exact in f32), but treats
@@ -141,9 +131,9 @@ fn dot_product_is_exact(weight: i32, input: i32) -> bool {
     weight.saturating_add(input) >= -126
 }
 
-/// Whether this CPU runs the bfloat16 dot-product kernel: AVX-512 with `AVX512_BF16`
-/// (`MLXB_BF16_DOT=off` keeps the multiply-add kernels, to compare).
-fn dot_runs_here() -> bool {
+/// Whether this CPU runs the bfloat16 dot-product kernel (see [`dot_calls`]): AVX-512 with
+/// `AVX512_BF16` (`MLXB_BF16_DOT=off` keeps the multiply-add kernels, to compare).
+pub fn dot_available() -> bool {
     static HERE: std::sync::OnceLock<bool> = std::sync::OnceLock::new();
     *HERE.get_or_init(|| {
         #[cfg(target_arch = "x86_64")]
@@ -175,8 +165,8 @@ impl PackedRows {
             let pair = &w[row * cols + 2 * p..][..2];
             (u32::from(pair[0]) << 16) | u32::from(pair[1])
         })?;
-        if dot_runs_here() {
-            packed.dot_grid = weight_grid(&w[..packed.rows * cols]);
+        if dot_available() {
+            packed.dot_grid = bf16_grid(w[..packed.rows * cols].iter().copied());
         }
         Some(packed)
     }
@@ -480,7 +470,6 @@ impl SharedOut {
 
 #[cfg(target_arch = "x86_64")]
 mod x86 {
-
     use super::super::mlx_order::x86::Lane as Vector;
     use super::{Layout, PackedRows, TOKEN_BLOCK};
     use std::arch::x86_64::*;

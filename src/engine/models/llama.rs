@@ -314,6 +314,14 @@ pub fn build(spec: &ModelSpec, w: &mut WeightStore) -> Result<Box<dyn LanguageMo
 }
 
 impl Model {
+    /// The L1 host step, where this model has one and the host may run now (not inside
+    /// [`crate::engine::kernels::mlx_only`]).
+    fn exact_host_step(&self) -> Option<&HostStep> {
+        self.host_step
+            .as_ref()
+            .filter(|_| self.exact_step && crate::engine::kernels::host_allowed())
+    }
+
     /// The whole model as a host decode step of `form`, when every layer is the plain
     /// full-attention llama block with weights the step takes: for `--perf-kernel on` some of
     /// them quantized (a dense model keeps its L1 path) with f32 norms, for `--host-step on` all
@@ -480,21 +488,17 @@ impl LanguageModel for Model {
     super::decoder_model!();
 
     fn prepare_host_step(&mut self) -> Result<()> {
-        match &self.host_step {
-            Some(step) if self.exact_step && crate::engine::kernels::host_allowed() => {
-                step.prepare(|positions| self.host_decoder(HostForm::Exact, positions))
-            }
-            _ => Ok(()),
+        match self.exact_host_step() {
+            Some(step) => step.prepare(|positions| self.host_decoder(HostForm::Exact, positions)),
+            None => Ok(()),
         }
     }
 
     fn prepare_verify_blocks(&mut self, max_block: usize) -> Result<()> {
         self.prepare_host_step()?;
-        match &self.host_step {
-            Some(step) if self.exact_step && crate::engine::kernels::host_allowed() => {
-                step.prepare_blocks(max_block)
-            }
-            _ => Ok(()),
+        match self.exact_host_step() {
+            Some(step) => step.prepare_blocks(max_block),
+            None => Ok(()),
         }
     }
 

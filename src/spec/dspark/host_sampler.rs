@@ -11,7 +11,9 @@
 
 use super::checkpoint::SeqHead;
 use crate::engine::error::{EngineError, Result};
+use crate::engine::kernels::ready_f32;
 use crate::engine::kernels::vecops::dot;
+use crate::engine::logprobs::first_greatest;
 use mlx_rs::{Array, Dtype};
 
 /// A dense layer's weight `[out, in]` and bias on the host.
@@ -67,6 +69,15 @@ fn host_f32(a: &Array) -> Result<Option<Vec<f32>>> {
         .try_as_slice::<f32>()
         .map_err(|e| EngineError::Runtime(format!("cannot read a DSpark head's weights ({e})")))?;
     Ok(Some(values.to_vec()))
+}
+
+/// The values of an evaluated block array in place, or (a strided view) a row-major copy;
+/// `None` for another dtype.
+fn block_f32(a: &Array) -> Result<Option<std::borrow::Cow<'_, [f32]>>> {
+    if let Some(values) = ready_f32(a) {
+        return Ok(Some(std::borrow::Cow::Borrowed(values)));
+    }
+    Ok(host_f32(a)?.map(std::borrow::Cow::Owned))
 }
 
 /// The weights the γ steps read, as parts of [`super::module::DsparkModule`] hand them over.
@@ -180,7 +191,8 @@ impl HostSampler {
     /// Samples the block greedily from its post-norm hidden states `[γ, d]` and base logits
     /// `[γ, Vd]` (evaluated f32 arrays), starting after `anchor`.
     pub fn sample(&self, hidden: &Array, base_logits: &Array, anchor: u32) -> Result<HostDraft> {
-        let (Some(hidden_values), Some(base)) = (host_f32(hidden)?, host_f32(base_logits)?) else {
+        let (Some(hidden_values), Some(base)) = (block_f32(hidden)?, block_f32(base_logits)?)
+        else {
             return Err(EngineError::Runtime(
                 "the DSpark block's hidden states or base logits are not f32".into(),
             ));
@@ -237,7 +249,7 @@ impl HostSampler {
                 c.forward(&conf_in, &mut logit);
                 draft.confidence.push(logit[0]);
             }
-            let best = argmax(&z);
+            let best = first_greatest(z.iter().copied());
             let token = match &self.target_ids {
                 Some(ids) => ids[best],
                 None => best as u32,
@@ -289,26 +301,4 @@ impl HostSampler {
 
 fn sigmoid(x: f32) -> f32 {
     1.0 / (1.0 + (-x).exp())
-}
-
-/// The index of the largest value (the first of equals, as MLX's argmax).
-fn argmax(z: &[f32]) -> usize {
-    let mut best = 0;
-    for (i, v) in z.iter().enumerate() {
-        if *v > z[best] {
-            best = i;
-        }
-    }
-    best
-}
-
-#[cfg(test)]
-mod tests {
-    use super::argmax;
-
-    #[test]
-    fn argmax_takes_the_first_of_equals() {
-        assert_eq!(argmax(&[1.0, 3.0, 3.0, -1.0]), 1);
-        assert_eq!(argmax(&[2.0]), 0);
-    }
 }
