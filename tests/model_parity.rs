@@ -5,6 +5,7 @@
 mod common;
 
 use common::{tiny_qwen3_5, with};
+use mlxb::engine::cache::in_place_appends_here;
 use mlxb::engine::forks::Forks;
 use mlxb::engine::generate::{Flow, GenerateConfig, Generator};
 use mlxb::engine::kernels::dense::dense_packed_calls;
@@ -70,6 +71,7 @@ fn check_lengths(
         prefill_step_size: prefill_step,
     };
     let steps_before = exact_steps_here();
+    let appends_before = in_place_appends_here();
     let host_logprobs_before = host_logprobs_calls();
     let host_argmax_before = host_argmax_calls();
     let mut ids = vec![];
@@ -93,6 +95,13 @@ fn check_lengths(
         );
     }
     let steps = exact_steps_here() - steps_before;
+    // Each host step writes its new keys and values straight into the cache's buffers (no
+    // MLX append), except where a buffer grows.
+    let appends = in_place_appends_here() - appends_before;
+    assert!(
+        appends >= steps.saturating_sub(1),
+        "{appends} in-place cache appends for {steps} host steps"
+    );
     if ["f32", "bf16"].contains(&dtype) {
         // Each host step's logits stay on the host, and so does their logprobs tail (as do
         // those of a per-layer forward whose head was a host product).

@@ -4,7 +4,8 @@
 use super::cache_attention::AttentionPlan;
 use super::error::Result;
 use mlx_rs::ops::indexing::{Ellipsis, IndexOp, TryIndexMutOp};
-use mlx_rs::{ops, Array};
+use mlx_rs::{ops, Array, Dtype};
+use std::sync::Arc;
 
 /// `plan` and `set_plan` for a cache with a `plan` field.
 macro_rules! plan {
@@ -134,6 +135,15 @@ pub trait KvCache {
     fn offset(&self) -> i32;
     /// Stores new keys/values ([B, H, S, D]) and returns what attention should see.
     fn update_and_fetch(&mut self, keys: &Array, values: &Array) -> Result<(Array, Array)>;
+    /// What [`KvCache::update_and_fetch`] stores for `m` new positions of a batch of one,
+    /// written straight into the stored buffers from the host (`keys`/`values` `[H, m, D]`;
+    /// a bfloat16 cache's values held widened to f32) with no MLX op, for the host decode
+    /// step. Only where this cache alone holds its buffers (no snapshot or clone shares them),
+    /// they are evaluated and the positions fit; `Ok(false)` changes nothing, and the caller
+    /// appends through `update_and_fetch`.
+    fn append_in_place(&mut self, _keys: &[f32], _values: &[f32], _m: usize) -> Result<bool> {
+        Ok(false)
+    }
     /// The mask for `n` new queries (mlx-lm's `cache.make_mask`).
     fn make_mask(&self, n: i32, window: Option<i32>, return_array: bool) -> Result<AttentionMask>;
     /// Drops the last `n` tokens; returns how many were dropped.
@@ -274,6 +284,11 @@ pub struct FullCache {
     values: Option<Array>,
     offset: i32,
     plan: AttentionPlan,
+    /// One count per copy of this cache (snapshots, clones) that shares `keys`/`values`: the
+    /// buffers may be written in place only while it is 1. Renewed whenever an MLX append
+    /// makes the buffers, whose output no copy shares (MLX reuses an input buffer only when
+    /// nothing else holds it, and copies otherwise).
+    holders: Arc<()>,
 }
 
 impl FullCache {
@@ -323,6 +338,95 @@ fn grow_kv(
     Ok(())
 }
 
+thread_local! {
+    static IN_PLACE_APPENDS: std::cell::Cell<usize> = const { std::cell::Cell::new(0) };
+}
+
+/// How many [`KvCache::append_in_place`] writes this thread has made (per thread, so tests
+/// running side by side do not count each other's).
+pub fn in_place_appends_here() -> usize {
+    IN_PLACE_APPENDS.with(std::cell::Cell::get)
+}
+
+/// Where `m` new positions go in an evaluated, row-contiguous `[1, H, capacity, D]` f32 or
+/// bfloat16 buffer, from position `at`.
+struct HostBuffer {
+    data: HostData,
+    heads: usize,
+    capacity: usize,
+    dim: usize,
+    at: usize,
+    m: usize,
+}
+
+enum HostData {
+    F32(*mut f32),
+    Bf16(*mut half::bf16),
+}
+
+impl HostBuffer {
+    /// `None` unless `a` is such a buffer with room for `m` positions at `at` and `len` is
+    /// `H · m · D` values.
+    fn of(a: &Array, at: usize, m: usize, len: usize) -> Option<Self> {
+        let shape = a.shape();
+        let [1, heads, capacity, dim] = shape[..] else {
+            return None;
+        };
+        let (heads, capacity, dim) = (heads as usize, capacity as usize, dim as usize);
+        if at + m > capacity || len != heads * m * dim {
+            return None;
+        }
+        // `try_as_slice` evaluates and checks the dtype and row-contiguity; the pointer is
+        // then taken from MLX itself, not from the shared slice.
+        let data = match a.dtype() {
+            Dtype::Float32 => {
+                a.try_as_slice::<f32>().ok()?;
+                // SAFETY: an evaluated float32 array, its data pointer read through mlx-c.
+                HostData::F32(unsafe { mlx_sys::mlx_array_data_float32(a.as_ptr()) } as *mut f32)
+            }
+            Dtype::Bfloat16 => {
+                a.try_as_slice::<half::bf16>().ok()?;
+                // SAFETY: an evaluated bfloat16 array, its data pointer read through mlx-c.
+                HostData::Bf16(
+                    unsafe { mlx_sys::mlx_array_data_bfloat16(a.as_ptr()) } as *mut half::bf16
+                )
+            }
+            _ => return None,
+        };
+        Some(Self {
+            data,
+            heads,
+            capacity,
+            dim,
+            at,
+            m,
+        })
+    }
+
+    /// Copies `new` (`[H, m, D]`) to positions `at..at + m` of every head (bfloat16 buffers
+    /// take each value narrowed, exact for values a bfloat16 step made).
+    ///
+    /// # Safety
+    /// Nothing else may read or write those positions of the buffer meanwhile.
+    unsafe fn write(&self, new: &[f32]) {
+        let row = self.m * self.dim;
+        for (h, src) in new.chunks_exact(row).enumerate().take(self.heads) {
+            let start = (h * self.capacity + self.at) * self.dim;
+            match self.data {
+                HostData::F32(p) => {
+                    std::ptr::copy_nonoverlapping(src.as_ptr(), p.add(start), row);
+                }
+                HostData::Bf16(p) => {
+                    let dst = std::slice::from_raw_parts_mut(p.add(start), row);
+                    for (d, s) in dst.iter_mut().zip(src) {
+                        *d = half::bf16::from_f32(*s);
+                    }
+                }
+            }
+        }
+    }
+}
+
 /// mlx-lm's `KVCache.update_and_fetch` buffer step (also `BatchKVCache`'s): grows the buffers
 /// in whole steps of [`STEP`] when `keys` do not fit after position `prev` (cutting them to
 /// `prev` first when that is not a whole step), then writes `keys`/`values` there; returns the
@@ -364,11 +468,39 @@ impl KvCache for FullCache {
             values,
         )?;
         self.offset += keys.shape()[2];
-        if self.offset < k.shape()[2] {
-            Ok((prefix(k, self.offset), prefix(v, self.offset)))
+        let fetched = if self.offset < k.shape()[2] {
+            (prefix(k, self.offset), prefix(v, self.offset))
         } else {
-            Ok((k.clone(), v.clone()))
+            (k.clone(), v.clone())
+        };
+        self.holders = Arc::new(());
+        Ok(fetched)
+    }
+
+    fn append_in_place(&mut self, keys: &[f32], values: &[f32], m: usize) -> Result<bool> {
+        let (Some(k), Some(v)) = (&self.keys, &self.values) else {
+            return Ok(false);
+        };
+        if Arc::strong_count(&self.holders) != 1 || self.offset < 0 {
+            return Ok(false);
         }
+        let at = self.offset as usize;
+        let (Some(k_at), Some(v_at)) = (
+            HostBuffer::of(k, at, m, keys.len()),
+            HostBuffer::of(v, at, m, values.len()),
+        ) else {
+            return Ok(false);
+        };
+        // SAFETY: both buffers were checked (evaluated, row-contiguous, shaped for `m` more
+        // positions at `at`), and no other cache or snapshot holds them (`holders`); views
+        // handed out earlier cover positions below the offset, which this does not touch.
+        unsafe {
+            k_at.write(keys);
+            v_at.write(values);
+        }
+        self.offset += m as i32;
+        IN_PLACE_APPENDS.with(|n| n.set(n.get() + 1));
+        Ok(true)
     }
 
     offset_semantics!();
@@ -638,4 +770,98 @@ pub(super) fn roll(a: &Array, shift: i32, axis: i32) -> Result<Array> {
     }
     let cut = ops::split_at_indices(a, &[n - s], axis)?;
     Ok(ops::concatenate(&[&cut[1], &cut[0]], axis)?)
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    const HEADS: usize = 2;
+    const DIM: usize = 4;
+
+    /// `m` positions of `[1, HEADS, m, DIM]` values starting at `from`.
+    fn values(from: f32, m: usize) -> Vec<f32> {
+        (0..HEADS * m * DIM).map(|i| from + i as f32).collect()
+    }
+
+    fn array(v: &[f32], m: usize) -> Array {
+        Array::from_slice(v, &[1, HEADS as i32, m as i32, DIM as i32])
+    }
+
+    fn append_mlx(c: &mut dyn KvCache, k: &[f32], v: &[f32], m: usize) {
+        c.update_and_fetch(&array(k, m), &array(v, m)).unwrap();
+        mlx_rs::transforms::eval(&c.state()).unwrap();
+    }
+
+    /// The keys and values the cache holds, as MLX reads them (copied out of the views).
+    fn held(c: &dyn KvCache) -> (Vec<f32>, Vec<f32>) {
+        let (k, v) = c.peek_kv().unwrap().unwrap();
+        let read = |a: &Array| {
+            let a = ops::add(a, Array::from_f32(0.0)).unwrap();
+            a.as_slice::<f32>().to_vec()
+        };
+        (read(&k), read(&v))
+    }
+
+    #[test]
+    fn in_place_appends_store_what_update_and_fetch_stores() {
+        let (mut fast, mut reference) = (FullCache::new(), FullCache::new());
+        assert!(!fast
+            .append_in_place(&values(0.0, 1), &values(50.0, 1), 1)
+            .unwrap());
+        for c in [&mut fast, &mut reference] {
+            append_mlx(c, &values(0.0, 3), &values(50.0, 3), 3);
+        }
+        let before = in_place_appends_here();
+        for (i, m) in [1usize, 2, 1].into_iter().enumerate() {
+            let (k, v) = (values(100.0 * i as f32, m), values(1000.0 + i as f32, m));
+            assert!(fast.append_in_place(&k, &v, m).unwrap(), "append {i}");
+            append_mlx(&mut reference, &k, &v, m);
+        }
+        assert_eq!(in_place_appends_here() - before, 3);
+        assert_eq!(fast.offset(), reference.offset());
+        assert_eq!(held(&fast), held(&reference));
+        // After a trim the next write replaces the dropped positions, as a slice update does.
+        fast.trim(2);
+        reference.trim(2);
+        assert!(fast
+            .append_in_place(&values(7.0, 1), &values(8.0, 1), 1)
+            .unwrap());
+        append_mlx(&mut reference, &values(7.0, 1), &values(8.0, 1), 1);
+        assert_eq!(held(&fast), held(&reference));
+        // Positions past the buffer's capacity go through update_and_fetch.
+        let m = STEP as usize;
+        assert!(!fast
+            .append_in_place(&values(0.0, m), &values(0.0, m), m)
+            .unwrap());
+    }
+
+    #[test]
+    fn shared_buffers_are_never_written_in_place() {
+        let mut c = FullCache::new();
+        append_mlx(&mut c, &values(0.0, 2), &values(50.0, 2), 2);
+        let saved = c.snapshot();
+        assert!(!c
+            .append_in_place(&values(9.0, 1), &values(9.0, 1), 1)
+            .unwrap());
+        assert_eq!(c.offset(), 2);
+        drop(saved);
+        assert!(c
+            .append_in_place(&values(9.0, 1), &values(9.0, 1), 1)
+            .unwrap());
+
+        let twin = c.clone_box().unwrap();
+        let twin_held = held(twin.as_ref());
+        assert!(!c
+            .append_in_place(&values(5.0, 1), &values(5.0, 1), 1)
+            .unwrap());
+        // An MLX append gives this cache buffers of its own again; the twin keeps its values
+        // through every write that follows.
+        append_mlx(&mut c, &values(5.0, 1), &values(5.0, 1), 1);
+        c.trim(2);
+        assert!(c
+            .append_in_place(&values(-1.0, 1), &values(-2.0, 1), 1)
+            .unwrap());
+        assert_eq!(held(twin.as_ref()), twin_held);
+    }
 }

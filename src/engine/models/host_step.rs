@@ -302,8 +302,13 @@ fn block_step(
         ids.len() as i32,
         heads.head_dim as i32,
     ];
-    let mut state = Vec::with_capacity(2 * caches.len());
+    let mut state = Vec::new();
     for ((cache, k), v) in caches.iter_mut().zip(&out.keys).zip(&out.values) {
+        // Written into the buffers directly where the cache allows it: an MLX append costs
+        // a few microseconds of dispatch per layer, ~10 % of a 4-bit step.
+        if cache.append_in_place(k, v, ids.len())? {
+            continue;
+        }
         let (k, v) = (
             host_array(k, &kv_shape, decoder),
             host_array(v, &kv_shape, decoder),
@@ -312,6 +317,8 @@ fn block_step(
         state.extend(cache.state());
     }
     // Materialize the appended buffers now, so the next block reads them in place.
-    mlx_rs::transforms::eval(&state)?;
+    if !state.is_empty() {
+        mlx_rs::transforms::eval(&state)?;
+    }
     Ok(Some(out))
 }
