@@ -124,18 +124,16 @@ pub fn first_greatest(values: impl Iterator<Item = f32>) -> usize {
 
 /// The logprobs of one host row (`None` for a row with a NaN).
 fn logprobs(row: HostRow<'_>) -> Option<Array> {
-    let mut scratch = Vec::new();
     let n = [1, row.len() as i32];
     match row {
         HostRow::F32(x) => {
-            let lse = logsumexp_mlx(x, &mut scratch)?;
-            scratch.clear();
-            scratch.extend(x.iter().map(|v| v - lse));
-            Some(Array::from_slice(&scratch, &n))
+            let lse = logsumexp_mlx(x)?;
+            let out: Vec<f32> = x.iter().map(|v| v - lse).collect();
+            Some(Array::from_slice(&out, &n))
         }
         HostRow::Bf16(x) => {
             let wide: Vec<f32> = x.iter().map(|v| v.to_f32()).collect();
-            let lse = bf16_mlx(logsumexp_mlx(&wide, &mut scratch)?).to_f32();
+            let lse = bf16_mlx(logsumexp_mlx(&wide)?).to_f32();
             let out: Vec<half::bf16> = wide.iter().map(|v| bf16_mlx(v - lse)).collect();
             Some(Array::from_slice(&out, &n))
         }

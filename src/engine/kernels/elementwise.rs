@@ -89,28 +89,34 @@ fn exp_mlx_slice_on(simd: Option<Simd>, x: &mut [f32]) {
 /// MLX CPU's `logsumexp` of one f32 row as MLX computes it on x86 Linux (`logsumexp.cpp` on
 /// one-lane SIMD): the row's maximum, the [`exp_mlx`] of every `x - max` added one after the
 /// other in row order, then `log(sum) + max`, or the maximum itself when it is infinite. The
-/// exps run in vector lanes (`scratch` holds them); only their sum is one chain. `None` for a
-/// row holding a NaN, whose maximum MLX may pick otherwise.
-pub fn logsumexp_mlx(x: &[f32], scratch: &mut Vec<f32>) -> Option<f32> {
-    let mut max = f32::NEG_INFINITY;
-    for &v in x {
-        if v.is_nan() {
-            return None;
-        }
-        if v > max {
-            max = v;
-        }
+/// exps run in vector lanes a chunk at a time, each chunk's feeding the one chain of sums while
+/// the next is computed. `None` for a row holding a NaN, whose maximum MLX may pick otherwise.
+pub fn logsumexp_mlx(x: &[f32]) -> Option<f32> {
+    // The maximum's value does not depend on the order it is looked for in (its sign at zero
+    // would, but `x - max` and `log(sum) + max` come out alike for either zero).
+    let max = x.iter().fold(f32::NEG_INFINITY, |m, &v| m.max(v));
+    if x.iter().any(|v| v.is_nan()) {
+        return None;
     }
-    scratch.clear();
-    scratch.extend(x.iter().map(|v| v - max));
-    exp_mlx_slice(scratch);
-    let sum = scratch.iter().fold(0.0f32, |sum, e| sum + e);
+    let mut chunk = [0.0f32; LSE_CHUNK];
+    let mut sum = 0.0f32;
+    for part in x.chunks(LSE_CHUNK) {
+        let exps = &mut chunk[..part.len()];
+        for (e, v) in exps.iter_mut().zip(part) {
+            *e = v - max;
+        }
+        exp_mlx_slice(exps);
+        sum = exps.iter().fold(sum, |sum, e| sum + e);
+    }
     Some(if max.is_infinite() {
         max
     } else {
         sum.ln() + max
     })
 }
+
+/// Values per chunk of [`logsumexp_mlx`]'s exps (small enough to stay in the L1 cache).
+const LSE_CHUNK: usize = 256;
 
 /// MLX CPU's `sigmoid`: `y = 1 / (1 + exp(|x|))`, then `y` for negative `x`, `1 - y` otherwise.
 pub fn sigmoid_mlx(x: f32) -> f32 {
