@@ -397,8 +397,8 @@ mod x86 {
 
     /// How far ahead of the codes being read the kernels prefetch (bytes; the scales and
     /// biases the same number of groups ahead). A decode step streams each weight once, and
-    /// the hardware prefetchers alone left the loads waiting: 1,024 bytes ahead took 4-bit
-    /// decode from 133-148 to 152-161 t/s on the development machine (512: 142-156).
+    /// with the hardware prefetchers alone the 4-bit kernel waited on its loads (measured in
+    /// docs/performance.md, "Prefetched 4-bit kernel"; 512 bytes ahead was no better).
     const PREFETCH_BYTES: usize = 1024;
 
     /// Asks for the cache line `ahead` elements past `p` (never dereferenced, so it may lie
