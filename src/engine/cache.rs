@@ -5,6 +5,7 @@ use super::cache_attention::AttentionPlan;
 use super::error::Result;
 use mlx_rs::ops::indexing::{Ellipsis, IndexOp, TryIndexMutOp};
 use mlx_rs::{ops, Array, Dtype};
+use std::sync::atomic::{AtomicBool, Ordering};
 use std::sync::Arc;
 
 /// `plan` and `set_plan` for a cache with a `plan` field.
@@ -284,11 +285,13 @@ pub struct FullCache {
     values: Option<Array>,
     offset: i32,
     plan: AttentionPlan,
-    /// One count per copy of this cache (snapshots, clones) that shares `keys`/`values`: the
-    /// buffers may be written in place only while it is 1. Renewed whenever an MLX append
-    /// makes the buffers, whose output no copy shares (MLX reuses an input buffer only when
-    /// nothing else holds it, and copies otherwise).
-    holders: Arc<()>,
+    /// Shared by every copy of this cache (snapshots, clones) that holds the same
+    /// `keys`/`values`: the buffers may be written in place only while no other copy holds
+    /// them (a count of 1) and no copy ever appended through MLX from them while they were
+    /// shared (the flag: such an append may still be a lazy op reading them). Renewed by each
+    /// MLX append, whose output no copy shares (MLX reuses an input buffer only when nothing
+    /// else holds it, and copies otherwise).
+    holders: Arc<AtomicBool>,
 }
 
 impl FullCache {
@@ -473,7 +476,10 @@ impl KvCache for FullCache {
         } else {
             (k.clone(), v.clone())
         };
-        self.holders = Arc::new(());
+        if Arc::strong_count(&self.holders) > 1 {
+            self.holders.store(true, Ordering::Relaxed);
+        }
+        self.holders = Arc::default();
         Ok(fetched)
     }
 
@@ -481,7 +487,8 @@ impl KvCache for FullCache {
         let (Some(k), Some(v)) = (&self.keys, &self.values) else {
             return Ok(false);
         };
-        if Arc::strong_count(&self.holders) != 1 || self.offset < 0 {
+        let shared = Arc::strong_count(&self.holders) != 1 || self.holders.load(Ordering::Relaxed);
+        if shared || self.offset < 0 {
             return Ok(false);
         }
         let at = self.offset as usize;
@@ -492,7 +499,7 @@ impl KvCache for FullCache {
             return Ok(false);
         };
         // SAFETY: both buffers were checked (evaluated, row-contiguous, shaped for `m` more
-        // positions at `at`), and no other cache or snapshot holds them (`holders`); views
+        // positions at `at`), and no other cache or snapshot holds or reads them (`holders`); views
         // handed out earlier cover positions below the offset, which this does not touch.
         unsafe {
             k_at.write(keys);
@@ -863,5 +870,29 @@ mod tests {
             .append_in_place(&values(-1.0, 1), &values(-2.0, 1), 1)
             .unwrap());
         assert_eq!(held(twin.as_ref()), twin_held);
+    }
+
+    #[test]
+    fn a_buffer_a_copy_appended_from_is_never_written_in_place() {
+        let mut c = FullCache::new();
+        append_mlx(&mut c, &values(0.0, 3), &values(50.0, 3), 3);
+        let mut twin = c.clone_box().unwrap();
+        // The twin's MLX append reads the shared buffers lazily: until this cache has buffers
+        // of its own, writing them (even below the twin's positions, after a trim) could
+        // change what the twin's append copies.
+        twin.update_and_fetch(&array(&values(5.0, 1), 1), &array(&values(5.0, 1), 1))
+            .unwrap();
+        c.trim(2);
+        assert!(!c
+            .append_in_place(&values(-1.0, 1), &values(-2.0, 1), 1)
+            .unwrap());
+        mlx_rs::transforms::eval(&twin.state()).unwrap();
+        let (twin_keys, _) = held(twin.as_ref());
+        // Head 0's first three positions, as appended before the copy.
+        assert_eq!(&twin_keys[..3 * DIM], &values(0.0, 3)[..3 * DIM]);
+        append_mlx(&mut c, &values(-1.0, 1), &values(-2.0, 1), 1);
+        assert!(c
+            .append_in_place(&values(3.0, 1), &values(3.0, 1), 1)
+            .unwrap());
     }
 }
