@@ -3,6 +3,7 @@
 
 use super::cache_attention::AttentionPlan;
 use super::error::Result;
+use super::kernels::elementwise::bf16_mlx;
 use mlx_rs::ops::indexing::{Ellipsis, IndexOp, TryIndexMutOp};
 use mlx_rs::{ops, Array, Dtype};
 use std::sync::atomic::{AtomicBool, Ordering};
@@ -407,7 +408,8 @@ impl HostBuffer {
     }
 
     /// Copies `new` (`[H, m, D]`) to positions `at..at + m` of every head (bfloat16 buffers
-    /// take each value narrowed, exact for values a bfloat16 step made).
+    /// take each value narrowed as the MLX append's input is, [`bf16_mlx`]; exact for values a
+    /// bfloat16 step made).
     ///
     /// # Safety
     /// Nothing else may read or write those positions of the buffer meanwhile.
@@ -422,7 +424,7 @@ impl HostBuffer {
                 HostData::Bf16(p) => {
                     let dst = std::slice::from_raw_parts_mut(p.add(start), row);
                     for (d, s) in dst.iter_mut().zip(src) {
-                        *d = half::bf16::from_f32(*s);
+                        *d = bf16_mlx(*s);
                     }
                 }
             }
