@@ -1,14 +1,16 @@
-//! The explicit host path of a 4-bit (or 8-bit) linear layer: its packed weights are read in place from
-//! MLX's evaluated buffers (kept alive, never copied per token), the input is evaluated and
-//! read, the kernel runs on host memory and the result is wrapped as an MLX array.
+//! The explicit host path of a 4-bit (or 8-bit) linear layer: its packed weights are copied
+//! once into huge-page memory ([`super::pages`]; past the copies' budget they are read in place
+//! from MLX's evaluated buffers, kept alive), the input is evaluated and read, the kernel runs
+//! on host memory and the result is wrapped as an MLX array.
 
 use super::affine::{QMatrix, MAX_M};
 use super::dispatch::{matmul, selection, Selection};
+use super::pages::HostCopy;
 use crate::engine::error::{EngineError, Result};
 use crate::engine::weights::QuantSpec;
 use mlx_rs::{Array, Dtype};
 use std::sync::atomic::{AtomicUsize, Ordering};
-use std::sync::OnceLock;
+use std::sync::{Arc, OnceLock};
 
 /// A read-only view of an evaluated MLX buffer that its owner ([`HostQuant`],
 /// [`super::dense::HostDense`]) keeps alive.
@@ -96,14 +98,45 @@ pub fn widened(a: &Array) -> Result<Vec<f32>> {
     }
 }
 
+/// Values a host kernel reads: its own [`HostCopy`] in huge-page memory, or, past the copies'
+/// budget, an MLX buffer its owner keeps alive. Cloning shares them.
+#[derive(Debug, Clone)]
+enum Held<T: bytemuck::Pod + mlx_rs::ArrayElement> {
+    Copied(Arc<HostCopy<T>>),
+    Pinned(HostSlice<T>),
+}
+
+impl<T: bytemuck::Pod + mlx_rs::ArrayElement> Held<T> {
+    /// The values of `a` (evaluated), copied where the budget allows; `keep` gets `a` when
+    /// they are read in place.
+    fn of(a: &Array, what: &str, keep: &mut Vec<Array>) -> Result<Self> {
+        let view = HostSlice::of(a, what)?;
+        Ok(match HostCopy::of(view.get()) {
+            Some(copy) => Self::Copied(Arc::new(copy)),
+            None => {
+                keep.push(a.clone());
+                Self::Pinned(view)
+            }
+        })
+    }
+
+    fn get(&self) -> &[T] {
+        match self {
+            Self::Copied(c) => c,
+            Self::Pinned(v) => v.get(),
+        }
+    }
+}
+
 /// A 2-D affine-quantized weight (`[rows, cols * bits / 32]` uint32, f32 `[rows, cols/group]`
 /// scales and biases) pinned in host memory for the kernel. Cloning shares the pinned buffers.
 #[derive(Debug, Clone)]
 pub struct HostQuant {
-    _keep: [Array; 3],
-    packed: HostSlice<u32>,
-    scales: HostSlice<f32>,
-    biases: HostSlice<f32>,
+    /// The arrays the [`Held::Pinned`] values read.
+    _keep: Vec<Array>,
+    packed: Held<u32>,
+    scales: Held<f32>,
+    biases: Held<f32>,
     bits: usize,
     rows: usize,
     cols: usize,
@@ -129,11 +162,12 @@ impl HostQuant {
         };
         let (scales, biases) = (f32_of(scales)?, f32_of(biases)?);
         weight.eval()?;
+        let mut keep = Vec::new();
         let me = Self {
-            packed: HostSlice::of(weight, "packed weight")?,
-            scales: HostSlice::of(&scales, "scales")?,
-            biases: HostSlice::of(&biases, "biases")?,
-            _keep: [weight.clone(), scales, biases],
+            packed: Held::of(weight, "packed weight", &mut keep)?,
+            scales: Held::of(&scales, "scales", &mut keep)?,
+            biases: Held::of(&biases, "biases", &mut keep)?,
+            _keep: keep,
             bits,
             rows,
             cols,
@@ -232,5 +266,40 @@ impl HostQuantCell {
         }
         let h = HostQuant::new(weight, scales, biases, spec)?;
         Ok(self.0.get_or_init(|| h))
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+    use mlx_rs::ops;
+
+    /// The kernel reads its own copy of a quantized weight (in huge-page memory), holding the
+    /// weight's values, and gives the product it gives from MLX's buffers.
+    #[test]
+    fn a_quantized_weight_is_read_from_its_own_copy() {
+        let w = mlx_rs::random::normal::<f32>(&[64, 256], None, None, None).unwrap();
+        let (q, s, b) = ops::quantize(&w, 64, 4).unwrap();
+        let spec = QuantSpec {
+            group_size: 64,
+            bits: 4,
+        };
+        let h = HostQuant::new(&q, &s, &b, spec).unwrap();
+        let mlx_codes = q.as_slice::<u32>();
+        match &h.packed {
+            Held::Copied(c) => {
+                assert_eq!(&c[..], mlx_codes);
+                assert_ne!(c.as_ptr(), mlx_codes.as_ptr());
+            }
+            Held::Pinned(_) => panic!("the codes were not copied"),
+        }
+        assert!(matches!(h.scales, Held::Copied(_)) && matches!(h.biases, Held::Copied(_)));
+        assert_eq!(h.scales.get(), s.as_slice::<f32>());
+        assert_eq!(h.biases.get(), b.as_slice::<f32>());
+        let x = mlx_rs::random::normal::<f32>(&[1, 256], None, None, None).unwrap();
+        let want = ops::quantized_matmul(&x, &q, &s, &b, true, 64, 4).unwrap();
+        let got = h.forward(&x).unwrap();
+        let diff = ops::abs(ops::subtract(&got, &want).unwrap()).unwrap();
+        assert!(diff.max(None).unwrap().item_cast::<f32>() < 1e-3);
     }
 }

@@ -36,6 +36,7 @@ pub mod elementwise;
 pub mod host;
 pub mod mlx_order;
 pub mod packed;
+mod pages;
 pub mod pair;
 pub mod proj;
 pub mod qdense;

@@ -16,6 +16,7 @@
 //! block of tokens runs past each group while it sits in the first-level cache.
 
 use super::mlx_order::{simd, Order, Simd, CHUNKS, PARALLEL_MIN_WEIGHTS};
+use super::pages::HostCopy;
 use super::pair;
 use rayon::prelude::*;
 use std::ops::Range;
@@ -40,40 +41,6 @@ pub fn packed_calls() -> (usize, usize) {
     )
 }
 
-/// Bytes the packed copies of this process hold.
-static PACKED_BYTES: AtomicUsize = AtomicUsize::new(0);
-
-/// Bytes the packed copies may take in this process, so that a large model is not doubled
-/// into swap: half the memory the system had available when the first copy was made
-/// (Linux's `MemAvailable`), or 1 GiB where that cannot be read; `MLXB_PACKED_BUDGET_MB`
-/// sets it. Weights past it keep the row-major kernels (same bits, slower).
-fn budget() -> usize {
-    static BUDGET: std::sync::OnceLock<usize> = std::sync::OnceLock::new();
-    *BUDGET.get_or_init(|| {
-        let set = std::env::var("MLXB_PACKED_BUDGET_MB")
-            .ok()
-            .and_then(|v| v.trim().parse::<usize>().ok());
-        let available_kb = || -> Option<usize> {
-            let info = std::fs::read_to_string("/proc/meminfo").ok()?;
-            let line = info.lines().find(|l| l.starts_with("MemAvailable:"))?;
-            line.split_whitespace().nth(1)?.parse().ok()
-        };
-        match (set, available_kb()) {
-            (Some(mb), _) => mb << 20,
-            (None, Some(kb)) => (kb << 10) / 2,
-            (None, None) => 1 << 30,
-        }
-    })
-}
-
-/// Adds `bytes` to `used` when the total stays within `budget`; whether it did.
-fn reserve(used: &AtomicUsize, budget: usize, bytes: usize) -> bool {
-    used.fetch_update(Ordering::Relaxed, Ordering::Relaxed, |u| {
-        u.checked_add(bytes).filter(|&total| total <= budget)
-    })
-    .is_ok()
-}
-
 /// Tokens one pass over a group of rows serves (one accumulator each).
 const TOKEN_BLOCK: usize = 4;
 
@@ -90,7 +57,7 @@ enum Layout {
 /// the last whole group are not held (the caller sums them from the row-major weight).
 #[derive(Debug)]
 pub struct PackedRows {
-    words: Vec<u32>,
+    words: HostCopy<u32>,
     layout: Layout,
     simd: Simd,
     /// Rows per group (the vector width in f32 lanes).
@@ -147,12 +114,6 @@ pub fn dot_available() -> bool {
     })
 }
 
-impl Drop for PackedRows {
-    fn drop(&mut self) {
-        PACKED_BYTES.fetch_sub(self.words.len() * 4, Ordering::Relaxed);
-    }
-}
-
 impl PackedRows {
     /// Packs the row-major bfloat16 bits `w` (`rows × cols`) for this CPU's vector width;
     /// `None` when the CPU has no host kernels, the depth is odd, or there is no whole group.
@@ -204,12 +165,9 @@ impl PackedRows {
             Layout::Bf16Pairs => cols / 2,
             Layout::F32Panels(_) => cols,
         };
-        if !reserve(&PACKED_BYTES, budget(), held * columns * 4) {
-            return None;
-        }
         // Both cores write (most of the time is the kernel zero-filling fresh pages, which it
         // does on the faulting core).
-        let mut words = vec![0u32; held * columns];
+        let mut words = HostCopy::zeroed(held * columns)?;
         words
             .par_chunks_exact_mut(lanes * columns)
             .enumerate()
@@ -909,19 +867,6 @@ mod tests {
         assert_eq!(bf16_grid([0x3F80, 0x0000, 0x8000].into_iter()), Some(-7));
         assert_eq!(bf16_grid([0x0001].into_iter()), None, "subnormal");
         assert_eq!(bf16_grid([0x7F80].into_iter()), None, "infinite");
-    }
-
-    #[test]
-    fn copies_stop_at_the_budget() {
-        let used = AtomicUsize::new(0);
-        assert!(reserve(&used, 100, 60));
-        assert!(!reserve(&used, 100, 41), "past the budget");
-        assert!(reserve(&used, 100, 40));
-        assert_eq!(used.load(Ordering::Relaxed), 100);
-        assert!(
-            !reserve(&used, usize::MAX, usize::MAX),
-            "an overflowing total"
-        );
     }
 
     #[test]
