@@ -4,6 +4,7 @@
 //! Chunk boundaries change matmul shapes, so they are copied exactly to keep bits identical.
 
 use super::error::{EngineError, Result};
+use super::kernels::reshaped_row;
 use super::logprobs::{host_logprobs, logits_row};
 use super::models::activations::CompiledOp;
 use super::models::{Caches, ForwardOpts, LanguageModel};
@@ -276,7 +277,7 @@ impl<'a> Generator<'a> {
         };
         let out = self
             .model
-            .forward_ext(&tokens.expand_dims(0)?, &mut self.caches, &opts)?;
+            .forward_ext(&reshaped_row(tokens, true)?, &mut self.caches, &opts)?;
         let first = self.positions;
         self.positions += tokens.size();
         Ok((out.logits, first, out.taps))
@@ -372,7 +373,7 @@ impl<'a> Generator<'a> {
             Some(t) => Array::from_slice(&[t], &[1]),
             None => self.sampler.sample(&logprobs)?,
         };
-        Ok((sampled, logprobs.squeeze_axes(&[0])?))
+        Ok((sampled, reshaped_row(&logprobs, false)?))
     }
 
     /// Builds the step that feeds `y` and starts evaluating it without waiting.

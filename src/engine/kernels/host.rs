@@ -69,6 +69,35 @@ pub fn ready_bf16(a: &Array) -> Option<&[half::bf16]> {
     ready(a)
 }
 
+/// `a` with its leading axis of one dropped (`[1, n]` → `[n]`) or added (`[n]` → `[1, n]`,
+/// `add`): a host copy when its values already exist (f32, bfloat16, uint32 or int32; an MLX
+/// reshape would be one more operation for the next synchronisation to wait on), MLX's
+/// reshape otherwise.
+pub fn reshaped_row(a: &Array, add: bool) -> Result<Array> {
+    let shape: Vec<i32> = if add {
+        [&[1], a.shape()].concat()
+    } else if a.shape().first() == Some(&1) {
+        a.shape()[1..].to_vec()
+    } else {
+        return Err(EngineError::Runtime(format!(
+            "a row of shape {:?} has no leading axis of one",
+            a.shape()
+        )));
+    };
+    let copied = match a.dtype() {
+        Dtype::Float32 => ready::<f32>(a).map(|v| Array::from_slice(v, &shape)),
+        Dtype::Bfloat16 => ready::<half::bf16>(a).map(|v| Array::from_slice(v, &shape)),
+        Dtype::Uint32 => ready::<u32>(a).map(|v| Array::from_slice(v, &shape)),
+        Dtype::Int32 => ready::<i32>(a).map(|v| Array::from_slice(v, &shape)),
+        _ => None,
+    };
+    Ok(match copied {
+        Some(c) => c,
+        None if add => a.expand_dims(0)?,
+        None => a.squeeze_axes(&[0])?,
+    })
+}
+
 /// An array's values widened to f32 (exact for every float dtype here), as bit patterns: what
 /// the host kernels' one-time checks compare with MLX's result.
 pub fn check_bits(a: &Array) -> Result<Vec<u32>> {
@@ -273,6 +302,42 @@ impl HostQuantCell {
 mod tests {
     use super::*;
     use mlx_rs::ops;
+
+    /// A row whose values exist is reshaped by a host copy with the same values, dtype and
+    /// shape as MLX's reshape; a lazy one by MLX's reshape; a row with no axis of one to drop
+    /// is an error.
+    #[test]
+    fn rows_are_reshaped_like_mlx() {
+        let f = Array::from_slice(&[1.5f32, -2.0, 3.25], &[1, 3]);
+        let bf = f.as_dtype(Dtype::Bfloat16).unwrap();
+        bf.eval().unwrap();
+        let ids = Array::from_slice(&[7u32, 9], &[2]);
+        let lazy = f.multiply(Array::from_f32(2.0)).unwrap();
+        let available = |a: &Array| {
+            let mut yes = false;
+            // SAFETY: reads a flag of a live array handle.
+            unsafe { mlx_sys::_mlx_array_is_available(&mut yes, a.as_ptr()) };
+            yes
+        };
+        for (a, add, ready) in [
+            (&f, false, true),
+            (&bf, false, true),
+            (&ids, true, true),
+            (&lazy, false, false),
+        ] {
+            let ours = reshaped_row(a, add).unwrap();
+            assert_eq!(available(&ours), ready, "{:?}", a.shape());
+            let theirs = if add {
+                a.expand_dims(0).unwrap()
+            } else {
+                a.squeeze_axes(&[0]).unwrap()
+            };
+            assert_eq!(ours.shape(), theirs.shape());
+            assert_eq!(ours.dtype(), theirs.dtype());
+            assert_eq!(check_bits(&ours).unwrap(), check_bits(&theirs).unwrap());
+        }
+        assert!(reshaped_row(&Array::from_slice(&[1.0f32; 6], &[2, 3]), false).is_err());
+    }
 
     /// The kernel reads its own copy of a quantized weight (in huge-page memory), holding the
     /// weight's values, and gives the product it gives from MLX's buffers.

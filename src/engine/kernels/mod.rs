@@ -50,7 +50,9 @@ pub mod vnni;
 pub use affine::{KernelPath, Prepared, QMatrix, BITS, MAX_M};
 pub use dense::{dense_calls, refused_blocks, refused_shapes, HostDense, HostDenseCell};
 pub use dispatch::{best_path, matmul, selection, Selection};
-pub use host::{check_bits, host_calls, ready_bf16, ready_f32, HostQuant, HostQuantCell};
+pub use host::{
+    check_bits, host_calls, ready_bf16, ready_f32, reshaped_row, HostQuant, HostQuantCell,
+};
 pub use proj::{HostF32, HostForm, HostProj, ProjWeight};
 pub use qdense::{qdense_calls, HostQDense, HostQDenseCell};
 pub use rope_table::RopeTable;
