@@ -11,7 +11,8 @@
 //!
 //! `affine` is the arithmetic (AVX-512, AVX2+FMA, scalar; `vnni` the int8-input AVX-512 VNNI
 //! variant), `dispatch` picks a path at run time
-//! and splits rows over threads, `host` moves arrays between MLX and host memory, `vecops`, `step`
+//! and splits rows over threads, `host` moves arrays between MLX and host memory, `pages` holds
+//! the weight copies the kernels stream (in huge pages where the system gives them), `vecops`, `step`
 //! and `team` run a whole llama-style decode step on the host, `proj` holds its projections
 //! (4-/8-bit, other widths, dense f32, with biases).
 
