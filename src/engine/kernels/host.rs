@@ -5,7 +5,7 @@
 
 use super::affine::{QMatrix, MAX_M};
 use super::dispatch::{matmul, selection, Selection};
-use super::pages::HostCopy;
+use super::pages::{huge_pages, HostCopy};
 use crate::engine::error::{EngineError, Result};
 use crate::engine::weights::QuantSpec;
 use mlx_rs::{Array, Dtype};
@@ -127,8 +127,9 @@ pub fn widened(a: &Array) -> Result<Vec<f32>> {
     }
 }
 
-/// Values a host kernel reads: its own [`HostCopy`] in huge-page memory, or, past the copies'
-/// budget, an MLX buffer its owner keeps alive. Cloning shares them.
+/// Values a host kernel reads: its own [`HostCopy`] in huge-page memory, or an MLX buffer its
+/// owner keeps alive (past the copies' budget, or where the system gives no huge pages and a
+/// copy would gain nothing). Cloning shares them.
 #[derive(Debug, Clone)]
 enum Held<T: bytemuck::Pod + mlx_rs::ArrayElement> {
     Copied(Arc<HostCopy<T>>),
@@ -136,11 +137,12 @@ enum Held<T: bytemuck::Pod + mlx_rs::ArrayElement> {
 }
 
 impl<T: bytemuck::Pod + mlx_rs::ArrayElement> Held<T> {
-    /// The values of `a` (evaluated), copied where the budget allows; `keep` gets `a` when
-    /// they are read in place.
+    /// The values of `a` (evaluated), copied where huge pages and the budget allow; `keep`
+    /// gets `a` when they are read in place.
     fn of(a: &Array, what: &str, keep: &mut Vec<Array>) -> Result<Self> {
         let view = HostSlice::of(a, what)?;
-        Ok(match HostCopy::of(view.get()) {
+        let copy = huge_pages().then(|| HostCopy::of(view.get())).flatten();
+        Ok(match copy {
             Some(copy) => Self::Copied(Arc::new(copy)),
             None => {
                 keep.push(a.clone());
@@ -339,8 +341,9 @@ mod tests {
         assert!(reshaped_row(&Array::from_slice(&[1.0f32; 6], &[2, 3]), false).is_err());
     }
 
-    /// The kernel reads its own copy of a quantized weight (in huge-page memory), holding the
-    /// weight's values, and gives the product it gives from MLX's buffers.
+    /// Where the system gives huge pages, the kernel reads its own copy of a quantized weight
+    /// (in huge-page memory), holding the weight's values; elsewhere MLX's buffers. Either way
+    /// it gives MLX's product.
     #[test]
     fn a_quantized_weight_is_read_from_its_own_copy() {
         let w = mlx_rs::random::normal::<f32>(&[64, 256], None, None, None).unwrap();
@@ -353,12 +356,18 @@ mod tests {
         let mlx_codes = q.as_slice::<u32>();
         match &h.packed {
             Held::Copied(c) => {
+                assert!(huge_pages(), "copied without huge pages");
                 assert_eq!(&c[..], mlx_codes);
                 assert_ne!(c.as_ptr(), mlx_codes.as_ptr());
             }
-            Held::Pinned(_) => panic!("the codes were not copied"),
+            Held::Pinned(v) => {
+                assert!(!huge_pages(), "the codes were not copied");
+                assert_eq!(v.get().as_ptr(), mlx_codes.as_ptr());
+            }
         }
-        assert!(matches!(h.scales, Held::Copied(_)) && matches!(h.biases, Held::Copied(_)));
+        let copied = |held: &Held<f32>| matches!(held, Held::Copied(_));
+        assert_eq!(copied(&h.scales), huge_pages());
+        assert_eq!(copied(&h.biases), huge_pages());
         assert_eq!(h.scales.get(), s.as_slice::<f32>());
         assert_eq!(h.biases.get(), b.as_slice::<f32>());
         let x = mlx_rs::random::normal::<f32>(&[1, 256], None, None, None).unwrap();

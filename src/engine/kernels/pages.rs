@@ -52,6 +52,24 @@ fn budget() -> usize {
     })
 }
 
+/// Whether this system backs memory advised `MADV_HUGEPAGE` with transparent huge pages
+/// (Linux with them set to `always` or `madvise`): where it does not, a copy made only for its
+/// pages would cost memory and gain nothing.
+pub(super) fn huge_pages() -> bool {
+    static ON: std::sync::OnceLock<bool> = std::sync::OnceLock::new();
+    *ON.get_or_init(|| {
+        cfg!(target_os = "linux")
+            && std::fs::read_to_string("/sys/kernel/mm/transparent_hugepage/enabled")
+                .is_ok_and(|mode| huge_pages_in(&mode))
+    })
+}
+
+/// [`huge_pages`] for the contents of `transparent_hugepage/enabled` (the mode in brackets).
+fn huge_pages_in(mode: &str) -> bool {
+    mode.split_whitespace()
+        .any(|m| m == "[always]" || m == "[madvise]")
+}
+
 /// Adds `bytes` to `used` when the total stays within `budget`; whether it did.
 fn reserve(used: &AtomicUsize, budget: usize, bytes: usize) -> bool {
     used.fetch_update(Ordering::Relaxed, Ordering::Relaxed, |u| {
@@ -211,6 +229,14 @@ mod tests {
             !reserve(&used, usize::MAX, usize::MAX),
             "an overflowing total"
         );
+    }
+
+    #[test]
+    fn huge_pages_are_read_from_the_bracketed_mode() {
+        assert!(huge_pages_in("always [madvise] never\n"));
+        assert!(huge_pages_in("[always] madvise never\n"));
+        assert!(!huge_pages_in("always madvise [never]\n"));
+        assert!(!huge_pages_in(""));
     }
 
     #[test]
