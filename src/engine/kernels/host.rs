@@ -127,34 +127,37 @@ pub fn widened(a: &Array) -> Result<Vec<f32>> {
     }
 }
 
-/// Values a host kernel reads: its own [`HostCopy`] in huge-page memory, or an MLX buffer its
-/// owner keeps alive (past the copies' budget, or where the system gives no huge pages and a
+/// Values a host kernel reads: its own [`HostCopy`] in huge-page memory, or the buffer of an
+/// MLX array it holds (past the copies' budget, or where the system gives no huge pages and a
 /// copy would gain nothing). Cloning shares them.
 #[derive(Debug, Clone)]
 enum Held<T: bytemuck::Pod + mlx_rs::ArrayElement> {
     Copied(Arc<HostCopy<T>>),
-    Pinned(HostSlice<T>),
+    /// A view of the buffer of `_array` (held so that the buffer stays alive).
+    Pinned {
+        view: HostSlice<T>,
+        _array: Array,
+    },
 }
 
 impl<T: bytemuck::Pod + mlx_rs::ArrayElement> Held<T> {
-    /// The values of `a` (evaluated), copied where huge pages and the budget allow; `keep`
-    /// gets `a` when they are read in place.
-    fn of(a: &Array, what: &str, keep: &mut Vec<Array>) -> Result<Self> {
+    /// The values of `a` (evaluated), copied where huge pages and the budget allow.
+    fn of(a: &Array, what: &str) -> Result<Self> {
         let view = HostSlice::of(a, what)?;
         let copy = huge_pages().then(|| HostCopy::of(view.get())).flatten();
         Ok(match copy {
             Some(copy) => Self::Copied(Arc::new(copy)),
-            None => {
-                keep.push(a.clone());
-                Self::Pinned(view)
-            }
+            None => Self::Pinned {
+                view,
+                _array: a.clone(),
+            },
         })
     }
 
     fn get(&self) -> &[T] {
         match self {
             Self::Copied(c) => c,
-            Self::Pinned(v) => v.get(),
+            Self::Pinned { view, .. } => view.get(),
         }
     }
 }
@@ -163,8 +166,6 @@ impl<T: bytemuck::Pod + mlx_rs::ArrayElement> Held<T> {
 /// scales and biases) pinned in host memory for the kernel. Cloning shares the pinned buffers.
 #[derive(Debug, Clone)]
 pub struct HostQuant {
-    /// The arrays the [`Held::Pinned`] values read.
-    _keep: Vec<Array>,
     packed: Held<u32>,
     scales: Held<f32>,
     biases: Held<f32>,
@@ -193,12 +194,10 @@ impl HostQuant {
         };
         let (scales, biases) = (f32_of(scales)?, f32_of(biases)?);
         weight.eval()?;
-        let mut keep = Vec::new();
         let me = Self {
-            packed: Held::of(weight, "packed weight", &mut keep)?,
-            scales: Held::of(&scales, "scales", &mut keep)?,
-            biases: Held::of(&biases, "biases", &mut keep)?,
-            _keep: keep,
+            packed: Held::of(weight, "packed weight")?,
+            scales: Held::of(&scales, "scales")?,
+            biases: Held::of(&biases, "biases")?,
             bits,
             rows,
             cols,
@@ -360,7 +359,7 @@ mod tests {
                 assert_eq!(&c[..], mlx_codes);
                 assert_ne!(c.as_ptr(), mlx_codes.as_ptr());
             }
-            Held::Pinned(v) => {
+            Held::Pinned { view: v, .. } => {
                 assert!(!huge_pages(), "the codes were not copied");
                 assert_eq!(v.get().as_ptr(), mlx_codes.as_ptr());
             }
