@@ -159,6 +159,8 @@ fn lossless_sliding_window_gemma3() {
 struct Recorder {
     inner: DsparkSource,
     log: Rc<RefCell<Vec<Round>>>,
+    /// Rounds drafted on the host kernels.
+    hosted: Rc<RefCell<usize>>,
 }
 
 /// One round as the recorder saw it.
@@ -188,6 +190,7 @@ impl DraftSource for Recorder {
     }
     fn draft(&mut self, t: TargetView<'_>, seq: &[u32], n: usize) -> EngineResult<Draft> {
         let d = self.inner.draft(t, seq, n)?;
+        *self.hosted.borrow_mut() += usize::from(self.inner.drafts_on_host());
         let block = self.inner.last_block().unwrap();
         self.log.borrow_mut().push(Round {
             proposed: d.tokens.clone(),
@@ -213,14 +216,27 @@ fn recorded(
 ) -> (Vec<i32>, Log, SpecMetrics) {
     let inner =
         DsparkSource::open(ck, session.model.model.as_ref(), min_conf, Forks::default()).unwrap();
+    let (ids, log, m, _) = recorded_with(session, inner, prompt);
+    (ids, log, m)
+}
+
+/// Greedy ids, the log and the rounds drafted on the host kernels for `inner`.
+fn recorded_with(
+    session: &mut Session,
+    inner: DsparkSource,
+    prompt: &[u32],
+) -> (Vec<i32>, Log, SpecMetrics, usize) {
     let log = Rc::new(RefCell::new(Vec::new()));
+    let hosted = Rc::new(RefCell::new(0));
     let rec = Box::new(Recorder {
         inner,
         log: log.clone(),
+        hosted: hosted.clone(),
     });
     let (ids, m) = common::greedy_ids(session.model.model.as_mut(), prompt, Some(rec), 3, GEN);
     let log = log.borrow().clone();
-    (ids, log, m.unwrap())
+    let hosted = *hosted.borrow();
+    (ids, log, m.unwrap(), hosted)
 }
 
 /// Pruning cuts the block at the first low-confidence position: what is proposed is a prefix
@@ -992,6 +1008,53 @@ fn reduced_draft_vocabulary_is_draft_side_only() {
         },
         "without `d2t`",
     );
+}
+
+/// Greedy rounds on the host kernels draft what the MLX graphs draft: a drafter with a head
+/// over draft ids (here the whole vocabulary), its weights f32 or bfloat16 values, proposes the
+/// same blocks round by round either way, every round of the first on the host and none of the
+/// second, and the output equals vanilla greedy decoding.
+#[test]
+fn host_block_drafts_what_mlx_drafts() {
+    let dir = target(&common::tiny_llama(json!({})));
+    let prompt = prompt(384);
+    let mut session = Session::open(dir.path(), Forks::default()).unwrap();
+    let (vanilla, _) = common::greedy_ids(session.model.model.as_mut(), &prompt, None, 3, GEN);
+    let all: Vec<i64> = (0..384).collect();
+    for bf16 in [false, true] {
+        let ck = drafter(dir.path(), &opts(SeqHead::Rnn), |_, t| {
+            with_draft_vocab(t, &all);
+            if bf16 {
+                for v in t.values_mut() {
+                    if v.dtype() == mlx_rs::Dtype::Float32 {
+                        *v = v.as_dtype(mlx_rs::Dtype::Bfloat16).unwrap();
+                    }
+                }
+            }
+        });
+        let what = if bf16 { "bf16" } else { "f32" };
+        let model = session.model.model.as_ref();
+        let open = |host: bool| {
+            DsparkSource::open(ck.path(), model, None, Forks::default())
+                .unwrap()
+                .with_host_block(host)
+        };
+        let (host, mlx) = (open(true), open(false));
+        let (host_ids, host_log, m, hosted) = recorded_with(&mut session, host, &prompt);
+        let (mlx_ids, mlx_log, _, on_mlx_hosted) = recorded_with(&mut session, mlx, &prompt);
+        assert_eq!(
+            host_ids, vanilla,
+            "{what}: the host block changed the output"
+        );
+        assert_eq!(mlx_ids, vanilla, "{what}");
+        assert!(m.drafts > 5, "{what}: {:?}", m.to_json());
+        assert_eq!(hosted, host_log.len(), "{what}: a round left the host");
+        assert_eq!(on_mlx_hosted, 0, "{what}: a round took the host kernels");
+        assert_eq!(
+            host_log, mlx_log,
+            "{what}: the host block drafted otherwise"
+        );
+    }
 }
 
 /// On a quantized target (tied and untied heads), the restricted head is read from the

@@ -30,6 +30,7 @@ macro_rules! by_tokens {
 }
 
 pub mod affine;
+pub mod any_order;
 pub mod attention;
 pub mod dense;
 pub mod dispatch;

@@ -12,11 +12,13 @@
 //! bits of single-token steps (what keeps speculative decoding lossless under the host step).
 
 use super::affine::{row_fits, rows_into as affine_rows_into, Prepared, QMatrix};
+use super::any_order::AnyWeights;
 use super::dense::HostDense;
 use super::dispatch::Selection;
 use super::host::{widened, HostQuant, HostSlice};
 use super::mlx_order::{block_rows, token_rows, F32Kernels, Order, Weights};
 use super::packed::PackedRows;
+use super::pages::{huge_pages, HostCopy};
 use super::qdense::HostQDense;
 use super::quant_order::{self, Path, QuantWeights};
 use super::vecops::dot_lanes;
@@ -69,13 +71,82 @@ pub enum ProjWeight {
     Dense(HostF32),
     /// Dense f32 summed in MLX's own order ([`super::mlx_order`]): the L1 host step's products.
     Exact(HostDense),
+    /// A bfloat16 copy summed in the fastest order here ([`super::any_order`]): products whose
+    /// bits need match nothing (a drafter's).
+    AnyOrder(AnyOrderWeight),
+}
+
+/// A dense weight for [`ProjWeight::AnyOrder`]: as bfloat16 bits where every value is one
+/// (half the bytes the product streams every call; in huge pages where the system gives them
+/// and the copy budget allows, else on the heap), else the f32 weight itself.
+#[derive(Debug, Clone)]
+pub struct AnyOrderWeight(AnyRepr);
+
+#[derive(Debug, Clone)]
+enum AnyRepr {
+    F32(HostF32),
+    Bf16 {
+        bits: std::sync::Arc<Bits>,
+        rows: usize,
+        cols: usize,
+    },
+}
+
+/// A bfloat16 copy's memory.
+#[derive(Debug)]
+enum Bits {
+    Paged(HostCopy<u16>),
+    Heap(Vec<u16>),
+}
+
+impl Bits {
+    fn get(&self) -> &[u16] {
+        match self {
+            Bits::Paged(copy) => copy,
+            Bits::Heap(bits) => bits,
+        }
+    }
+}
+
+impl AnyOrderWeight {
+    /// `h` as bfloat16 bits when every value is a bfloat16 or `round` asks for the nearest
+    /// ones, else as it is.
+    fn of(h: HostF32, round: bool) -> Self {
+        let values = h.data.get();
+        if !round && !values.iter().all(|v| v.to_bits() & 0xffff == 0) {
+            return AnyOrderWeight(AnyRepr::F32(h));
+        }
+        let bits: Vec<u16> = values
+            .iter()
+            .map(|v| half::bf16::from_f32(*v).to_bits())
+            .collect();
+        let bits = match huge_pages().then(|| HostCopy::of(&bits)).flatten() {
+            Some(copy) => Bits::Paged(copy),
+            None => Bits::Heap(bits),
+        };
+        AnyOrderWeight(AnyRepr::Bf16 {
+            bits: std::sync::Arc::new(bits),
+            rows: h.rows,
+            cols: h.cols,
+        })
+    }
+
+    fn view(&self) -> (AnyWeights<'_>, usize, usize) {
+        match &self.0 {
+            AnyRepr::F32(h) => (AnyWeights::F32(h.data.get()), h.rows, h.cols),
+            AnyRepr::Bf16 { bits, rows, cols } => (AnyWeights::Bf16(bits.get()), *rows, *cols),
+        }
+    }
 }
 
 impl ProjWeight {
     /// Whether the weight is quantized (a host step made of dense layers only is not what
     /// `--perf-kernel` is for: such a model stays on its L1 path).
     pub fn quantized(&self) -> bool {
-        !matches!(self, ProjWeight::Dense(_) | ProjWeight::Exact(_))
+        !matches!(
+            self,
+            ProjWeight::Dense(_) | ProjWeight::Exact(_) | ProjWeight::AnyOrder(_)
+        )
     }
 }
 
@@ -121,6 +192,55 @@ impl HostProj {
         self.view().map_or(0, |v| v.cols)
     }
 
+    /// The same product summed in the fastest order here ([`ProjWeight::AnyOrder`]) where the
+    /// weight is dense f32: for products whose bits need match nothing (a drafter's). With
+    /// `round`, every weight is rounded to the nearest bfloat16 (half the bytes to stream).
+    /// Unchanged otherwise.
+    pub fn in_any_order(self, round: bool) -> Self {
+        let weight = match self.weight {
+            ProjWeight::Dense(h) => ProjWeight::AnyOrder(AnyOrderWeight::of(h, round)),
+            weight => weight,
+        };
+        Self {
+            weight,
+            bias: self.bias,
+        }
+    }
+
+    /// `x · Wᵀ (+ b)` for `m` tokens (`x`: `m × cols`), token-major, on the calling thread:
+    /// products of a few rows outside a step (a drafter's context rows).
+    pub fn forward(&self, x: &[f32], m: usize) -> Result<Vec<f32>> {
+        let view = self.view()?;
+        if x.len() != m * view.cols {
+            return Err(EngineError::Runtime(format!(
+                "{} input values for {m} tokens of {}",
+                x.len(),
+                view.cols
+            )));
+        }
+        let sel = super::dispatch::selection()?;
+        let mut y = Vec::with_capacity(m * view.rows);
+        let (mut by_row, mut part) = (Vec::new(), Vec::new());
+        // In blocks of at most eight tokens, the most every kind's kernel takes.
+        for block in x.chunks(8 * view.cols.max(1)) {
+            let n = block.len() / view.cols.max(1);
+            let prepared = match view.affine_bits() {
+                Some(bits) => Some(
+                    Prepared::for_path(block, n, view.cols, bits, sel.path)
+                        .map_err(EngineError::Runtime)?,
+                ),
+                None => None,
+            };
+            by_row.resize(view.rows * n, 0.0);
+            view.rows_into(sel, block, prepared.as_ref(), n, 0..view.rows, &mut by_row)
+                .map_err(EngineError::Runtime)?;
+            super::dispatch::by_token(&by_row, n, &mut part);
+            y.extend_from_slice(&part);
+        }
+        view.add_bias(&mut y);
+        Ok(y)
+    }
+
     /// The projection as borrowed host memory (what the step's threads share).
     pub(super) fn view(&self) -> Result<ProjView<'_>> {
         let bias = self.bias.as_deref();
@@ -152,6 +272,15 @@ impl HostProj {
                 kind: Kind::Dense(h.data.get()),
                 bias,
             },
+            ProjWeight::AnyOrder(h) => {
+                let (w, rows, cols) = h.view();
+                ProjView {
+                    rows,
+                    cols,
+                    kind: Kind::AnyOrder(w),
+                    bias,
+                }
+            }
             ProjWeight::Exact(h) => match (h.f32_weight(), h.bf16_weight()) {
                 (Some((w, rows, cols)), _) => ProjView {
                     rows,
@@ -180,6 +309,8 @@ enum Kind<'a> {
     Affine(QMatrix<'a>),
     Packed(QuantWeights<'a>),
     Dense(&'a [f32]),
+    /// Summed in any order.
+    AnyOrder(AnyWeights<'a>),
     /// f32 summed in OpenBLAS's order, and its packed copy when there is one.
     Exact(&'a [f32], Option<&'a PackedRows>),
     /// bfloat16 bits, summed in MLX's 16-bit order, and their packed copy when there is one.
@@ -218,7 +349,11 @@ impl ProjView<'_> {
                 out.copy_from_slice(&w[r * self.cols..(r + 1) * self.cols]);
                 Ok(())
             }
-            Kind::ExactBf16(w, _) => {
+            Kind::AnyOrder(AnyWeights::F32(w)) => {
+                out.copy_from_slice(&w[r * self.cols..(r + 1) * self.cols]);
+                Ok(())
+            }
+            Kind::ExactBf16(w, _) | Kind::AnyOrder(AnyWeights::Bf16(w)) => {
                 let row = &w[r * self.cols..(r + 1) * self.cols];
                 for (o, b) in out.iter_mut().zip(row) {
                     *o = f32::from_bits(u32::from(*b) << 16);
@@ -266,6 +401,10 @@ impl ProjView<'_> {
             }
             Kind::Dense(w) => {
                 dense_rows(w, self.cols, x, m, rows, out);
+                Ok(())
+            }
+            Kind::AnyOrder(w) => {
+                super::any_order::rows_into(*w, self.cols, x, m, rows, out);
                 Ok(())
             }
             Kind::Exact(w, packed) => {

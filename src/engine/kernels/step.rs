@@ -33,6 +33,9 @@ pub struct HostLayer {
     pub attn: [HostProj; 4],
     /// `[gate, up, down]` projections.
     pub mlp: [HostProj; 3],
+    /// Per-head RMSNorm weights `[q_norm, k_norm]` applied before the rotary embedding (Qwen3's
+    /// layer; `None` for llama's).
+    pub qk_norm: Option<[Vec<f32>; 2]>,
 }
 
 /// The decoder the host step runs.
@@ -125,6 +128,27 @@ pub struct StepPlan<'a> {
     /// Whether to compute the final norm and LM head (a prefill chunk whose logits nobody
     /// reads skips the largest mat-vec of the step).
     pub logits: bool,
+    /// Whether token `j` of the block sees only the block's first `j + 1` tokens (a decoder's
+    /// step) or all of them (a DSpark drafting block; the fast numerics only).
+    pub causal: bool,
+}
+
+/// What a step's tokens enter as.
+#[derive(Debug, Clone, Copy)]
+enum Input<'a> {
+    /// Token ids, looked up in the embedding table.
+    Ids(&'a [u32]),
+    /// Rows already embedded (`m × hidden`).
+    Rows(&'a [f32]),
+}
+
+impl Input<'_> {
+    fn tokens(&self, hidden: usize) -> usize {
+        match self {
+            Input::Ids(ids) => ids.len(),
+            Input::Rows(rows) => rows.len() / hidden.max(1),
+        }
+    }
 }
 
 /// What a step computes.
@@ -369,8 +393,30 @@ impl HostDecoder {
     /// first `plan.layers` layers (one `past` each), collecting `plan.taps`, then the final
     /// norm and LM head when `plan.logits` is set.
     pub fn step(&self, ids: &[u32], past: &[PastKv<'_>], plan: StepPlan<'_>) -> Result<StepOut> {
+        self.run(Input::Ids(ids), past, plan)
+    }
+
+    /// [`Self::step`] over rows already embedded (`m × hidden`, by token): a drafter whose block
+    /// enters as embeddings it made itself.
+    pub fn step_rows(
+        &self,
+        rows: &[f32],
+        past: &[PastKv<'_>],
+        plan: StepPlan<'_>,
+    ) -> Result<StepOut> {
+        let d = self.embed.cols();
+        if d == 0 || !rows.len().is_multiple_of(d) {
+            return Err(runtime(format!(
+                "{} input values are not whole rows of {d}",
+                rows.len()
+            )));
+        }
+        self.run(Input::Rows(rows), past, plan)
+    }
+
+    fn run(&self, input: Input<'_>, past: &[PastKv<'_>], plan: StepPlan<'_>) -> Result<StepOut> {
         let sel = selection()?;
-        let m = ids.len();
+        let m = input.tokens(self.embed.cols());
         let run = plan.layers;
         if m == 0 || m > MAX_M || past.len() != run || run == 0 || run > self.layers.len() {
             return Err(runtime(format!(
@@ -391,6 +437,7 @@ impl HostDecoder {
                 Ok(LayerView {
                     input_norm: &l.input_norm,
                     post_norm: &l.post_norm,
+                    qk_norm: l.qk_norm.as_ref().map(|[q, k]| [&q[..], &k[..]]),
                     attn: [q.view()?, k.view()?, v.view()?, o.view()?],
                     mlp: [g.view()?, u.view()?, d.view()?],
                 })
@@ -410,7 +457,7 @@ impl HostDecoder {
             numerics: &self.numerics,
         };
         // Run on a pool thread so the step's many fork/joins stay inside the pool.
-        let (out, ()) = rayon::join(|| view.step(sel, ids, past, plan), || ());
+        let (out, ()) = rayon::join(|| view.step(sel, input, past, plan), || ());
         if out.is_ok() && self.is_exact() {
             EXACT_STEPS.with(|c| c.set(c.get() + 1));
         }
@@ -422,6 +469,7 @@ impl HostDecoder {
 struct LayerView<'a> {
     input_norm: &'a [f32],
     post_norm: &'a [f32],
+    qk_norm: Option<[&'a [f32]; 2]>,
     attn: [ProjView<'a>; 4],
     mlp: [ProjView<'a>; 3],
 }
@@ -463,11 +511,12 @@ impl View<'_> {
     fn step(
         &self,
         sel: Selection,
-        ids: &[u32],
+        input: Input<'_>,
         past: &[PastKv<'_>],
         plan: StepPlan<'_>,
     ) -> Result<StepOut> {
-        let m = ids.len();
+        let d = self.embed.cols;
+        let m = input.tokens(d);
         let s = self.heads;
         let (qd, kvd) = (s.n_heads * s.head_dim, s.n_kv_heads * s.head_dim);
         for l in &self.layers {
@@ -478,14 +527,20 @@ impl View<'_> {
                 ));
             }
         }
-        if let Some(bad) = ids.iter().find(|&&t| t as usize >= self.embed.rows) {
-            return Err(runtime(format!(
-                "token id {bad} is outside the embedding table of {}",
-                self.embed.rows
-            )));
+        if let Input::Ids(ids) = input {
+            if let Some(bad) = ids.iter().find(|&&t| t as usize >= self.embed.rows) {
+                return Err(runtime(format!(
+                    "token id {bad} is outside the embedding table of {}",
+                    self.embed.rows
+                )));
+            }
+        }
+        if !plan.causal && !matches!(self.numerics, Numerics::Fast(_)) {
+            return Err(runtime(
+                "a block that sees itself whole runs only in the fast numerics".into(),
+            ));
         }
         let inter = self.layers.first().map_or(0, |l| l.mlp[0].rows);
-        let d = self.embed.cols;
         let buffers = Buffers {
             q: Shared::new(m * qd),
             k: Shared::new(m * kvd),
@@ -501,7 +556,7 @@ impl View<'_> {
         let collected = std::sync::Mutex::new(Collected::default());
         run_team(sel.threads, |me| {
             let mut mine = Collected::default();
-            self.member(me, sel, ids, past, plan, &buffers, &errors, &mut mine);
+            self.member(me, sel, input, past, plan, &buffers, &errors, &mut mine);
             if me.index == 0 {
                 if let Ok(mut c) = collected.lock() {
                     *c = mine;
@@ -603,6 +658,7 @@ impl View<'_> {
         past: &PastKv<'_>,
         new: (&[f32], &[f32]),
         m: usize,
+        causal: bool,
         scores: &mut Vec<f32>,
         out: &mut [f32],
     ) -> Result<()> {
@@ -622,7 +678,9 @@ impl View<'_> {
                     let (j, head) = (n / s.n_heads, n % s.n_heads);
                     scores.resize(past.len + m, 0.0);
                     let qh = &q[n * hd..(n + 1) * hd];
-                    attend_head(s, head, qh, keys, values, j, scores, out);
+                    // A whole-block token sees the block as its last token does.
+                    let seen = if causal { j } else { m - 1 };
+                    attend_head(s, head, qh, keys, values, seen, scores, out);
                 }
             }
             (Numerics::Mlx(_), KvBuffers::F32 { keys, values }) => {
@@ -676,31 +734,37 @@ impl View<'_> {
         &self,
         me: Member<'_>,
         sel: Selection,
-        ids: &[u32],
+        input: Input<'_>,
         past: &[PastKv<'_>],
         plan: StepPlan<'_>,
         b: &Buffers,
         errors: &ErrorSlot<EngineError>,
         out: &mut Collected,
     ) {
-        let m = ids.len();
+        let d = self.embed.cols;
+        let m = input.tokens(d);
         let s = self.heads;
         let (hd, qd, kvd) = (
             s.head_dim,
             s.n_heads * s.head_dim,
             s.n_kv_heads * s.head_dim,
         );
-        let d = self.embed.cols;
         // The residual stream and the small per-token ops are computed by every member
         // (cheap, and it saves a barrier each); the mat-vecs and attention are shared out.
-        let mut h = vec![0.0f32; m * d];
-        for (id, row) in ids.iter().zip(h.chunks_exact_mut(d)) {
-            errors.keep(self.embed.row(*id as usize, row).map_err(runtime));
-        }
+        let mut h = match input {
+            Input::Ids(ids) => {
+                let mut h = vec![0.0f32; m * d];
+                for (id, row) in ids.iter().zip(h.chunks_exact_mut(d)) {
+                    errors.keep(self.embed.row(*id as usize, row).map_err(runtime));
+                }
+                h
+            }
+            Input::Rows(rows) => rows.to_vec(),
+        };
         let mut xn = vec![0.0f32; m * d];
         let (mut q, mut k, mut v, mut t) = (Vec::new(), Vec::new(), Vec::new(), Vec::new());
         let (mut gate, mut up, mut act) = (Vec::new(), Vec::new(), Vec::new());
-        let mut scores = Vec::new();
+        let (mut scores, mut normed) = (Vec::new(), Vec::new());
         out.taps = vec![Vec::new(); plan.taps.len()];
         // SAFETY (every `all()` below): the buffer was written before the barrier just passed
         // and is next written only after at least one more barrier.
@@ -724,6 +788,14 @@ impl View<'_> {
             for x in [&mut q, &mut k, &mut v] {
                 self.round(x);
             }
+            if let Some([qn, kn]) = layer.qk_norm {
+                // Per head: the norm's rows are its weight's width.
+                for (x, w) in [(&mut q, qn), (&mut k, kn)] {
+                    normed.resize(x.len(), 0.0);
+                    self.norm(x, w, &mut normed);
+                    std::mem::swap(x, &mut normed);
+                }
+            }
             for j in 0..m {
                 errors.keep(self.rope(&mut q[j * qd..(j + 1) * qd], past.len + j));
                 errors.keep(self.rope(&mut k[j * kvd..(j + 1) * kvd], past.len + j));
@@ -735,7 +807,9 @@ impl View<'_> {
             let items = me.share(m * s.n_heads);
             // SAFETY: each member writes the heads of its own share.
             let attn = unsafe { b.attn.part_mut(items.start * hd..items.end * hd) };
-            errors.keep(self.attend(items, &q, past, (&kc, &vc), m, &mut scores, attn));
+            let new = (&kc[..], &vc[..]);
+            let attended = self.attend(items, &q, past, new, m, plan.causal, &mut scores, attn);
+            errors.keep(attended);
             if me.index == 0 {
                 out.keys.push(kc);
                 out.values.push(vc);

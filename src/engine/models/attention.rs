@@ -303,6 +303,8 @@ pub struct HostAttention {
     pub heads: HeadShape,
     /// The rotary embedding.
     pub rope: Rope,
+    /// Per-head `[q_norm, k_norm]` weights (Qwen3's block), fast form only.
+    pub qk_norm: Option<[Vec<f32>; 2]>,
 }
 
 /// A loaded grouped-query attention block.
@@ -371,15 +373,23 @@ impl GqaAttention {
     }
 
     /// The block for a host decode step of `form`: `None` unless it is the plain llama block (no
-    /// q/k norms, soft-cap or output gate, projections that step takes).
+    /// soft-cap or output gate, projections that step takes), or Qwen3's with f32 q/k norms in
+    /// the fast form.
     pub fn host_parts(&self, form: HostForm) -> Result<Option<HostAttention>> {
         let m = &self.m;
-        if m.q_norm.is_some() || m.k_norm.is_some() || m.variant.softcap.is_some() {
+        if m.variant.softcap.is_some() || m.variant.output_gate {
             return Ok(None);
         }
-        if m.variant.output_gate {
-            return Ok(None);
-        }
+        let qk_norm = match (&m.q_norm, &m.k_norm) {
+            (None, None) => None,
+            (Some(q), Some(k)) if form == HostForm::Fast => {
+                match (q.host_weight(form)?, k.host_weight(form)?) {
+                    (Some((q, _)), Some((k, _))) => Some([q, k]),
+                    _ => return Ok(None),
+                }
+            }
+            _ => return Ok(None),
+        };
         let Some(proj) = host_projs([&m.q_proj, &m.k_proj, &m.v_proj, &m.o_proj], form)? else {
             return Ok(None);
         };
@@ -393,6 +403,7 @@ impl GqaAttention {
                 scale: s.scale,
             },
             rope: m.rope.clone(),
+            qk_norm,
         }))
     }
 

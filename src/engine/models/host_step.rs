@@ -172,6 +172,7 @@ impl HostStep {
             layers: run,
             taps: &opts.taps,
             logits: short,
+            causal: true,
         };
         let (mut hidden, mut logits) = (Vec::new(), Vec::new());
         let mut taps = vec![Vec::new(); opts.taps.len()];

@@ -357,6 +357,10 @@ impl Model {
             ) else {
                 return Ok(None);
             };
+            if attn.qk_norm.is_some() {
+                // Llama's blocks have none; the step's single epsilon may not be theirs.
+                return Ok(None);
+            }
             shape = Some((attn.heads, attn.rope));
             uniform &= norms.dtype == dtype;
             layers.push(HostLayer {
@@ -364,6 +368,7 @@ impl Model {
                 post_norm: norms.post,
                 attn: attn.proj,
                 mlp,
+                qk_norm: None,
             });
         }
         let Some((heads, rope)) = shape else {

@@ -5,8 +5,11 @@
 //!    committed length are kept) become context features and are appended to the drafter's
 //!    KV caches;
 //! 2. one backbone pass over `[anchor, MASK x (γ-1)]`, base logits in one LM-head call;
-//! 3. sequential sampling of the γ tokens and their confidences on the device, then **one**
-//!    host read;
+//! 3. sequential sampling of the γ tokens and their confidences.
+//!
+//!    Greedy rounds of a drafter with a host form run steps 1-3 on the host kernels
+//!    ([`super::host_block`]); other rounds build steps 1-2 as MLX graphs and sample on the
+//!    host after one read (greedy) or on the device (sampled);
 //! 4. draft-length pruning by [`PruneMode`] against the thresholds (calibrated per-position
 //!    table, or one global `--dspark-min-conf` / `MLXB_DSPARK_MINCONF`): `keep-first` (the
 //!    default) cuts at the first position k >= 1 whose confidence is below its threshold, so
@@ -17,6 +20,8 @@
 //!    changes how many tokens are verified, never what is emitted.
 
 use super::checkpoint::{self, DsparkConfig, TargetFacts};
+use super::host_block::HostBlock;
+use super::host_sampler::{host_f32, HostDraft};
 use super::module::DsparkModule;
 use crate::engine::error::{EngineError, Result};
 use crate::engine::forks::Forks;
@@ -105,6 +110,13 @@ pub struct DsparkSource {
     passes: usize,
     /// Where it was loaded from, so a batch's slots can load drafters of their own.
     origin: Option<Origin>,
+    /// The drafter on the host kernels for greedy rounds: `None` until a greedy sequence first
+    /// asks, `Some(None)` where the drafter has no host form.
+    host: Option<Option<HostBlock>>,
+    /// Whether greedy rounds may take the host form.
+    host_allowed: bool,
+    /// Whether this sequence's context lives in `host` (else in `caches`).
+    on_host: bool,
 }
 
 /// What [`DsparkSource::open`] loaded a drafter with.
@@ -172,7 +184,35 @@ impl DsparkSource {
             last: None,
             passes: 0,
             origin: None,
+            host: None,
+            host_allowed: true,
+            on_host: false,
         }
+    }
+
+    /// Keeps greedy rounds on MLX (`false`), or lets them take the host kernels where the
+    /// drafter has a host form (`true`, the default).
+    pub fn with_host_block(mut self, allowed: bool) -> Self {
+        self.host_allowed = allowed;
+        self
+    }
+
+    /// Whether the current sequence drafts on the host kernels.
+    pub fn drafts_on_host(&self) -> bool {
+        self.on_host
+    }
+
+    /// The host form for greedy rounds, made at the first call; `None` where there is none
+    /// (neither its block nor its heads on the host).
+    fn host_block(&mut self, target: &dyn LanguageModel) -> Result<Option<&mut HostBlock>> {
+        if self.host.is_none() {
+            let block = match self.module.host_sampler()? {
+                Some(_) => self.module.host_block(target)?,
+                None => None,
+            };
+            self.host = Some(block);
+        }
+        Ok(self.host.as_mut().and_then(Option::as_mut))
     }
 
     /// Sets the pruning rule (default [`PruneMode::KeepFirst`]).
@@ -204,8 +244,13 @@ impl DsparkSource {
     /// Drops every context row at or beyond `keep`.
     fn truncate_context(&mut self, keep: usize) {
         if keep < self.context {
-            for c in self.caches.iter_mut() {
-                c.trim((self.context - keep) as i32);
+            match &mut self.host {
+                Some(Some(host)) if self.on_host => host.truncate(keep),
+                _ => {
+                    for c in self.caches.iter_mut() {
+                        c.trim((self.context - keep) as i32);
+                    }
+                }
             }
             self.context = keep;
         }
@@ -245,6 +290,71 @@ impl DsparkSource {
             return Ok(None);
         }
         Ok(Some(ops::concatenate(&parts, 1)?))
+    }
+
+    /// A greedy block on the host form: `rows` (the tapped rows since the last round) join the
+    /// context, then the block runs and its heads sample. Returns the drafted tokens and
+    /// confidence logits.
+    fn draft_on_host(
+        &mut self,
+        target: &dyn LanguageModel,
+        rows: Option<Array>,
+        anchor: u32,
+    ) -> Result<HostDraft> {
+        let gamma = self.config().block_size;
+        let anchor_row = self.module.embedded_rows(target, &[anchor])?;
+        let lost = || EngineError::Runtime("the DSpark drafter lost its host form".into());
+        let host = self
+            .host
+            .as_mut()
+            .and_then(Option::as_mut)
+            .ok_or_else(lost)?;
+        if let Some(rows) = rows {
+            let count = rows.shape()[1] as usize;
+            let taps = host_f32(&rows)?.ok_or_else(|| {
+                EngineError::Runtime("the target's tapped rows are not f32".into())
+            })?;
+            host.extend(&taps, count)?;
+        }
+        let anchor_row = anchor_row
+            .ok_or_else(|| EngineError::Runtime("the anchor's embedding is not f32".into()))?;
+        let out = host.block(&anchor_row, gamma)?;
+        let sampler = self.module.host_sampler()?.ok_or_else(lost)?;
+        let d = anchor_row.len();
+        let shape = (gamma, d, out.logits.len() / gamma);
+        sampler.sample_rows(&out.hidden, &out.logits, shape, anchor)
+    }
+
+    /// A block on MLX (the context already extended): greedy blocks are sampled on the host
+    /// after one read of the block; sampled ones (and heads that are not dense f32) on MLX,
+    /// whose random draws the rejection rule reads. Returns the drafted tokens, calibrated
+    /// confidences and, when sampling, the proposal distributions.
+    fn draft_on_mlx(
+        &mut self,
+        target: &dyn LanguageModel,
+        anchor: u32,
+    ) -> Result<(Vec<u32>, Vec<f64>, Option<Array>)> {
+        let out = self.module.block(target, anchor, &mut self.caches)?;
+        if self.temp == 0.0 {
+            eval([&out.hidden, &out.base_logits])?;
+            if let Some(d) = self.module.sample_greedy_on_host(&out, anchor)? {
+                return Ok((d.tokens, self.calibrate(&d.confidence), None));
+            }
+        }
+        let sampled = self.module.sample(&out, anchor, self.temp)?;
+        let conf = match &sampled.confidence {
+            Some(c) => Some(c.as_dtype(Dtype::Float32)?),
+            None => None,
+        };
+        let mut outputs = vec![&sampled.tokens];
+        outputs.extend(conf.as_ref());
+        eval(outputs)?;
+        let tokens: Vec<u32> = sampled.tokens.as_slice::<u32>().to_vec();
+        let confidence = match &conf {
+            Some(c) => self.calibrate(c.as_slice::<f32>()),
+            None => Vec::new(),
+        };
+        Ok((tokens, confidence, sampled.probs))
     }
 
     /// Calibrated confidence `sigmoid(logit / T_k)` of each position.
@@ -341,12 +451,16 @@ impl DraftSource for DsparkSource {
         Ok(())
     }
 
-    fn begin(&mut self, _target: TargetView<'_>, prompt: &[u32]) -> Result<()> {
+    fn begin(&mut self, target: TargetView<'_>, prompt: &[u32]) -> Result<()> {
         // This prompt's tapped rows arrived with the prefill, before `begin`; anything else
         // (context or rows of an earlier generation) is stale.
         self.truncate_context(0);
         self.pending.retain(|(first, _)| *first < prompt.len());
         self.last = None;
+        // A sequence's context lives in one place: the host form's buffers for greedy rounds
+        // where it has one, MLX's caches otherwise.
+        self.on_host =
+            self.temp == 0.0 && self.host_allowed && self.host_block(&*target.model)?.is_some();
         Ok(())
     }
 
@@ -382,42 +496,20 @@ impl DraftSource for DsparkSource {
         }
         let start = sequence.len() - 1;
         self.truncate_context(start);
-        if let Some(rows) = self.take_rows(start)? {
-            let features = self.module.context_features(&rows)?;
-            self.module.extend_context(&features, &mut self.caches)?;
-        }
-        self.context = start;
-        let out = self
-            .module
-            .block(&*target.model, anchor, &mut self.caches)?;
-        self.passes += 1;
-        // Greedy blocks are sampled on the host after one read of the block; sampled ones (and
-        // heads that are not dense f32) on MLX, whose random draws the rejection rule reads.
-        let on_host = if self.temp == 0.0 {
-            eval([&out.hidden, &out.base_logits])?;
-            self.module.sample_greedy_on_host(&out, anchor)?
+        let rows = self.take_rows(start)?;
+        let (tokens, confidence, probs) = if self.on_host {
+            let d = self.draft_on_host(&*target.model, rows, anchor)?;
+            self.context = start;
+            (d.tokens, self.calibrate(&d.confidence), None)
         } else {
-            None
-        };
-        let (tokens, confidence, probs) = match on_host {
-            Some(d) => (d.tokens, self.calibrate(&d.confidence), None),
-            None => {
-                let sampled = self.module.sample(&out, anchor, self.temp)?;
-                let conf = match &sampled.confidence {
-                    Some(c) => Some(c.as_dtype(Dtype::Float32)?),
-                    None => None,
-                };
-                let mut outputs = vec![&sampled.tokens];
-                outputs.extend(conf.as_ref());
-                eval(outputs)?;
-                let tokens: Vec<u32> = sampled.tokens.as_slice::<u32>().to_vec();
-                let confidence = match &conf {
-                    Some(c) => self.calibrate(c.as_slice::<f32>()),
-                    None => Vec::new(),
-                };
-                (tokens, confidence, sampled.probs)
+            if let Some(rows) = rows {
+                let features = self.module.context_features(&rows)?;
+                self.module.extend_context(&features, &mut self.caches)?;
             }
+            self.context = start;
+            self.draft_on_mlx(&*target.model, anchor)?
         };
+        self.passes += 1;
         let kept = surviving_length(&confidence, &self.thresholds, tokens.len(), self.prune);
         let len = kept.min(n);
         let draft = Draft {

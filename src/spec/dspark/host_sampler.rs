@@ -58,7 +58,7 @@ impl HostLinear {
 }
 
 /// The values of an f32 array in row-major order; `None` for another dtype.
-fn host_f32(a: &Array) -> Result<Option<Vec<f32>>> {
+pub(super) fn host_f32(a: &Array) -> Result<Option<Vec<f32>>> {
     if a.dtype() != Dtype::Float32 {
         return Ok(None);
     }
@@ -203,6 +203,26 @@ impl HostSampler {
             ));
         };
         let (gamma, d, draft_ids) = (gamma as usize, d as usize, draft_ids as usize);
+        self.sample_rows(&hidden_values, &base, (gamma, d, draft_ids), anchor)
+    }
+
+    /// [`Self::sample`] over host rows: `hidden` `[γ, d]` and `base` `[γ, Vd]`, row-major, with
+    /// `shape` = (γ, d, Vd).
+    pub fn sample_rows(
+        &self,
+        hidden_values: &[f32],
+        base: &[f32],
+        shape: (usize, usize, usize),
+        anchor: u32,
+    ) -> Result<HostDraft> {
+        let (gamma, d, draft_ids) = shape;
+        if hidden_values.len() != gamma * d || base.len() != gamma * draft_ids {
+            return Err(EngineError::Runtime(format!(
+                "a DSpark block of {} hidden and {} logit values for {gamma} rows of {d} and {draft_ids}",
+                hidden_values.len(),
+                base.len()
+            )));
+        }
         let r = self.rank;
         let mut prev = anchor;
         let mut state = vec![0.0f32; r];

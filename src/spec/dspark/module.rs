@@ -18,10 +18,12 @@
 //! then the block runs over the same cache, which is trimmed back by γ.
 
 use super::checkpoint::{DsparkConfig, LayerStyle, SeqHead};
-use super::host_sampler::{HeadWeights, HostDraft, HostSampler};
+use super::host_block::HostBlock;
+use super::host_sampler::{host_f32, HeadWeights, HostDraft, HostSampler};
 use super::vocab::DraftVocab;
 use crate::engine::cache::{AttentionMask, CacheSnapshot, FullCache, KvCache};
 use crate::engine::error::Result;
+use crate::engine::kernels::{HostDecoder, HostForm, HostLayer, Numerics};
 use crate::engine::models::activations::{geglu, softcap_graph, swiglu, CompiledOp};
 use crate::engine::models::attention::{inv_sqrt_scale, AttentionShape, GqaAttention};
 use crate::engine::models::mlp::GatedMlp;
@@ -394,33 +396,121 @@ impl DsparkModule {
             };
         }
         let hidden = self.norm.forward(&h)?.squeeze_axes(&[0])?;
-        let base_logits = match &self.vocab {
+        let base_logits = match self.draft_head(target, hidden.dtype())? {
+            Some(restricted) => restricted.forward(&hidden)?,
             None => self.head(target, &hidden)?,
-            Some(vocab) => {
-                let restricted = match self.draft_head.take() {
-                    Some(m) => m,
-                    None => {
-                        let d = self.config.hidden_size;
-                        let head = |x: &Array| self.head(target, x);
-                        match &self.lm_head {
-                            // The drafter's own head: through the identity.
-                            Some(_) => vocab.restrict(head, d, hidden.dtype(), self.host_matvec)?,
-                            None => Linear::dense_host(
-                                vocab.target_head_rows(target, head, d, hidden.dtype())?,
-                                self.host_matvec,
-                            ),
-                        }
-                    }
-                };
-                let logits = restricted.forward(&hidden);
-                self.draft_head = Some(restricted);
-                logits?
-            }
         };
         Ok(BlockOut {
             hidden,
             base_logits,
         })
+    }
+
+    /// The output head restricted to the draft ids (made at the first call from the head in
+    /// use, in `dtype`); `None` without a reduced draft vocabulary.
+    fn draft_head(&mut self, target: &dyn LanguageModel, dtype: Dtype) -> Result<Option<&Linear>> {
+        let Some(vocab) = &self.vocab else {
+            return Ok(None);
+        };
+        if self.draft_head.is_none() {
+            let d = self.config.hidden_size;
+            let head = |x: &Array| self.head(target, x);
+            let restricted = match &self.lm_head {
+                // The drafter's own head: through the identity.
+                Some(_) => vocab.restrict(head, d, dtype, self.host_matvec)?,
+                None => Linear::dense_host(
+                    vocab.target_head_rows(target, head, d, dtype)?,
+                    self.host_matvec,
+                ),
+            };
+            self.draft_head = Some(restricted);
+        }
+        Ok(self.draft_head.as_ref())
+    }
+
+    /// The embeddings of `ids` as f32 host rows; `None` when they are not f32.
+    pub fn embedded_rows(
+        &self,
+        target: &dyn LanguageModel,
+        ids: &[u32],
+    ) -> Result<Option<Vec<f32>>> {
+        let ids: Vec<i32> = ids.iter().map(|&t| t as i32).collect();
+        let rows = self.embed(target, &Array::from_slice(&ids, &[1, ids.len() as i32]))?;
+        host_f32(&rows)
+    }
+
+    /// The drafter on the host kernels ([`HostBlock`]) for greedy rounds: `None` unless it is a
+    /// Qwen3-style drafter with f32 weights and a head of its own or over a reduced draft
+    /// vocabulary (the target's whole head stays on MLX).
+    pub fn host_block(&mut self, target: &dyn LanguageModel) -> Result<Option<HostBlock>> {
+        let form = HostForm::Fast;
+        if self.config.layer_style != LayerStyle::Qwen3
+            || self.config.final_logit_softcapping.is_some()
+        {
+            return Ok(None);
+        }
+        // The checkpoint's weights are read as they are (bfloat16 where they are bfloat16
+        // values); rows taken from the target's head, which the checkpoint does not fix, are
+        // read as bfloat16, half the bytes of the round's largest product.
+        let from_target = self.lm_head.is_none();
+        let head = match self.draft_head(target, Dtype::Float32)? {
+            Some(restricted) => restricted.host_proj(form)?,
+            None => match &self.lm_head {
+                Some(own) => own.host_proj(form)?,
+                None => None,
+            },
+        };
+        let (Some(head), Some(fc), Some((hidden_norm, eps)), Some((final_norm, _))) = (
+            head,
+            self.fc.host_proj(form)?,
+            self.hidden_norm.host_weight(form)?,
+            self.norm.host_weight(form)?,
+        ) else {
+            return Ok(None);
+        };
+        let mut layers = Vec::with_capacity(self.layers.len());
+        let mut shape = None;
+        for l in &self.layers {
+            let (Some(attn), Some(mlp), Some((input_norm, _)), Some((post_norm, _))) = (
+                l.attn.host_parts(form)?,
+                l.mlp.host_parts(form)?,
+                l.input_layernorm.host_weight(form)?,
+                l.post_attention_layernorm.host_weight(form)?,
+            ) else {
+                return Ok(None);
+            };
+            shape = Some((attn.heads, attn.rope));
+            layers.push(HostLayer {
+                input_norm,
+                post_norm,
+                attn: attn.proj.map(|p| p.in_any_order(false)),
+                mlp: mlp.map(|p| p.in_any_order(false)),
+                qk_norm: attn.qk_norm,
+            });
+        }
+        let Some((heads, rope)) = shape else {
+            return Ok(None);
+        };
+        let Some(mask_row) = self.embedded_rows(target, &[self.config.mask_token_id as u32])?
+        else {
+            return Ok(None);
+        };
+        let decoder = HostDecoder {
+            layers,
+            // Never read: the block enters as rows.
+            embed: head.clone(),
+            head: Some(head.in_any_order(from_target)),
+            final_norm,
+            eps,
+            heads,
+            numerics: Numerics::Fast(rope.host()?),
+        };
+        Ok(HostBlock::new(
+            decoder,
+            fc.in_any_order(false),
+            hidden_norm,
+            mask_row,
+        ))
     }
 
     /// Samples the block left to right: `z_k = U_k + bias_k(prefix)`, `x_k = argmax z_k` (or a
@@ -489,20 +579,23 @@ impl DsparkModule {
     /// and confidence logits from one read of the block. `None` where the heads are not dense
     /// f32 (the caller samples on MLX).
     pub fn sample_greedy_on_host(&self, out: &BlockOut, anchor: u32) -> Result<Option<HostDraft>> {
-        let sampler = match self.host_sampler.get() {
-            Some(s) => s,
-            None => {
-                let s = match self.head_weights() {
-                    Some(w) => HostSampler::new(w)?,
-                    None => None,
-                };
-                self.host_sampler.get_or_init(|| s)
-            }
-        };
-        match sampler {
+        match self.host_sampler()? {
             Some(s) => Ok(Some(s.sample(&out.hidden, &out.base_logits, anchor)?)),
             None => Ok(None),
         }
+    }
+
+    /// The greedy host sampler (made at the first call); `None` where the heads are not dense
+    /// f32.
+    pub fn host_sampler(&self) -> Result<Option<&HostSampler>> {
+        if let Some(s) = self.host_sampler.get() {
+            return Ok(s.as_ref());
+        }
+        let s = match self.head_weights() {
+            Some(w) => HostSampler::new(w)?,
+            None => None,
+        };
+        Ok(self.host_sampler.get_or_init(|| s).as_ref())
     }
 
     /// The weights the sequential and confidence heads read, over the draft ids; `None` when
