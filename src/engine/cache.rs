@@ -152,6 +152,12 @@ pub trait KvCache {
     fn trim(&mut self, n: i32) -> i32;
     /// Whether `trim` is exact for this cache in its current state.
     fn is_trimmable(&self) -> bool;
+    /// Whether `trim` is exact in every state this cache can reach (a full cache: it only
+    /// lowers the offset), so a rewind needs no snapshot of it (and none holds its buffers,
+    /// which a block may then write in place).
+    fn trims_exactly_always(&self) -> bool {
+        false
+    }
     /// Arrays to evaluate after a prefill chunk.
     fn state(&self) -> Vec<Array>;
     /// Saves the whole state. Cheap: MLX arrays are immutable and shared, never copied.
@@ -514,6 +520,10 @@ impl KvCache for FullCache {
 
     offset_semantics!();
 
+    fn trims_exactly_always(&self) -> bool {
+        true
+    }
+
     fn state(&self) -> Vec<Array> {
         kv_state(&self.keys, &self.values)
     }
@@ -843,6 +853,71 @@ mod tests {
         assert!(!fast
             .append_in_place(&values(0.0, m), &values(0.0, m), m)
             .unwrap());
+    }
+
+    /// A speculative block's checkpoint holds no full cache: the block appends to it in place,
+    /// and a rewind takes it back by trimming, also where another cache must be restored and
+    /// the kept positions replayed.
+    #[test]
+    fn a_checkpoint_leaves_full_caches_to_be_written_in_place() {
+        use crate::engine::rollback::{rewind, Checkpoint, Rewind};
+        // A two-position window that the block wraps: a trim cannot take it back.
+        let mut caches: Vec<Box<dyn KvCache>> = vec![
+            Box::new(FullCache::new()),
+            Box::new(RotatingCache::new(2, 0)),
+        ];
+        for c in caches.iter_mut() {
+            append_mlx(c.as_mut(), &values(0.0, 2), &values(50.0, 2), 2);
+        }
+        let mut reference = FullCache::new();
+        append_mlx(&mut reference, &values(0.0, 2), &values(50.0, 2), 2);
+        for replays in [false, true] {
+            let checkpoint = Checkpoint::take(&caches, 2);
+            let block = (values(10.0, 2), values(60.0, 2));
+            assert!(
+                caches[0].append_in_place(&block.0, &block.1, 2).unwrap(),
+                "the checkpoint held the full cache's buffers"
+            );
+            if replays {
+                append_mlx(caches[1].as_mut(), &block.0, &block.1, 2);
+            } else {
+                caches.truncate(1);
+            }
+            // Keep the block's first position: replay feeds it again through `replay`.
+            let first = |x: &[f32]| -> Vec<f32> {
+                (0..HEADS)
+                    .flat_map(|h| x[h * 2 * DIM..][..DIM].to_vec())
+                    .collect()
+            };
+            let (k, v) = (first(&block.0), first(&block.1));
+            let how = rewind(&mut caches, checkpoint, 4, 3, &[7], |ids, caches| {
+                assert_eq!(ids, [7]);
+                for c in caches.iter_mut() {
+                    append_mlx(c.as_mut(), &k, &v, 1);
+                }
+                Ok(())
+            })
+            .unwrap();
+            assert_eq!(
+                how,
+                if replays {
+                    Rewind::Replayed
+                } else {
+                    Rewind::Trimmed
+                }
+            );
+            append_mlx(&mut reference, &k, &v, 1);
+            assert_eq!(caches[0].offset(), 3);
+            assert_eq!(held(caches[0].as_ref()), held(&reference));
+            if !replays {
+                // Back to two positions for the replaying round, beside a fresh window.
+                caches[0].trim(1);
+                reference.trim(1);
+                let mut window: Box<dyn KvCache> = Box::new(RotatingCache::new(2, 0));
+                append_mlx(window.as_mut(), &values(0.0, 2), &values(50.0, 2), 2);
+                caches.push(window);
+            }
+        }
     }
 
     #[test]

@@ -10,15 +10,22 @@ use super::models::Caches;
 
 /// The caches' state before a block, at a known number of positions.
 pub struct Checkpoint {
-    snapshots: Vec<CacheSnapshot>,
+    /// Per cache, its saved state; `None` for a cache that trims exactly whatever the block
+    /// does to it ([`super::cache::KvCache::trims_exactly_always`]).
+    snapshots: Vec<Option<CacheSnapshot>>,
     positions: usize,
 }
 
 impl Checkpoint {
-    /// Saves every cache (cheap: arrays are shared).
+    /// Saves every cache that a trim may not take back exactly (cheap: arrays are shared). The
+    /// others are not held, so the block can append to their buffers in place instead of
+    /// copying them.
     pub fn take(caches: &Caches, positions: usize) -> Self {
         Self {
-            snapshots: caches.iter().map(|c| c.snapshot()).collect(),
+            snapshots: caches
+                .iter()
+                .map(|c| (!c.trims_exactly_always()).then(|| c.snapshot()))
+                .collect(),
             positions,
         }
     }
@@ -60,8 +67,14 @@ pub fn rewind(
         }
         return Ok(Rewind::Trimmed);
     }
+    let back = (current - checkpoint.positions) as i32;
     for (c, s) in caches.iter_mut().zip(checkpoint.snapshots) {
-        c.restore(s)?;
+        match s {
+            Some(s) => c.restore(s)?,
+            None => {
+                c.trim(back);
+            }
+        }
     }
     if !tokens.is_empty() {
         replay(tokens, caches)?;
