@@ -108,25 +108,9 @@ fn rows_into_of<E: Element>(
         }
         return;
     }
-    plain_rows_into(w, cols, x, m, rows, out);
-}
-
-/// The same product without vector instructions.
-fn plain_rows_into<E: Element>(
-    w: &[E],
-    cols: usize,
-    x: &[f32],
-    m: usize,
-    rows: Range<usize>,
-    out: &mut [f32],
-) {
-    let start = rows.start;
-    for r in rows {
-        let wr = &w[r * cols..(r + 1) * cols];
-        for (t, xt) in x.chunks_exact(cols).enumerate().take(m) {
-            out[(r - start) * m + t] = wr.iter().zip(xt).map(|(w, x)| w.value() * x).sum();
-        }
-    }
+    // Without AVX-512: one plain sum per output.
+    let dot = |w: &[E], x: &[f32]| w.iter().zip(x).map(|(w, x)| w.value() * x).sum();
+    super::vecops::rows_by_dot(w, cols, x, m, rows, out, dot);
 }
 
 #[cfg(target_arch = "x86_64")]

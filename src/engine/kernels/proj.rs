@@ -21,7 +21,7 @@ use super::packed::PackedRows;
 use super::pages::{huge_pages, HostCopy};
 use super::qdense::HostQDense;
 use super::quant_order::{self, Path, QuantWeights};
-use super::vecops::dot_lanes;
+use super::vecops::{dot_lanes, rows_by_dot};
 use crate::engine::error::{EngineError, Result};
 use mlx_rs::{Array, Dtype};
 use std::ops::Range;
@@ -521,13 +521,7 @@ fn dense_rows_plain(
     rows: Range<usize>,
     out: &mut [f32],
 ) {
-    let start = rows.start;
-    for r in rows {
-        let wr = &w[r * cols..(r + 1) * cols];
-        for (t, xt) in x.chunks_exact(cols).enumerate().take(m) {
-            out[(r - start) * m + t] = dot_lanes::<32>(wr, xt);
-        }
-    }
+    rows_by_dot(w, cols, x, m, rows, out, dot_lanes::<32>);
 }
 
 #[cfg(test)]

@@ -31,6 +31,27 @@ pub fn dot_lanes<const N: usize>(a: &[f32], b: &[f32]) -> f32 {
     acc.iter().sum::<f32>() + tail
 }
 
+/// Outputs `rows` of `x · Wᵀ` (`x`: `m × cols`, `w` row-major) into `out` (`rows.len() × m`, by
+/// output feature), each output `dot(weight row, token)`.
+#[inline(always)]
+pub fn rows_by_dot<E>(
+    w: &[E],
+    cols: usize,
+    x: &[f32],
+    m: usize,
+    rows: std::ops::Range<usize>,
+    out: &mut [f32],
+    dot: impl Fn(&[E], &[f32]) -> f32,
+) {
+    let start = rows.start;
+    for r in rows {
+        let wr = &w[r * cols..(r + 1) * cols];
+        for (t, xt) in x.chunks_exact(cols).enumerate().take(m) {
+            out[(r - start) * m + t] = dot(wr, xt);
+        }
+    }
+}
+
 /// `out = x / sqrt(mean(x²) + eps) * w` for each row of `x` (rows of `w.len()` values).
 pub fn rms_norm(x: &[f32], w: &[f32], eps: f32, out: &mut [f32]) {
     let d = w.len();
