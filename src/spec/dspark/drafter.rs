@@ -473,7 +473,9 @@ impl DraftSource for DsparkSource {
         let Some(origin) = &self.origin else {
             return Ok(None);
         };
-        let source = Self::load(origin.clone(), None)?.with_prune(self.prune);
+        let source = Self::load(origin.clone(), None)?
+            .with_prune(self.prune)
+            .with_host_block(self.host_allowed);
         Ok(Some(Box::new(source)))
     }
 
