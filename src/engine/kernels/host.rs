@@ -5,7 +5,7 @@
 
 use super::affine::{QMatrix, MAX_M};
 use super::dispatch::{matmul, selection, Selection};
-use super::pages::{huge_pages, HostCopy};
+use super::pages::HostCopy;
 use crate::engine::error::{EngineError, Result};
 use crate::engine::weights::QuantSpec;
 use mlx_rs::{Array, Dtype};
@@ -144,8 +144,7 @@ impl<T: bytemuck::Pod + mlx_rs::ArrayElement> Held<T> {
     /// The values of `a` (evaluated), copied where huge pages and the budget allow.
     fn of(a: &Array, what: &str) -> Result<Self> {
         let view = HostSlice::of(a, what)?;
-        let copy = huge_pages().then(|| HostCopy::of(view.get())).flatten();
-        Ok(match copy {
+        Ok(match HostCopy::paged(view.get()) {
             Some(copy) => Self::Copied(Arc::new(copy)),
             None => Self::Pinned {
                 view,
@@ -301,6 +300,7 @@ impl HostQuantCell {
 
 #[cfg(test)]
 mod tests {
+    use super::super::pages::huge_pages;
     use super::*;
     use mlx_rs::ops;
 

@@ -184,6 +184,12 @@ impl<T: bytemuck::Pod> HostCopy<T> {
         copy.copy_from_slice(values);
         Some(copy)
     }
+
+    /// A copy of `values` made for its huge pages: `None` where the system gives none (the
+    /// copy would cost memory and gain nothing), as well as where [`HostCopy::of`] gives none.
+    pub(super) fn paged(values: &[T]) -> Option<Self> {
+        huge_pages().then(|| Self::of(values)).flatten()
+    }
 }
 
 impl<T: bytemuck::Pod> Drop for HostCopy<T> {

@@ -18,7 +18,7 @@ use super::dispatch::Selection;
 use super::host::{widened, HostQuant, HostSlice};
 use super::mlx_order::{block_rows, token_rows, F32Kernels, Order, Weights};
 use super::packed::PackedRows;
-use super::pages::{huge_pages, HostCopy};
+use super::pages::HostCopy;
 use super::qdense::HostQDense;
 use super::quant_order::{self, Path, QuantWeights};
 use super::vecops::{dot_lanes, rows_by_dot};
@@ -120,7 +120,7 @@ impl AnyOrderWeight {
             .iter()
             .map(|v| half::bf16::from_f32(*v).to_bits())
             .collect();
-        let bits = match huge_pages().then(|| HostCopy::of(&bits)).flatten() {
+        let bits = match HostCopy::paged(&bits) {
             Some(copy) => Bits::Paged(copy),
             None => Bits::Heap(bits),
         };
@@ -224,15 +224,11 @@ impl HostProj {
         // In blocks of at most eight tokens, the most every kind's kernel takes.
         for block in x.chunks(8 * view.cols.max(1)) {
             let n = block.len() / view.cols.max(1);
-            let prepared = match view.affine_bits() {
-                Some(bits) => Some(
-                    Prepared::for_path(block, n, view.cols, bits, sel.path)
-                        .map_err(EngineError::Runtime)?,
-                ),
-                None => None,
-            };
+            let inputs =
+                Inputs::new(sel, block, n, view.cols, &[&view]).map_err(EngineError::Runtime)?;
             by_row.resize(view.rows * n, 0.0);
-            view.rows_into(sel, block, prepared.as_ref(), n, 0..view.rows, &mut by_row)
+            let prepared = inputs.for_matrix(&view);
+            view.rows_into(sel, block, prepared, n, 0..view.rows, &mut by_row)
                 .map_err(EngineError::Runtime)?;
             super::dispatch::by_token(&by_row, n, &mut part);
             y.extend_from_slice(&part);
@@ -315,6 +311,43 @@ enum Kind<'a> {
     Exact(&'a [f32], Option<&'a PackedRows>),
     /// bfloat16 bits, summed in MLX's 16-bit order, and their packed copy when there is one.
     ExactBf16(&'a [u16], Option<&'a PackedRows>),
+}
+
+/// `x` (`m × cols`) prepared once per bit width among `mats` (the affine kernel's input form).
+pub(super) struct Inputs {
+    four: Option<Prepared>,
+    eight: Option<Prepared>,
+}
+
+impl Inputs {
+    pub(super) fn new(
+        sel: Selection,
+        x: &[f32],
+        m: usize,
+        cols: usize,
+        mats: &[&ProjView<'_>],
+    ) -> std::result::Result<Self, String> {
+        let make = |bits: usize| -> std::result::Result<Option<Prepared>, String> {
+            if mats.iter().any(|w| w.affine_bits() == Some(bits)) {
+                Prepared::for_path(x, m, cols, bits, sel.path).map(Some)
+            } else {
+                Ok(None)
+            }
+        };
+        Ok(Self {
+            four: make(4)?,
+            eight: make(8)?,
+        })
+    }
+
+    /// The input prepared for `w` (`None` for a weight that reads it as it is).
+    pub(super) fn for_matrix(&self, w: &ProjView<'_>) -> Option<&Prepared> {
+        match w.affine_bits() {
+            Some(4) => self.four.as_ref(),
+            Some(_) => self.eight.as_ref(),
+            None => None,
+        }
+    }
 }
 
 /// A [`HostProj`] as borrowed host memory.

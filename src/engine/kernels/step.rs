@@ -11,11 +11,11 @@
 //! lost most of its time. Here the only MLX work left per step is reading the past
 //! keys/values in place and appending the new ones (done by the caller).
 
-use super::affine::{Prepared, MAX_M};
+use super::affine::MAX_M;
 use super::attention::{attend_bf16_query, attend_f32_query, scale_bf16_query, F32AttentionOrder};
 use super::dispatch::{by_token, selection, Selection};
 use super::elementwise::{self, narrow_bf16, round_bf16};
-use super::proj::{HostProj, ProjView, ProjWeight};
+use super::proj::{HostProj, Inputs, ProjView, ProjWeight};
 use super::rope_table::RopeTable;
 use super::team::{run_team, ErrorSlot, Member, Shared};
 use super::vecops::{attend_head, rms_norm, silu_mul, HeadShape, HostRope, KvRows};
@@ -188,44 +188,6 @@ fn runtime(e: String) -> EngineError {
     EngineError::Runtime(format!("host decode step: {e}"))
 }
 
-/// `x` (`m × cols`) prepared once per bit width among `mats`.
-struct Inputs {
-    four: Option<Prepared>,
-    eight: Option<Prepared>,
-}
-
-impl Inputs {
-    fn new(
-        sel: Selection,
-        x: &[f32],
-        m: usize,
-        cols: usize,
-        mats: &[&ProjView<'_>],
-    ) -> Result<Self> {
-        let make = |bits: usize| -> Result<Option<Prepared>> {
-            if mats.iter().any(|w| w.affine_bits() == Some(bits)) {
-                let p = Prepared::for_path(x, m, cols, bits, sel.path).map_err(runtime)?;
-                Ok(Some(p))
-            } else {
-                Ok(None)
-            }
-        };
-        Ok(Self {
-            four: make(4)?,
-            eight: make(8)?,
-        })
-    }
-
-    /// The input prepared for `w` (`None` for a weight that reads it as it is).
-    fn for_matrix(&self, w: &ProjView<'_>) -> Option<&Prepared> {
-        match w.affine_bits() {
-            Some(4) => self.four.as_ref(),
-            Some(_) => self.eight.as_ref(),
-            None => None,
-        }
-    }
-}
-
 /// This thread's rows of `x · Wᵀ` for each `(W, out)` pair (outputs in the kernel's
 /// `rows × m` layout), over one input `x` prepared here.
 fn rows_share(
@@ -237,7 +199,7 @@ fn rows_share(
 ) -> Result<()> {
     let cols = pairs.first().map_or(0, |(w, _)| w.cols);
     let mats: Vec<&ProjView<'_>> = pairs.iter().map(|(w, _)| *w).collect();
-    let inputs = Inputs::new(sel, x, m, cols, &mats)?;
+    let inputs = Inputs::new(sel, x, m, cols, &mats).map_err(runtime)?;
     for (w, out) in pairs {
         let rows = me.share(w.rows);
         // SAFETY: each member writes only its own share of rows; readers wait for the
