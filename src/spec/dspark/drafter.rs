@@ -21,7 +21,7 @@
 
 use super::checkpoint::{self, DsparkConfig, TargetFacts};
 use super::host_block::HostBlock;
-use super::host_sampler::{host_f32, HostDraft};
+use super::host_sampler::host_f32;
 use super::module::DsparkModule;
 use crate::engine::error::{EngineError, Result};
 use crate::engine::forks::Forks;
@@ -91,6 +91,10 @@ pub struct BlockRecord {
     /// How many tokens survived pruning (0..=γ; at least 1 under [`PruneMode::KeepFirst`]).
     pub kept: usize,
 }
+
+/// A block's drafted tokens, their calibrated confidences and, when sampling, the proposal
+/// distributions.
+type Drafted = (Vec<u32>, Vec<f64>, Option<Array>);
 
 /// The `dspark` drafter.
 pub struct DsparkSource {
@@ -294,13 +298,13 @@ impl DsparkSource {
 
     /// A greedy block on the host form: `rows` (the tapped rows since the last round) join the
     /// context, then the block runs and its heads sample. Returns the drafted tokens and
-    /// confidence logits.
+    /// calibrated confidences (as [`Self::draft_on_mlx`]).
     fn draft_on_host(
         &mut self,
         target: &dyn LanguageModel,
         rows: Option<Array>,
         anchor: u32,
-    ) -> Result<HostDraft> {
+    ) -> Result<Drafted> {
         let gamma = self.config().block_size;
         let anchor_row = self.module.embedded_rows(target, &[anchor])?;
         let lost = || EngineError::Runtime("the DSpark drafter lost its host form".into());
@@ -322,18 +326,24 @@ impl DsparkSource {
         let sampler = self.module.host_sampler()?.ok_or_else(lost)?;
         let d = anchor_row.len();
         let shape = (gamma, d, out.logits.len() / gamma);
-        sampler.sample_rows(&out.hidden, &out.logits, shape, anchor)
+        let drafted = sampler.sample_rows(&out.hidden, &out.logits, shape, anchor)?;
+        Ok((drafted.tokens, self.calibrate(&drafted.confidence), None))
     }
 
-    /// A block on MLX (the context already extended): greedy blocks are sampled on the host
-    /// after one read of the block; sampled ones (and heads that are not dense f32) on MLX,
-    /// whose random draws the rejection rule reads. Returns the drafted tokens, calibrated
-    /// confidences and, when sampling, the proposal distributions.
+    /// A block on MLX: `rows` (as for [`Self::draft_on_host`]) join the caches, then greedy
+    /// blocks are sampled on the host after one read of the block; sampled ones (and heads
+    /// that are not dense f32) on MLX, whose random draws the rejection rule reads. Returns the
+    /// drafted tokens, calibrated confidences and, when sampling, the proposal distributions.
     fn draft_on_mlx(
         &mut self,
         target: &dyn LanguageModel,
+        rows: Option<Array>,
         anchor: u32,
-    ) -> Result<(Vec<u32>, Vec<f64>, Option<Array>)> {
+    ) -> Result<Drafted> {
+        if let Some(rows) = rows {
+            let features = self.module.context_features(&rows)?;
+            self.module.extend_context(&features, &mut self.caches)?;
+        }
         let out = self.module.block(target, anchor, &mut self.caches)?;
         if self.temp == 0.0 {
             eval([&out.hidden, &out.base_logits])?;
@@ -500,17 +510,11 @@ impl DraftSource for DsparkSource {
         self.truncate_context(start);
         let rows = self.take_rows(start)?;
         let (tokens, confidence, probs) = if self.on_host {
-            let d = self.draft_on_host(&*target.model, rows, anchor)?;
-            self.context = start;
-            (d.tokens, self.calibrate(&d.confidence), None)
+            self.draft_on_host(&*target.model, rows, anchor)?
         } else {
-            if let Some(rows) = rows {
-                let features = self.module.context_features(&rows)?;
-                self.module.extend_context(&features, &mut self.caches)?;
-            }
-            self.context = start;
-            self.draft_on_mlx(&*target.model, anchor)?
+            self.draft_on_mlx(&*target.model, rows, anchor)?
         };
+        self.context = start;
         self.passes += 1;
         let kept = surviving_length(&confidence, &self.thresholds, tokens.len(), self.prune);
         let len = kept.min(n);
