@@ -17,6 +17,7 @@ use mlxb::spec::dspark::checkpoint::{self, SeqHead};
 use mlxb::spec::dspark::drafter::DsparkSource;
 use mlxb::spec::dspark::module::DsparkModule;
 use mlxb::spec::factory::{open_source, DraftKind, SpecOptions};
+use mlxb::spec::lookup_first::LookupFirst;
 use mlxb::spec::metrics::SpecMetrics;
 use mlxb::spec::source::{Draft, DraftSource, TargetView, VerifyMode};
 use mlxb::train::init::{init, InitOptions};
@@ -163,13 +164,28 @@ struct Recorder {
     hosted: Rc<RefCell<usize>>,
 }
 
-/// One round as the recorder saw it.
-#[derive(Debug, Clone, PartialEq)]
+/// One round as the recorder saw it. Rounds compare by what was drafted, not by the
+/// confidences (the host and MLX forms sum in other orders, and STS rescales them).
+#[derive(Debug, Clone)]
 struct Round {
+    anchor: usize,
     proposed: Vec<u32>,
     block: Vec<u32>,
     kept: usize,
     passes: usize,
+    confidence: Vec<f64>,
+}
+
+impl PartialEq for Round {
+    fn eq(&self, o: &Self) -> bool {
+        (
+            self.anchor,
+            &self.proposed,
+            &self.block,
+            self.kept,
+            self.passes,
+        ) == (o.anchor, &o.proposed, &o.block, o.kept, o.passes)
+    }
 }
 
 impl DraftSource for Recorder {
@@ -193,10 +209,12 @@ impl DraftSource for Recorder {
         *self.hosted.borrow_mut() += usize::from(self.inner.drafts_on_host());
         let block = self.inner.last_block().unwrap();
         self.log.borrow_mut().push(Round {
+            anchor: block.anchor_position,
             proposed: d.tokens.clone(),
             block: block.tokens.clone(),
             kept: block.kept,
             passes: self.inner.passes(),
+            confidence: block.confidence.clone(),
         });
         Ok(d)
     }
@@ -226,6 +244,18 @@ fn recorded_with(
     inner: DsparkSource,
     prompt: &[u32],
 ) -> (Vec<i32>, Log, SpecMetrics, usize) {
+    recorded_behind(session, inner, prompt, None, GEN)
+}
+
+/// As [`recorded_with`] for `max_tokens`, with `inner` behind a lookup of the last `lookup`
+/// n-grams when given.
+fn recorded_behind(
+    session: &mut Session,
+    inner: DsparkSource,
+    prompt: &[u32],
+    lookup: Option<(usize, usize)>,
+    max_tokens: usize,
+) -> (Vec<i32>, Log, SpecMetrics, usize) {
     let log = Rc::new(RefCell::new(Vec::new()));
     let hosted = Rc::new(RefCell::new(0));
     let rec = Box::new(Recorder {
@@ -233,7 +263,17 @@ fn recorded_with(
         log: log.clone(),
         hosted: hosted.clone(),
     });
-    let (ids, m) = common::greedy_ids(session.model.model.as_mut(), prompt, Some(rec), 3, GEN);
+    let source: Box<dyn DraftSource> = match lookup {
+        Some((min, max)) => Box::new(LookupFirst::new(rec, min, max)),
+        None => rec,
+    };
+    let (ids, m) = common::greedy_ids(
+        session.model.model.as_mut(),
+        prompt,
+        Some(source),
+        3,
+        max_tokens,
+    );
     let log = log.borrow().clone();
     let hosted = *hosted.borrow();
     (ids, log, m.unwrap(), hosted)
@@ -1053,6 +1093,86 @@ fn host_block_drafts_what_mlx_drafts() {
         assert_eq!(
             host_log, mlx_log,
             "{what}: the host block drafted otherwise"
+        );
+    }
+}
+
+/// Behind a lookup, the drafter drafts only the rounds the lookup finds no copy for, and drafts
+/// them as it would have alone: every block it drafts at an anchor the drafter alone also
+/// drafted at is the same block (the context rows of the rounds it skipped are taken in at its
+/// next round), on the host kernels and on MLX. The output equals vanilla greedy decoding.
+#[test]
+fn a_lookup_in_front_leaves_the_drafters_own_rounds_unchanged() {
+    let dir = target(&common::tiny_llama(json!({})));
+    let prompt = prompt(384);
+    let mut session = Session::open(dir.path(), Forks::default()).unwrap();
+    // Long enough for the lookup to miss often: its misses leave rows the drafter must drop.
+    const LONG: usize = 160;
+    let (vanilla, _) = common::greedy_ids(session.model.model.as_mut(), &prompt, None, 3, LONG);
+    // A head over draft ids (the whole vocabulary), so that greedy rounds can take the host form.
+    let all: Vec<i64> = (0..384).collect();
+    let ck = drafter(dir.path(), &opts(SeqHead::Rnn), |_, t| {
+        with_draft_vocab(t, &all)
+    });
+    for host in [true, false] {
+        let open = |session: &Session| {
+            DsparkSource::open(
+                ck.path(),
+                session.model.model.as_ref(),
+                None,
+                Forks::default(),
+            )
+            .unwrap()
+            .with_host_block(host)
+        };
+        let alone = open(&session);
+        let (alone_ids, alone_log, _, _) =
+            recorded_behind(&mut session, alone, &prompt, None, LONG);
+        let behind = open(&session);
+        let (ids, log, m, hosted) =
+            recorded_behind(&mut session, behind, &prompt, Some((2, 3)), LONG);
+        assert_eq!(hosted, if host { log.len() } else { 0 }, "host {host}");
+        assert_eq!(alone_ids, vanilla, "host {host}");
+        assert_eq!(ids, vanilla, "host {host}: the lookup changed the output");
+        assert_eq!(m.drafter, "lookup+dspark");
+        assert!(
+            !log.is_empty() && m.drafts > log.len(),
+            "host {host}: both the lookup and the drafter must propose ({} drafter rounds): {:?}",
+            log.len(),
+            m.to_json()
+        );
+        // Shared anchors, and how many of them follow rounds the drafter skipped (its previous
+        // round cannot have moved the sequence that far).
+        let (mut shared, mut after_skips) = (0, 0);
+        for (i, r) in log.iter().enumerate() {
+            if let Some(a) = alone_log.iter().find(|a| a.anchor == r.anchor) {
+                assert_eq!(
+                    (&r.block, &r.proposed),
+                    (&a.block, &a.proposed),
+                    "host {host}: anchor {} drafted otherwise behind the lookup",
+                    r.anchor
+                );
+                // The confidences too, which read the context rows more finely than the tokens
+                // (within rounding: rows taken in several at a time sum in another order).
+                let off = r
+                    .confidence
+                    .iter()
+                    .zip(&a.confidence)
+                    .map(|(x, y)| (x - y).abs())
+                    .fold(0.0, f64::max);
+                assert!(
+                    off < 1e-5,
+                    "host {host}: anchor {}: confidences off by {off:e} behind the lookup",
+                    r.anchor
+                );
+                shared += 1;
+                let skipped = i > 0 && r.anchor > log[i - 1].anchor + log[i - 1].proposed.len() + 1;
+                after_skips += usize::from(skipped);
+            }
+        }
+        assert!(
+            shared >= 5 && after_skips >= 1,
+            "host {host}: {shared} shared anchors, {after_skips} after skipped rounds"
         );
     }
 }

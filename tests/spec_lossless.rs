@@ -79,12 +79,15 @@ fn check_all_drafters(dir: &Path, config: &Value, draft_layers: usize, wraps: bo
     let want: Vec<i32> = oracle["ids"].as_slice::<i32>().to_vec();
     let mut session = Session::open(dir, Forks::default()).unwrap();
 
+    // The last entry of each: the shortest n-gram looked up before the model drafter drafts
+    // (0 = no lookup in front).
     let kinds = [
-        (DraftKind::Ngram, None, None),
-        (DraftKind::SelfLayers, None, Some(draft_layers)),
-        (DraftKind::Model, Some(dir.to_path_buf()), None),
+        (DraftKind::Ngram, None, None, 0),
+        (DraftKind::SelfLayers, None, Some(draft_layers), 0),
+        (DraftKind::Model, Some(dir.to_path_buf()), None, 0),
+        (DraftKind::SelfLayers, None, Some(draft_layers), 2),
     ];
-    for (kind, draft_model, layers) in kinds {
+    for (kind, draft_model, layers, lookup_first) in kinds {
         for k in [2usize, 4] {
             let opts = SpecOptions {
                 kind,
@@ -96,6 +99,7 @@ fn check_all_drafters(dir: &Path, config: &Value, draft_layers: usize, wraps: bo
                 verify: VerifyMode::Match,
                 dspark_min_conf: None,
                 dspark_prune: Default::default(),
+                lookup_first,
             };
             let source = open_source(&opts, &session, Forks::default(), 2048).unwrap();
             let (got, metrics) = generate(session.model.model.as_mut(), &prompt, Some(source), k);
@@ -103,7 +107,7 @@ fn check_all_drafters(dir: &Path, config: &Value, draft_layers: usize, wraps: bo
             assert_eq!(
                 got,
                 want,
-                "{kind:?} k={k} diverges from mlx-lm greedy; metrics {:?}",
+                "{kind:?} (lookup first {lookup_first}) k={k} diverges from mlx-lm greedy; metrics {:?}",
                 m.to_json()
             );
             assert!(m.target_forwards > 0);

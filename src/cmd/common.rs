@@ -329,6 +329,11 @@ pub struct SpecArgs {
     /// Shortest n-gram the `ngram` drafter looks up.
     #[arg(long, default_value_t = 1)]
     pub ngram_min: usize,
+    /// Before a model drafter (dspark, model, self, assistant) drafts a round, look up the
+    /// sequence's last N to max(N, --ngram-max) tokens earlier in the prompt and output and,
+    /// where found, propose what followed instead; 0 = off.
+    #[arg(long, default_value_t = 0)]
+    pub lookup_first: usize,
     /// Verification rule: `match` (token equality) or `reject` (rejection sampling)
     /// [default: match; `measure` at --temp > 0: reject].
     // The bracket is clap's default-value convention in the help text, not a doc link.
@@ -425,6 +430,7 @@ impl SpecArgs {
             verify: self.spec_verify.map(VerifyMode::from).unwrap_or_default(),
             dspark_min_conf: self.dspark_min_conf,
             dspark_prune: self.dspark_prune.into(),
+            lookup_first: self.lookup_first,
         })
     }
 }

@@ -4,6 +4,7 @@
 //! drafter).
 
 use super::dspark::drafter::PruneMode;
+use super::lookup_first::LookupFirst;
 use super::source::{DraftSource, VerifyMode};
 use crate::engine::error::{EngineError, Result};
 use crate::engine::forks::Forks;
@@ -68,6 +69,9 @@ pub struct SpecOptions {
     pub dspark_min_conf: Option<f64>,
     /// DSpark: how each block's draft length is pruned by its confidences.
     pub dspark_prune: PruneMode,
+    /// Shortest n-gram a model drafter's rounds are first looked up with ([`LookupFirst`]);
+    /// 0 = the model drafter drafts every round.
+    pub lookup_first: usize,
 }
 
 /// What a drafter directory holds: a Gemma 4 assistant, a DSpark checkpoint, or (anything else)
@@ -146,6 +150,11 @@ impl SpecOptions {
                     self.ngram_min, self.ngram_max
                 )))
             }
+            DraftKind::Ngram if self.lookup_first > 0 => Err(EngineError::Input(
+                "--lookup-first puts a lookup before a model drafter, and --draft-kind ngram is \
+                 one already; drop --lookup-first or set --ngram-min"
+                    .into(),
+            )),
             _ => Ok(()),
         }
     }
@@ -153,6 +162,20 @@ impl SpecOptions {
 
 /// Opens the drafter `opts` describes for a target opened as `session`.
 pub fn open_source(
+    opts: &SpecOptions,
+    session: &Session,
+    forks: Forks,
+    prefill_step: usize,
+) -> Result<Box<dyn DraftSource>> {
+    let source = open_model_source(opts, session, forks, prefill_step)?;
+    Ok(match opts.lookup_first {
+        0 => source,
+        min => Box::new(LookupFirst::new(source, min, min.max(opts.ngram_max))),
+    })
+}
+
+/// The drafter `opts` describes, without a lookup in front.
+fn open_model_source(
     opts: &SpecOptions,
     session: &Session,
     forks: Forks,

@@ -7,7 +7,8 @@
 //! round driver), `verify` (acceptance policies), `metrics`
 //! (vLLM-style acceptance counters), `trace` (per-round JSONL traces), `slots` (one drafter per
 //! sequence of the batched engine), and one file per drafter
-//! (`dspark/` and `assistant/` are directories).
+//! (`dspark/` and `assistant/` are directories); `lookup_first` puts a prompt lookup in front of a
+//! model drafter.
 
 pub mod assistant;
 pub mod autoregressive;
@@ -15,6 +16,7 @@ pub mod dspark;
 pub mod early_exit;
 pub mod executor;
 pub mod factory;
+pub mod lookup_first;
 pub mod metrics;
 pub mod ngram;
 pub mod policy;
