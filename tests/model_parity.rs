@@ -252,9 +252,10 @@ fn llama_f32_verify_blocks_of_one_to_eight_tokens() {
         assert!(packed_calls().1 > packed, "the blocks' packed products");
     }
     if mlxb::engine::kernels::attention::f32_values_fit(1, 1, 32) {
-        // OpenBLAS's `Haswell` kernels sum a block's whole groups of four queries in an order
-        // of their own (scores and values), which the host does not reproduce: the step's check
-        // refuses blocks of four or more there, and they take the per-layer path.
+        // OpenBLAS's `Haswell` kernels sum a product of four or more tokens through this
+        // model's small weights on one thread, in its 8×4 tile's two chains (which the host
+        // reproduces for attention only, `kernels::haswell_tiles`): the step's check refuses
+        // those blocks there, and they take the per-layer path. SmolLM2's widths below.
         let haswell = F32Kernels::here() == F32Kernels::Haswell;
         let taken = sizes.iter().filter(|&&n| n < 4 || !haswell).count();
         assert_eq!(steps, taken, "blocks taken by the L1 host step");
@@ -265,6 +266,26 @@ fn llama_f32_verify_blocks_of_one_to_eight_tokens() {
         );
     } else {
         eprintln!("this machine's OpenBLAS sums attention otherwise: checked off the host step");
+        assert_eq!(steps + warm_steps, 0);
+    }
+}
+
+/// [`llama_f32_verify_blocks_of_one_to_eight_tokens`] at SmolLM2-135M's widths (576 wide,
+/// nine query heads of 64 over three key/value heads, 1,536 in the MLP): every weight product of
+/// up to eight tokens is past OpenBLAS's threading threshold, so every block is an L1 host step
+/// on every kernel set, and on the `Haswell` kernels blocks of four or more sum part of their
+/// attention in the two chains of the kernel's 8×4 tile (`kernels::haswell_tiles`).
+#[test]
+fn llama_f32_verify_blocks_at_smollm2_widths() {
+    let config = llama(json!({
+        "hidden_size": 576, "intermediate_size": 1536, "num_attention_heads": 9,
+        "num_key_value_heads": 3, "head_dim": 64
+    }));
+    let (steps, warm_steps, sizes) = verify_blocks_of_one_to_eight_tokens_of(config, "f32");
+    if mlxb::engine::kernels::attention::f32_values_fit(1, 1, 64) {
+        assert_eq!(steps, sizes.len(), "blocks taken by the L1 host step");
+        assert_eq!(warm_steps, 8, "warm-up blocks taken by the L1 host step");
+    } else {
         assert_eq!(steps + warm_steps, 0);
     }
 }
@@ -284,6 +305,14 @@ fn llama_bf16_verify_blocks_of_one_to_eight_tokens() {
 /// many of them and of the warm-up's blocks the L1 host step took, and the blocks' sizes.
 fn verify_blocks_of_one_to_eight_tokens(dtype: &str) -> (usize, usize, Vec<usize>) {
     let config = llama(json!({"num_attention_heads": 6, "num_key_value_heads": 2, "head_dim": 32}));
+    verify_blocks_of_one_to_eight_tokens_of(config, dtype)
+}
+
+/// [`verify_blocks_of_one_to_eight_tokens`] for the llama of `config`.
+fn verify_blocks_of_one_to_eight_tokens_of(
+    config: serde_json::Value,
+    dtype: &str,
+) -> (usize, usize, Vec<usize>) {
     let dir = tempfile::tempdir().unwrap();
     common::make_model(dir.path(), &config, dtype, None);
     let vocab = config["vocab_size"].as_u64().unwrap() as u32;

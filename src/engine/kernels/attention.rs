@@ -14,6 +14,7 @@
 //! before using it.
 
 use super::elementwise::{bf16_mlx, bits_of, exp_mlx_slice, round_bf16};
+use super::haswell_tiles::{paired_sum, PairedTiles};
 use super::mlx_order::{self, Order, Weights};
 use half::bf16;
 use rayon::prelude::*;
@@ -319,26 +320,65 @@ pub fn f32_values_fit(queries: usize, keys: usize, dim: usize) -> bool {
 }
 
 /// The orders MLX's CPU SDPA sums an f32 attention of a block of queries over its keys in, the
-/// same for every head and query of the block: decided once per block.
+/// same for every head of the block: decided once per block.
 #[derive(Debug, Clone, PartialEq)]
 pub struct F32AttentionOrder {
     /// The order OpenBLAS sums the whole `q · Kᵀ` in ([`mlx_order::F32Kernels::block_order`]).
     pub scores: Order,
     /// The panels of keys it sums `P · V` in ([`f32_value_panels`]).
     pub values: Vec<usize>,
+    /// The outputs OpenBLAS's `HASWELL` kernels sum in two chains instead (blocks of four or
+    /// more queries there); `None` where every output is one chain per panel.
+    pub pairs: Option<AttentionPairs>,
+}
+
+/// The outputs of a block's two products that OpenBLAS's `HASWELL` 8×4 kernel tile sums in
+/// two chains ([`PairedTiles`]; the block's queries are both products' columns).
+#[derive(Debug, Clone, PartialEq)]
+pub struct AttentionPairs {
+    /// Of `q · Kᵀ`: rows are the keys.
+    pub scores: PairedTiles,
+    /// Of `P · V`: rows are the head dimension.
+    pub values: PairedTiles,
 }
 
 impl F32AttentionOrder {
     /// The orders for `queries` queries over `keys` keys of width `dim`, when this CPU's kernels
     /// run the scores' ([`mlx_order::takes_tokens`]) and the values' is known; `None` otherwise.
     pub fn here(queries: usize, keys: usize, dim: usize) -> Option<Self> {
-        let scores = mlx_order::F32Kernels::here().block_order(keys, dim, queries);
+        let kernels = mlx_order::F32Kernels::here();
+        let scores = kernels.block_order(keys, dim, queries);
         if !mlx_order::takes_tokens(&scores, queries) {
             return None;
         }
         let values = f32_value_panels(queries, keys, dim)?;
-        Some(Self { scores, values })
+        let pairs = match kernels {
+            mlx_order::F32Kernels::Haswell => haswell_pairs(queries, keys, dim)?,
+            _ => None,
+        };
+        Some(Self {
+            scores,
+            values,
+            pairs,
+        })
     }
+}
+
+/// The two-chain outputs of a block on the `HASWELL` kernels: `Some(None)` where there are none
+/// (up to three queries); `None` where the order is not known here (the products past
+/// OpenBLAS's threading threshold, whose driver cuts the columns otherwise, or a head wider
+/// than one panel of the scores' depth).
+fn haswell_pairs(queries: usize, keys: usize, dim: usize) -> Option<Option<AttentionPairs>> {
+    let scores = PairedTiles::new(keys, queries)?;
+    let values = PairedTiles::new(dim, queries)?;
+    if !(0..queries).any(|c| scores.column_has_pairs(c) || values.column_has_pairs(c)) {
+        return Some(None);
+    }
+    let one_panel = dim <= mlx_order::F32Kernels::Haswell.panel_depth();
+    if queries * keys * dim > SINGLE_THREAD_MAX_MNK || !one_panel {
+        return None;
+    }
+    Some(Some(AttentionPairs { scores, values }))
 }
 
 /// Largest `M·N·K` OpenBLAS runs a GEMM on one thread (`SMP_THRESHOLD_MIN` 65,536 times
@@ -418,28 +458,41 @@ pub fn attend_f32_query(
     let new = keys - past;
     let query = (visible.saturating_sub(past + 1), new.max(1));
     let (cached, block) = (0..past, 0..new);
-    mlx_order::token_rows(
-        past_k,
-        0,
-        keys,
-        dim,
-        q,
-        query,
-        &order.scores,
-        cached,
-        &mut scores[..past],
-    )?;
-    mlx_order::token_rows(
-        new_k,
-        past,
-        keys,
-        dim,
-        q,
-        query,
-        &order.scores,
-        block,
-        &mut scores[past..],
-    )?;
+    // The query's column in both products (its place in the block), where some of its sums
+    // take the Haswell kernel's two chains.
+    let column = visible - past - 1;
+    let pairs = order.pairs.as_ref();
+    match pairs.filter(|p| p.scores.column_has_pairs(column)) {
+        Some(pairs) => {
+            let (old, fresh) = scores.split_at_mut(past);
+            paired_scores(q, past_k, 0, &pairs.scores, column, old);
+            paired_scores(q, new_k, past, &pairs.scores, column, fresh);
+        }
+        None => {
+            mlx_order::token_rows(
+                past_k,
+                0,
+                keys,
+                dim,
+                q,
+                query,
+                &order.scores,
+                cached,
+                &mut scores[..past],
+            )?;
+            mlx_order::token_rows(
+                new_k,
+                past,
+                keys,
+                dim,
+                q,
+                query,
+                &order.scores,
+                block,
+                &mut scores[past..],
+            )?;
+        }
+    }
     // Masked keys take the lowest finite value, as MLX's `where` writes: their exponential is
     // then exactly zero.
     for s in &mut scores[visible..] {
@@ -460,15 +513,32 @@ pub fn attend_f32_query(
         }
     };
     // A zero weight adds a signed zero to a chain that starts at +0 (see `attend_bf16`), and
-    // masked keys weigh zero: both are skipped.
-    let chain = |keys: Range<usize>, acc: &mut [f32]| {
+    // masked keys weigh zero: both are skipped. Where the Haswell kernel pairs this query's
+    // outputs, the panel's odd keys of each whole group of eight go to a second chain (`odd`,
+    // for the paired outputs `..split`), added at the end.
+    let split = pairs
+        .filter(|p| p.values.column_has_pairs(column))
+        .map_or(0, |p| {
+            (0..dim).take_while(|&d| p.values.paired(d, column)).count()
+        });
+    let mut odd = vec![0.0f32; split];
+    let mut chain = |keys: Range<usize>, acc: &mut [f32]| {
         acc.fill(0.0);
+        odd.fill(0.0);
+        let whole = keys.start + keys.len() / 8 * 8;
         let end = keys.end.min(visible);
         for (s, p) in scores.iter().enumerate().take(end).skip(keys.start) {
-            if *p != 0.0 {
+            if *p == 0.0 {
+                continue;
+            }
+            if split > 0 && s < whole && (s - keys.start) % 2 == 1 {
+                fma_row(&mut odd, *p, &rows(s)[..split]);
+                fma_row(&mut acc[split..], *p, &rows(s)[split..]);
+            } else {
                 fma_row(acc, *p, rows(s));
             }
         }
+        acc.iter_mut().zip(&odd).for_each(|(a, o)| *a += o);
     };
     let mut start = 0;
     let mut part = Vec::new();
@@ -485,6 +555,56 @@ pub fn attend_f32_query(
     }
     CALLS.fetch_add(1, Ordering::Relaxed);
     Ok(())
+}
+
+/// The scores of `q` against the key rows `w` (the first of them key `first` of the block's
+/// product), each summed as OpenBLAS's `HASWELL` kernel sums it for the query's `column`: in the
+/// 8×4 tile's two chains where `tiles` says so, one chain otherwise.
+fn paired_scores(
+    q: &[f32],
+    w: &[f32],
+    first: usize,
+    tiles: &PairedTiles,
+    column: usize,
+    out: &mut [f32],
+) {
+    let dim = q.len();
+    #[cfg(target_arch = "x86_64")]
+    if mlx_order::available() {
+        // SAFETY: the host kernels run only where the CPU has AVX2 and FMA.
+        unsafe { paired_scores_fma(q, w, first, tiles, column, out) };
+        return;
+    }
+    for (r, (key, o)) in w.chunks_exact(dim).zip(out.iter_mut()).enumerate() {
+        *o = score(q, key, tiles.paired(first + r, column));
+    }
+}
+
+#[cfg(target_arch = "x86_64")]
+#[target_feature(enable = "avx2,fma")]
+unsafe fn paired_scores_fma(
+    q: &[f32],
+    w: &[f32],
+    first: usize,
+    tiles: &PairedTiles,
+    column: usize,
+    out: &mut [f32],
+) {
+    for (r, (key, o)) in w.chunks_exact(q.len()).zip(out.iter_mut()).enumerate() {
+        *o = score(q, key, tiles.paired(first + r, column));
+    }
+}
+
+/// One score: the 8×4 tile's two chains (`paired`) or one chain over the head dimension.
+#[inline(always)]
+fn score(q: &[f32], key: &[f32], paired: bool) -> f32 {
+    if paired {
+        paired_sum(q.len(), |d, acc| q[d].mul_add(key[d], acc))
+    } else {
+        q.iter()
+            .zip(key)
+            .fold(0.0, |acc, (a, b)| a.mul_add(*b, acc))
+    }
 }
 
 /// `acc[d] = fma(w, v[d], acc[d])` for every `d`, each rounded once.

@@ -6,7 +6,8 @@
 //! the summation order of MLX's own CPU matmul (`mlx_order`, MLX-facing in `dense`), the
 //! products of 2- to 8-bit layers in the order of MLX's CPU `quantized_matmul` (`quant_order`,
 //! MLX-facing in `qdense`), bf16
-//! attention in the order of MLX's CPU SDPA (`attention`) and element-wise work
+//! attention in the order of MLX's CPU SDPA (`attention`; `haswell_tiles` where OpenBLAS's Haswell
+//! kernel sums a block's attention in two chains) and element-wise work
 //! (`elementwise`): bit-identical, each checked against MLX before use.
 //!
 //! `affine` is the arithmetic (AVX-512, AVX2+FMA, scalar; `vnni` the int8-input AVX-512 VNNI
@@ -35,6 +36,7 @@ pub mod attention;
 pub mod dense;
 pub mod dispatch;
 pub mod elementwise;
+pub mod haswell_tiles;
 pub mod host;
 pub mod mlx_order;
 pub mod packed;
