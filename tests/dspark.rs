@@ -902,6 +902,22 @@ fn cli_init_and_generate() {
             &[],
         );
     }
+
+    // A checkpoint's `lookup_first` puts a lookup in front of it unless `--lookup-first` says
+    // otherwise; the output stays the target's.
+    edit_json(ck.path(), |v| v["lookup_first"] = json!(1));
+    let (code, looked, err) = common::run_mlxb_json(&with, &[]);
+    assert_eq!(code, 0, "{err}");
+    assert_eq!(looked["token_ids"], plain["token_ids"]);
+    assert_eq!(looked["speculative"]["drafter"], "lookup+dspark");
+    let mut off = with.clone();
+    off.extend(["--lookup-first", "0"]);
+    let (_, alone, _) = common::run_mlxb_json(&off, &[]);
+    assert_eq!(alone["speculative"]["drafter"], "dspark");
+    assert_eq!(
+        common::spec_counters(&alone["speculative"]),
+        common::spec_counters(&spec["speculative"])
+    );
 }
 
 /// With `--spec-verify reject` at T > 0 the drafter samples its proposals at the target's

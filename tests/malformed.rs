@@ -660,11 +660,16 @@ fn contradictory_or_out_of_range_flags_are_refused() {
     let fx = fixture();
     let model = fx.model.clone();
     let d = fx.drafter();
-    let generate_cases: [(&str, &[&str], &[&str]); 12] = [
+    let generate_cases: [(&str, &[&str], &[&str]); 13] = [
         (
             "top_p",
             &["--top-p", "2"],
             &["`--top-p` must be between 0 and 1"],
+        ),
+        (
+            "lookup_before_ngram",
+            &["--draft-kind", "ngram", "--lookup-first", "2"],
+            &["--lookup-first", "drop --lookup-first or set --ngram-min"],
         ),
         (
             "ngram_range",
@@ -871,7 +876,7 @@ fn contradictory_or_out_of_range_flags_are_refused() {
         let dir = s.dir(name);
         s.refuse(&dir, &args, b"", needles);
     }
-    assert_eq!(s.count, 26);
+    assert_eq!(s.count, 27);
 }
 
 /// A hand-made GGUF file, byte by byte (little endian, as the format is).

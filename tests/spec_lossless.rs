@@ -99,7 +99,7 @@ fn check_all_drafters(dir: &Path, config: &Value, draft_layers: usize, wraps: bo
                 verify: VerifyMode::Match,
                 dspark_min_conf: None,
                 dspark_prune: Default::default(),
-                lookup_first,
+                lookup_first: Some(lookup_first),
             };
             let source = open_source(&opts, &session, Forks::default(), 2048).unwrap();
             let (got, metrics) = generate(session.model.model.as_mut(), &prompt, Some(source), k);

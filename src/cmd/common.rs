@@ -331,9 +331,12 @@ pub struct SpecArgs {
     pub ngram_min: usize,
     /// Before a model drafter (dspark, model, self, assistant) drafts a round, look up the
     /// sequence's last N to max(N, --ngram-max) tokens earlier in the prompt and output and,
-    /// where found, propose what followed instead; 0 = off.
-    #[arg(long, default_value_t = 0)]
-    pub lookup_first: usize,
+    /// where found, propose what followed instead; 0 = off [default: a DSpark checkpoint's
+    /// lookup_first (the shipped drafter's: 4), else 0].
+    // The bracket is clap's default-value convention in the help text, not a doc link.
+    #[allow(rustdoc::broken_intra_doc_links)]
+    #[arg(long)]
+    pub lookup_first: Option<usize>,
     /// Verification rule: `match` (token equality) or `reject` (rejection sampling)
     /// [default: match; `measure` at --temp > 0: reject].
     // The bracket is clap's default-value convention in the help text, not a doc link.

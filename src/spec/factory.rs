@@ -3,7 +3,7 @@
 //! drafts as DSpark, a Gemma 4 assistant as the assistant, any other model as a two-model
 //! drafter).
 
-use super::dspark::drafter::PruneMode;
+use super::dspark::drafter::{DsparkSource, PruneMode};
 use super::lookup_first::LookupFirst;
 use super::source::{DraftSource, VerifyMode};
 use crate::engine::error::{EngineError, Result};
@@ -70,8 +70,9 @@ pub struct SpecOptions {
     /// DSpark: how each block's draft length is pruned by its confidences.
     pub dspark_prune: PruneMode,
     /// Shortest n-gram a model drafter's rounds are first looked up with ([`LookupFirst`]);
-    /// 0 = the model drafter drafts every round.
-    pub lookup_first: usize,
+    /// 0 = the model drafter drafts every round; `None` = the drafter's own choice (a DSpark
+    /// checkpoint's `lookup_first`), else none.
+    pub lookup_first: Option<usize>,
 }
 
 /// What a drafter directory holds: a Gemma 4 assistant, a DSpark checkpoint, or (anything else)
@@ -150,7 +151,7 @@ impl SpecOptions {
                     self.ngram_min, self.ngram_max
                 )))
             }
-            DraftKind::Ngram if self.lookup_first > 0 => Err(EngineError::Input(
+            DraftKind::Ngram if self.lookup_first.is_some_and(|n| n > 0) => Err(EngineError::Input(
                 "--lookup-first puts a lookup before a model drafter, and --draft-kind ngram is \
                  one already; drop --lookup-first or set --ngram-min"
                     .into(),
@@ -167,27 +168,33 @@ pub fn open_source(
     forks: Forks,
     prefill_step: usize,
 ) -> Result<Box<dyn DraftSource>> {
-    let source = open_model_source(opts, session, forks, prefill_step)?;
-    Ok(match opts.lookup_first {
+    let (source, own_lookup) = open_model_source(opts, session, forks, prefill_step)?;
+    Ok(match opts.lookup_first.or(own_lookup).unwrap_or(0) {
         0 => source,
         min => Box::new(LookupFirst::new(source, min, min.max(opts.ngram_max))),
     })
 }
 
-/// The drafter `opts` describes, without a lookup in front.
+/// The drafter `opts` describes, without a lookup in front, and the lookup its checkpoint asks
+/// for (a DSpark drafter's `lookup_first`).
 fn open_model_source(
     opts: &SpecOptions,
     session: &Session,
     forks: Forks,
     prefill_step: usize,
-) -> Result<Box<dyn DraftSource>> {
+) -> Result<(Box<dyn DraftSource>, Option<usize>)> {
     opts.validate()?;
     let dir = || {
         opts.draft_model.as_deref().ok_or_else(|| {
             EngineError::Input("this drafter needs a directory (--drafter or --draft-model)".into())
         })
     };
-    Ok(match concrete_kind(opts)? {
+    let source: Box<dyn DraftSource> = match concrete_kind(opts)? {
+        DraftKind::Dspark => {
+            let source = open_dspark(opts, dir()?, session.model.model.as_ref(), forks)?;
+            let own = source.config().lookup_first;
+            return Ok((Box::new(source), own));
+        }
         DraftKind::Ngram => Box::new(super::ngram::NgramSource::new(
             opts.ngram_min,
             opts.ngram_max,
@@ -195,7 +202,6 @@ fn open_model_source(
         DraftKind::SelfLayers => Box::new(super::early_exit::EarlyExitSource::new(
             opts.draft_layers.unwrap_or(0),
         )),
-        DraftKind::Dspark => open_dspark(opts, dir()?, session.model.model.as_ref(), forks)?,
         DraftKind::Assistant => Box::new(super::assistant::drafter::AssistantSource::open(
             dir()?,
             &session.dir,
@@ -208,7 +214,8 @@ fn open_model_source(
             forks,
             prefill_step,
         )?),
-    })
+    };
+    Ok((source, None))
 }
 
 /// The DSpark drafter at `dir` for `target`, with the options' threshold and pruning rule.
@@ -217,13 +224,10 @@ fn open_dspark(
     dir: &Path,
     target: &dyn LanguageModel,
     forks: Forks,
-) -> Result<Box<dyn DraftSource>> {
+) -> Result<DsparkSource> {
     let min_conf = match opts.dspark_min_conf {
         Some(c) => Some(c),
         None => super::dspark::drafter::min_conf_from_env()?,
     };
-    Ok(Box::new(
-        super::dspark::drafter::DsparkSource::open(dir, target, min_conf, forks)?
-            .with_prune(opts.dspark_prune),
-    ))
+    Ok(DsparkSource::open(dir, target, min_conf, forks)?.with_prune(opts.dspark_prune))
 }

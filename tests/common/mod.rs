@@ -247,7 +247,7 @@ pub fn spec_options(
         verify: mlxb::spec::source::VerifyMode::Match,
         dspark_min_conf: None,
         dspark_prune: Default::default(),
-        lookup_first: 0,
+        lookup_first: None,
     }
 }
 

@@ -193,7 +193,11 @@ mod tests {
         }
         assert_eq!(paired.to_bits(), (even + odd).to_bits());
         let chain = (0..11).fold(0.0f32, |acc, k| term(k, acc));
-        assert_ne!(paired.to_bits(), chain.to_bits(), "the terms do not tell the forms apart");
+        assert_ne!(
+            paired.to_bits(),
+            chain.to_bits(),
+            "the terms do not tell the forms apart"
+        );
         // Fewer than eight terms: one chain.
         let one = paired_sum(5, term);
         let chain = (0..5).fold(0.0f32, |acc, k| term(k, acc));

@@ -138,6 +138,11 @@ pub struct DsparkConfig {
     /// `model_type` of the target it was made for (informational).
     #[serde(default)]
     pub target_model_type: Option<String>,
+    /// The shortest n-gram a lookup in front of this drafter matches where `--lookup-first` is
+    /// not given ([`crate::spec::lookup_first`]; chosen by measuring the drafter on calibration
+    /// prompts); absent = no lookup.
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    pub lookup_first: Option<usize>,
 }
 
 fn yes() -> bool {
