@@ -424,7 +424,9 @@ pub fn f32_value_panels(queries: usize, keys: usize, dim: usize) -> Option<Vec<u
 /// the first `visible` are not masked. Each score is the host product in `order.scores`; then
 /// MLX's precise softmax (the maximum, `exp(x - max)` summed left to right, each times
 /// `1 / sum`); then each output is one fused multiply-add chain over each of `order.values`'
-/// panels of keys from zero, the panels added in order. `scores` is scratch.
+/// panels of keys from zero, the panels added in order. Where `order.pairs` says OpenBLAS's
+/// `Haswell` kernel sums a score or an output in its 8×4 tile, it is summed in that tile's two
+/// chains instead ([`super::haswell_tiles`]). `scores` is scratch.
 #[allow(clippy::too_many_arguments)]
 pub fn attend_f32_query(
     q: &[f32],
