@@ -20,8 +20,6 @@ pub struct LookupFirst {
     inner: Box<dyn DraftSource>,
     /// Whether the latest proposal came from the lookup.
     looked_up: bool,
-    /// The lookup's n-gram sizes, shortest and longest (for [`DraftSource::fork`]).
-    sizes: (usize, usize),
 }
 
 impl LookupFirst {
@@ -31,13 +29,7 @@ impl LookupFirst {
             lookup: NgramSource::new(min, max),
             inner,
             looked_up: false,
-            sizes: (min, max),
         }
-    }
-
-    /// Whether the latest proposal came from the lookup (else from the model drafter).
-    pub fn looked_up(&self) -> bool {
-        self.looked_up
     }
 }
 
@@ -119,11 +111,13 @@ impl DraftSource for LookupFirst {
     }
 
     fn fork(&self) -> Result<Option<Box<dyn DraftSource>>> {
-        let (min, max) = self.sizes;
-        Ok(self
-            .inner
-            .fork()?
-            .map(|inner| Box::new(Self::new(inner, min, max)) as Box<dyn DraftSource>))
+        Ok(self.inner.fork()?.map(|inner| {
+            Box::new(Self {
+                lookup: self.lookup.clone(),
+                inner,
+                looked_up: false,
+            }) as Box<dyn DraftSource>
+        }))
     }
 
     fn kv_layers(&self) -> Vec<usize> {

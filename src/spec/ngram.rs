@@ -6,6 +6,7 @@ use super::source::{Draft, DraftSource, TargetView};
 use crate::engine::error::Result;
 
 /// The `ngram` drafter.
+#[derive(Debug, Clone)]
 pub struct NgramSource {
     max: usize,
     min: usize,

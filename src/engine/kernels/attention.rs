@@ -466,9 +466,14 @@ pub fn attend_f32_query(
     let pairs = order.pairs.as_ref();
     match pairs.filter(|p| p.scores.column_has_pairs(column)) {
         Some(pairs) => {
+            let query = PairedQuery {
+                q,
+                tiles: &pairs.scores,
+                column,
+            };
             let (old, fresh) = scores.split_at_mut(past);
-            paired_scores(q, past_k, 0, &pairs.scores, column, old);
-            paired_scores(q, new_k, past, &pairs.scores, column, fresh);
+            paired_scores(&query, past_k, 0, old);
+            paired_scores(&query, new_k, past, fresh);
         }
         None => {
             mlx_order::token_rows(
@@ -559,53 +564,46 @@ pub fn attend_f32_query(
     Ok(())
 }
 
-/// The scores of `q` against the key rows `w` (the first of them key `first` of the block's
-/// product), each summed as OpenBLAS's `HASWELL` kernel sums it for the query's `column`: in the
-/// 8×4 tile's two chains where `tiles` says so, one chain otherwise.
-fn paired_scores(
-    q: &[f32],
-    w: &[f32],
-    first: usize,
-    tiles: &PairedTiles,
+/// One query of a block on the `HASWELL` kernels: its values, and where the kernel sums its
+/// scores in the 8×4 tile (`tiles`, the query being column `column`).
+struct PairedQuery<'a> {
+    q: &'a [f32],
+    tiles: &'a PairedTiles,
     column: usize,
-    out: &mut [f32],
-) {
-    let dim = q.len();
+}
+
+/// The scores of the query against the key rows `w` (the first of them key `first` of the
+/// block's product), each summed as OpenBLAS's `HASWELL` kernel sums it: in the 8×4 tile's two
+/// chains where the tiles say so, one chain otherwise.
+fn paired_scores(query: &PairedQuery<'_>, w: &[f32], first: usize, out: &mut [f32]) {
     #[cfg(target_arch = "x86_64")]
     if mlx_order::available() {
         // SAFETY: the host kernels run only where the CPU has AVX2 and FMA.
-        unsafe { paired_scores_fma(q, w, first, tiles, column, out) };
+        unsafe { paired_scores_fma(query, w, first, out) };
         return;
     }
-    for (r, (key, o)) in w.chunks_exact(dim).zip(out.iter_mut()).enumerate() {
-        *o = score(q, key, tiles.paired(first + r, column));
-    }
+    score_rows(query, w, first, out);
 }
 
+/// [`paired_scores`] compiled for FMA, so that its `mul_add`s are single instructions.
 #[cfg(target_arch = "x86_64")]
 #[target_feature(enable = "avx2,fma")]
-unsafe fn paired_scores_fma(
-    q: &[f32],
-    w: &[f32],
-    first: usize,
-    tiles: &PairedTiles,
-    column: usize,
-    out: &mut [f32],
-) {
-    for (r, (key, o)) in w.chunks_exact(q.len()).zip(out.iter_mut()).enumerate() {
-        *o = score(q, key, tiles.paired(first + r, column));
-    }
+unsafe fn paired_scores_fma(query: &PairedQuery<'_>, w: &[f32], first: usize, out: &mut [f32]) {
+    score_rows(query, w, first, out)
 }
 
-/// One score: the 8×4 tile's two chains (`paired`) or one chain over the head dimension.
+/// The loop of [`paired_scores`].
 #[inline(always)]
-fn score(q: &[f32], key: &[f32], paired: bool) -> f32 {
-    if paired {
-        paired_sum(q.len(), |d, acc| q[d].mul_add(key[d], acc))
-    } else {
-        q.iter()
-            .zip(key)
-            .fold(0.0, |acc, (a, b)| a.mul_add(*b, acc))
+fn score_rows(query: &PairedQuery<'_>, w: &[f32], first: usize, out: &mut [f32]) {
+    let q = query.q;
+    for (r, (key, o)) in w.chunks_exact(q.len()).zip(out.iter_mut()).enumerate() {
+        *o = if query.tiles.paired(first + r, query.column) {
+            paired_sum(q.len(), |d, acc| q[d].mul_add(key[d], acc))
+        } else {
+            q.iter()
+                .zip(key)
+                .fold(0.0, |acc, (a, b)| a.mul_add(*b, acc))
+        };
     }
 }
 
