@@ -14,7 +14,7 @@
 //! before using it.
 
 use super::elementwise::{bf16_mlx, bits_of, exp_mlx_slice, round_bf16};
-use super::haswell_tiles::{paired_sum, PairedTiles};
+use super::haswell_tiles::{paired_sum, paired_sums, PairedTiles};
 use super::mlx_order::{self, Order, Weights};
 use half::bf16;
 use rayon::prelude::*;
@@ -592,18 +592,33 @@ unsafe fn paired_scores_fma(query: &PairedQuery<'_>, w: &[f32], first: usize, ou
     score_rows(query, w, first, out)
 }
 
-/// The loop of [`paired_scores`].
+/// The loop of [`paired_scores`]. Four paired keys at a time run their eight chains side by
+/// side (each chain's adds depend on each other, the keys' do not).
 #[inline(always)]
 fn score_rows(query: &PairedQuery<'_>, w: &[f32], first: usize, out: &mut [f32]) {
     let q = query.q;
-    for (r, (key, o)) in w.chunks_exact(q.len()).zip(out.iter_mut()).enumerate() {
-        *o = if query.tiles.paired(first + r, query.column) {
-            paired_sum(q.len(), |d, acc| q[d].mul_add(key[d], acc))
+    let dim = q.len();
+    let paired = |r: usize| query.tiles.paired(first + r, query.column);
+    let mut r = 0;
+    while r < out.len() {
+        if r + 4 <= out.len() && (r..r + 4).all(paired) {
+            let keys: [&[f32]; 4] = std::array::from_fn(|i| &w[(r + i) * dim..(r + i + 1) * dim]);
+            let sums = paired_sums(dim, |d, acc: [f32; 4]| {
+                std::array::from_fn(|i| q[d].mul_add(keys[i][d], acc[i]))
+            });
+            out[r..r + 4].copy_from_slice(&sums);
+            r += 4;
+            continue;
+        }
+        let key = &w[r * dim..(r + 1) * dim];
+        out[r] = if paired(r) {
+            paired_sum(dim, |d, acc| q[d].mul_add(key[d], acc))
         } else {
             q.iter()
                 .zip(key)
                 .fold(0.0, |acc, (a, b)| a.mul_add(*b, acc))
         };
+        r += 1;
     }
 }
 

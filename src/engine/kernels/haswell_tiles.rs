@@ -133,8 +133,18 @@ fn paired_columns(pieces: &[usize]) -> Option<Vec<bool>> {
 /// `fma(a_k, b_k, acc)`.
 #[inline(always)]
 pub fn paired_sum(depth: usize, mut term: impl FnMut(usize, f32) -> f32) -> f32 {
+    paired_sums(depth, |k, [acc]: [f32; 1]| [term(k, acc)])[0]
+}
+
+/// [`paired_sum`] of `N` outputs at once, each in its own two chains: `term(k, acc)` returns
+/// the `N` accumulators after depth `k`.
+#[inline(always)]
+pub fn paired_sums<const N: usize>(
+    depth: usize,
+    mut term: impl FnMut(usize, [f32; N]) -> [f32; N],
+) -> [f32; N] {
     let main = depth / PAIRED_ROWS * PAIRED_ROWS;
-    let (mut even, mut odd) = (0.0f32, 0.0f32);
+    let (mut even, mut odd) = ([0.0f32; N], [0.0f32; N]);
     for k in (0..main).step_by(2) {
         even = term(k, even);
         odd = term(k + 1, odd);
@@ -142,7 +152,7 @@ pub fn paired_sum(depth: usize, mut term: impl FnMut(usize, f32) -> f32) -> f32 
     for k in main..depth {
         even = term(k, even);
     }
-    even + odd
+    std::array::from_fn(|i| even[i] + odd[i])
 }
 
 #[cfg(test)]
