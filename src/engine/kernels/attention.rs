@@ -14,7 +14,7 @@
 //! before using it.
 
 use super::elementwise::{bf16_mlx, bits_of, exp_mlx_slice, round_bf16};
-use super::haswell_tiles::{paired_sum, paired_sums, PairedTiles};
+use super::haswell_tiles::{paired_sum, paired_sums, PairedTiles, HASWELL_UNROLL_M};
 use super::mlx_order::{self, Order, Weights};
 use half::bf16;
 use rayon::prelude::*;
@@ -386,9 +386,6 @@ fn haswell_pairs(queries: usize, keys: usize, dim: usize) -> Option<Option<Atten
 const SINGLE_THREAD_MAX_MNK: usize = 262_144;
 /// Largest `M·N·K` the `SKYLAKEX`/`COOPERLAKE` small-matrix `NN` kernel takes.
 const SMALL_NN_MAX_MNK: usize = 1_000_000;
-/// `SGEMM_DEFAULT_UNROLL_M` of OpenBLAS's `HASWELL` kernels: the single-threaded driver rounds
-/// a halved depth up to a multiple of it.
-const HASWELL_UNROLL_M: usize = 8;
 
 /// How MLX's CPU backend sums the values product `P · V` of `queries` queries over `keys` keys
 /// of width `dim`: the panels of keys OpenBLAS cuts it into, each output one fused multiply-add

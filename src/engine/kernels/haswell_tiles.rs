@@ -23,8 +23,9 @@ use super::mlx_order::{driver_panels, Halving};
 
 /// `GEMM_P`: the rows the driver hands the kernel per block.
 const BLOCK_ROWS: usize = 320;
-/// `SGEMM_DEFAULT_UNROLL_M`: the multiple the driver rounds a halved block up to.
-const UNROLL_M: usize = 8;
+/// `SGEMM_DEFAULT_UNROLL_M` of the `HASWELL` kernels: the single-threaded driver rounds a halved
+/// block of rows, or a halved depth, up to a multiple of it.
+pub(super) const HASWELL_UNROLL_M: usize = 8;
 /// Rows and columns of the two-chain kernel tile.
 const PAIRED_ROWS: usize = 8;
 const PAIRED_COLUMNS: usize = 4;
@@ -47,7 +48,9 @@ impl PairedTiles {
         let pieces = first_block_pieces(columns);
         let first = paired_columns(&pieces)?;
         let later = paired_columns(&[columns])?;
-        let halving = Halving::SingleThread { unroll: UNROLL_M };
+        let halving = Halving::SingleThread {
+            unroll: HASWELL_UNROLL_M,
+        };
         let mut blocks = Vec::new();
         let mut start = 0;
         for len in driver_panels(rows, BLOCK_ROWS, halving) {
