@@ -471,10 +471,11 @@ mod x86 {
 
     /// Every group of `range` for every token. A decode token runs two groups side by side (two
     /// independent chains hide the multiply-add's latency). A block of tokens runs group by
-    /// group, each group past all the tokens (up to `V::PACKED_TOKENS` bfloat16 chains, or
-    /// [`TOKEN_BLOCK`] f32 panel chains with their totals, in the registers at once) before
-    /// the next: the weight is read from memory once per block, the group's repeats hit the
-    /// first-level cache.
+    /// group, each group past all the tokens (up to `V::PACKED_TOKENS` bfloat16 chains in the
+    /// registers at once) before the next: the weight is read from memory once per block, the
+    /// group's repeats hit the first-level cache. f32 panels run two groups past
+    /// [`TOKEN_BLOCK`] tokens at a time (eight chains, as many as two multiply-add units need
+    /// to stay busy), their running totals kept in `out` between panels.
     #[inline(always)]
     unsafe fn rows<V: Vector>(
         w: &PackedRows,
@@ -511,14 +512,21 @@ mod x86 {
             Layout::Bf16Pairs => V::PACKED_TOKENS,
             Layout::F32Panels(_) => TOKEN_BLOCK,
         };
-        for g in first..last {
+        let mut g = first;
+        while g < last {
+            let two = g + 2 <= last && matches!(w.layout, Layout::F32Panels(_));
             let mut t0 = 0;
             while t0 < tokens {
                 let n = (tokens - t0).min(block);
                 let p = pass(g, t0);
-                by_tokens!(n, pass_groups::<V, 1>(p));
+                if two {
+                    by_tokens!(n, pass_groups::<V, 2>(p));
+                } else {
+                    by_tokens!(n, pass_groups::<V, 1>(p));
+                }
                 t0 += n;
             }
+            g += if two { 2 } else { 1 };
         }
     }
 
@@ -617,7 +625,7 @@ mod x86 {
     #[inline(always)]
     unsafe fn pass_groups<V: Vector, const G: usize, const T: usize>(p: Pass<'_>) {
         let (lanes, cols) = (p.w.lanes, p.w.cols);
-        let mut total = [[V::zero(); T]; G];
+        let out = |g: usize, t: usize| p.out.add(t * p.len + p.at + g * lanes);
         match &p.w.layout {
             Layout::Bf16Pairs => {
                 let pairs = cols / 2;
@@ -634,12 +642,16 @@ mod x86 {
                         }
                     }
                 }
-                add_into(&mut total, &acc);
+                for (g, chains) in acc.iter().enumerate() {
+                    for (t, a) in chains.iter().enumerate() {
+                        V::store(out(g, t), V::add(V::zero(), *a));
+                    }
+                }
             }
             Layout::F32Panels(panels) => {
                 let base = p.w.words.as_ptr().add(p.group * lanes * cols);
                 let mut k0 = 0;
-                for &depth in panels {
+                for (i, &depth) in panels.iter().enumerate() {
                     let mut acc = [[V::zero(); T]; G];
                     for k in k0..k0 + depth {
                         for (g, chains) in acc.iter_mut().enumerate() {
@@ -649,27 +661,20 @@ mod x86 {
                             }
                         }
                     }
-                    add_into(&mut total, &acc);
+                    // The running total waits in `out` (the first-level cache) between
+                    // panels, so the registers hold only the chains.
+                    for (g, chains) in acc.iter().enumerate() {
+                        for (t, a) in chains.iter().enumerate() {
+                            let before = if i == 0 {
+                                V::zero()
+                            } else {
+                                V::load(out(g, t))
+                            };
+                            V::store(out(g, t), V::add(before, *a));
+                        }
+                    }
                     k0 += depth;
                 }
-            }
-        }
-        for (g, chains) in total.iter().enumerate() {
-            for (t, a) in chains.iter().enumerate() {
-                V::store(p.out.add(t * p.len + p.at + g * lanes), *a);
-            }
-        }
-    }
-
-    /// `total += acc`, chain by chain.
-    #[inline(always)]
-    unsafe fn add_into<V: Vector, const G: usize, const T: usize>(
-        total: &mut [[V; T]; G],
-        acc: &[[V; T]; G],
-    ) {
-        for (tg, ag) in total.iter_mut().zip(acc) {
-            for (t, a) in tg.iter_mut().zip(ag) {
-                *t = V::add(*t, *a);
             }
         }
     }
