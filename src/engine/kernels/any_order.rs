@@ -1,19 +1,16 @@
 //! Products over f32 or bfloat16 weights with f32 inputs and sums, in whatever order is
-//! fastest here:
-//! fused multiply-adds over 16-wide AVX-512 lanes, two weight rows against every token of a
-//! block at once (each weight row is read once per block, each input chunk serves both rows).
+//! fastest here: fused multiply-adds over the widest vector lanes the host kernels run (16 with
+//! AVX-512, 8 with AVX2), two weight rows against a pass of tokens at once (each weight row is
+//! read from memory once per block, each input chunk serves both rows).
 //!
 //! For products whose bits need match nothing: a DSpark drafter's block, whose proposals the
 //! target verifies. Such a block streams its weights once a round and is bound by their bytes,
 //! hence bfloat16 where the weights are bfloat16 values (a drafter stored in bfloat16, as the
 //! shipped one is, whatever dtype it computes in).
 //! Each output is summed in one order whatever the block or the share of rows, so a block's
-//! bits equal its tokens' one by one.
+//! bits equal its tokens' one by one (on one CPU; another vector width sums otherwise).
 
 use std::ops::Range;
-
-/// The most tokens one pass takes; more run in passes of this many.
-const MAX_TOKENS: usize = 8;
 
 /// A weight matrix's values, row-major.
 #[derive(Debug, Clone, Copy)]
@@ -42,23 +39,25 @@ pub fn rows_into(
 /// A weight element the kernel reads.
 trait Element: Copy {
     fn value(self) -> f32;
-    /// Sixteen consecutive elements at `p` as f32 lanes.
+    /// `V::N` consecutive elements at `p` as f32 lanes.
     ///
     /// # Safety
-    /// `p..p + 16` must be readable, on a CPU with AVX-512F.
+    /// `p..p + V::N` must be readable, on a CPU that runs `V`.
     #[cfg(target_arch = "x86_64")]
-    unsafe fn load16(p: *const Self) -> std::arch::x86_64::__m512;
+    unsafe fn load<V: Lane>(p: *const Self) -> V;
 }
+
+#[cfg(target_arch = "x86_64")]
+use super::mlx_order::x86::Lane;
 
 impl Element for f32 {
     fn value(self) -> f32 {
         self
     }
     #[cfg(target_arch = "x86_64")]
-    #[inline]
-    #[target_feature(enable = "avx512f")]
-    unsafe fn load16(p: *const Self) -> std::arch::x86_64::__m512 {
-        std::arch::x86_64::_mm512_loadu_ps(p)
+    #[inline(always)]
+    unsafe fn load<V: Lane>(p: *const Self) -> V {
+        V::load(p)
     }
 }
 
@@ -67,12 +66,9 @@ impl Element for u16 {
         f32::from_bits(u32::from(self) << 16)
     }
     #[cfg(target_arch = "x86_64")]
-    #[inline]
-    #[target_feature(enable = "avx512f")]
-    unsafe fn load16(p: *const Self) -> std::arch::x86_64::__m512 {
-        use std::arch::x86_64::*;
-        let bits = _mm256_loadu_si256(p.cast());
-        _mm512_castsi512_ps(_mm512_slli_epi32::<16>(_mm512_cvtepu16_epi32(bits)))
+    #[inline(always)]
+    unsafe fn load<V: Lane>(p: *const Self) -> V {
+        V::load_bf16(p)
     }
 }
 
@@ -89,61 +85,91 @@ fn rows_into_of<E: Element>(
         "a product past its buffers"
     );
     #[cfg(target_arch = "x86_64")]
-    if std::arch::is_x86_feature_detected!("avx512f") {
-        let mut first = 0;
-        while first < m {
-            let n = (m - first).min(MAX_TOKENS);
-            let xs = &x[first * cols..(first + n) * cols];
-            seq_macro::seq!(T in 1..=8 {
-                match n {
-                    #(T => {
-                        // SAFETY: the CPU has AVX-512F (checked just above); the buffers hold
-                        // what the product reads and writes (asserted above).
-                        unsafe { avx512::rows_into::<E, T>(w, cols, xs, rows.clone(), out, m, first) }
-                    })*
-                    _ => unreachable!("passes take 1..=8 tokens"),
-                }
-            });
-            first += n;
+    {
+        use super::mlx_order::Simd;
+        // SAFETY: `simd()` names a set this CPU runs; the buffers hold what the product reads
+        // and writes (asserted above).
+        match super::mlx_order::simd() {
+            Some(Simd::Avx512) => return unsafe { x86::rows_avx512(w, cols, x, m, rows, out) },
+            Some(Simd::Avx2) => return unsafe { x86::rows_avx2(w, cols, x, m, rows, out) },
+            None => {}
         }
-        return;
     }
-    // Without AVX-512: one plain sum per output.
+    // Without the host kernels: one plain sum per output.
     let dot = |w: &[E], x: &[f32]| w.iter().zip(x).map(|(w, x)| w.value() * x).sum();
     super::vecops::rows_by_dot(w, cols, x, m, rows, out, dot);
 }
 
 #[cfg(target_arch = "x86_64")]
-mod avx512 {
-    use super::Element;
+mod x86 {
+    use super::{Element, Lane};
     use std::arch::x86_64::*;
     use std::ops::Range;
 
-    /// Rows `rows` against `T` tokens `x` (`T × cols`), written as tokens `first..first + T` of
-    /// `out` (`rows.len() × m`).
-    #[target_feature(enable = "avx512f")]
-    pub(super) unsafe fn rows_into<E: Element, const T: usize>(
+    #[target_feature(enable = "avx512f,avx512bw,fma,f16c")]
+    pub(super) unsafe fn rows_avx512<E: Element>(
         w: &[E],
         cols: usize,
         x: &[f32],
+        m: usize,
         rows: Range<usize>,
         out: &mut [f32],
+    ) {
+        rows_into::<E, __m512>(w, cols, x, m, rows, out)
+    }
+
+    #[target_feature(enable = "avx2,fma,f16c")]
+    pub(super) unsafe fn rows_avx2<E: Element>(
+        w: &[E],
+        cols: usize,
+        x: &[f32],
         m: usize,
-        first: usize,
+        rows: Range<usize>,
+        out: &mut [f32],
+    ) {
+        rows_into::<E, __m256>(w, cols, x, m, rows, out)
+    }
+
+    /// Every pair of rows (and a last single one) against every pass of `V::TOKEN_BLOCK`
+    /// tokens (two rows' chains of a pass, their weights and an input fit the registers): a
+    /// pair's weights come from memory for the first pass, from the first-level cache after.
+    #[inline(always)]
+    unsafe fn rows_into<E: Element, V: Lane>(
+        w: &[E],
+        cols: usize,
+        x: &[f32],
+        m: usize,
+        rows: Range<usize>,
+        out: &mut [f32],
     ) {
         let start = rows.start;
         let mut r = rows.start;
         while r < rows.end {
             let pair = rows.end - r >= 2;
-            let sums = if pair {
-                block::<E, 2, T>(w, cols, x, r)
-            } else {
-                let one = block::<E, 1, T>(w, cols, x, r);
-                [one[0], [0.0; T]]
-            };
-            for (i, row_sums) in sums.iter().enumerate().take(1 + usize::from(pair)) {
-                let at = (r + i - start) * m + first;
-                out[at..at + T].copy_from_slice(row_sums);
+            let mut first = 0;
+            while first < m {
+                let n = (m - first).min(V::TOKEN_BLOCK);
+                let xs = &x[first * cols..(first + n) * cols];
+                let at = (r - start) * m + first;
+                macro_rules! pass {
+                    ($t:literal) => {
+                        if pair {
+                            let sums = block::<E, V, 2, $t>(w, cols, xs, r);
+                            out[at..at + $t].copy_from_slice(&sums[0]);
+                            out[at + m..at + m + $t].copy_from_slice(&sums[1]);
+                        } else {
+                            let sums = block::<E, V, 1, $t>(w, cols, xs, r);
+                            out[at..at + $t].copy_from_slice(&sums[0]);
+                        }
+                    };
+                }
+                seq_macro::seq!(T in 1..=7 {
+                    match n {
+                        #(T => pass!(T),)*
+                        _ => pass!(8),
+                    }
+                });
+                first += n;
             }
             r += 1 + usize::from(pair);
         }
@@ -152,36 +178,35 @@ mod avx512 {
     /// The sums of weight rows `r..r + R` with each of the `T` tokens.
     // The register block is indexed by row and token together.
     #[allow(clippy::needless_range_loop)]
-    #[inline]
-    #[target_feature(enable = "avx512f")]
-    unsafe fn block<E: Element, const R: usize, const T: usize>(
+    #[inline(always)]
+    unsafe fn block<E: Element, V: Lane, const R: usize, const T: usize>(
         w: &[E],
         cols: usize,
         x: &[f32],
         r: usize,
     ) -> [[f32; T]; R] {
-        let mut acc = [[_mm512_setzero_ps(); T]; R];
-        let whole = cols / 16 * 16;
+        let mut acc = [[V::zero(); T]; R];
+        let whole = cols / V::N * V::N;
         let wp = w.as_ptr().add(r * cols);
         let xp = x.as_ptr();
         let mut c = 0;
         while c < whole {
-            let mut wv = [_mm512_setzero_ps(); R];
+            let mut wv = [V::zero(); R];
             for (i, v) in wv.iter_mut().enumerate() {
-                *v = E::load16(wp.add(i * cols + c));
+                *v = E::load::<V>(wp.add(i * cols + c));
             }
             for t in 0..T {
-                let xv = _mm512_loadu_ps(xp.add(t * cols + c));
+                let xv = V::load(xp.add(t * cols + c));
                 for i in 0..R {
-                    acc[i][t] = _mm512_fmadd_ps(wv[i], xv, acc[i][t]);
+                    acc[i][t] = V::fmadd(wv[i], xv, acc[i][t]);
                 }
             }
-            c += 16;
+            c += V::N;
         }
         let mut sums = [[0.0f32; T]; R];
         for i in 0..R {
             for t in 0..T {
-                let mut s = _mm512_reduce_add_ps(acc[i][t]);
+                let mut s = acc[i][t].sum();
                 for k in whole..cols {
                     s += (*wp.add(i * cols + k)).value() * *xp.add(t * cols + k);
                 }

@@ -706,6 +706,9 @@ pub(super) mod x86 {
         /// `a · b + c`, rounded once.
         unsafe fn fmadd(a: Self, b: Self, c: Self) -> Self;
         unsafe fn add(a: Self, b: Self) -> Self;
+        /// The lanes' sum, in an order fixed per width (for products whose bits match
+        /// nothing, [`super::super::any_order`]).
+        unsafe fn sum(self) -> f32;
         unsafe fn load(p: *const f32) -> Self;
         unsafe fn store(p: *mut f32, v: Self);
         /// `N` bfloat16 values widened exactly.
@@ -739,6 +742,10 @@ pub(super) mod x86 {
         #[inline(always)]
         unsafe fn add(a: Self, b: Self) -> Self {
             _mm512_add_ps(a, b)
+        }
+        #[inline(always)]
+        unsafe fn sum(self) -> f32 {
+            _mm512_reduce_add_ps(self)
         }
         #[inline(always)]
         unsafe fn load(p: *const f32) -> Self {
@@ -815,6 +822,15 @@ pub(super) mod x86 {
         #[inline(always)]
         unsafe fn add(a: Self, b: Self) -> Self {
             _mm256_add_ps(a, b)
+        }
+        #[inline(always)]
+        unsafe fn sum(self) -> f32 {
+            let halves = _mm_add_ps(
+                _mm256_castps256_ps128(self),
+                _mm256_extractf128_ps::<1>(self),
+            );
+            let pairs = _mm_add_ps(halves, _mm_movehl_ps(halves, halves));
+            _mm_cvtss_f32(_mm_add_ss(pairs, _mm_movehdup_ps(pairs)))
         }
         #[inline(always)]
         unsafe fn load(p: *const f32) -> Self {
