@@ -586,6 +586,10 @@ mod x86 {
     }
 
     /// AVX2+FMA rows: weights dequantized 8 lanes at a time, four accumulators per input row.
+    /// A row meets its input rows two at a time (eight accumulators, the dequantized chunk and
+    /// the constants fill the sixteen registers; more would spill every multiply-add), the
+    /// row's packed bytes read from memory for the first pair and from the cache after; each
+    /// input row's sums are the same whichever pass it is in.
     ///
     /// # Safety
     /// The CPU must support AVX2 and FMA; sizes as for [`rows_avx512`].
@@ -596,39 +600,63 @@ mod x86 {
         rows: Range<usize>,
         out: &mut [f32],
     ) {
+        for (i, r) in rows.enumerate() {
+            let mut first = 0;
+            while first < M {
+                let sums = out.as_mut_ptr().add(i * M + first);
+                let x = xp.as_ptr().add(first * w.cols);
+                if M - first >= 2 {
+                    row_avx2::<B, 2>(w, r, x, sums);
+                    first += 2;
+                } else {
+                    row_avx2::<B, 1>(w, r, x, sums);
+                    first += 1;
+                }
+            }
+        }
+    }
+
+    /// Row `r` against the `T` input rows at `xp` (`T × cols`), the sums written to
+    /// `sums[..T]`.
+    #[inline]
+    #[target_feature(enable = "avx2,fma")]
+    unsafe fn row_avx2<const B: usize, const T: usize>(
+        w: &QMatrix<'_>,
+        r: usize,
+        xp: *const f32,
+        sums: *mut f32,
+    ) {
         let cols = w.cols;
         let (gpr, cpg) = (cols / w.group, w.group / CHUNK);
         let low = _mm256_set1_epi32(0xF);
-        for (i, r) in rows.enumerate() {
-            let packed = w.packed.as_ptr().add(r * cols * B / 32) as *const u8;
-            let (srow, brow) = (
-                w.scales.as_ptr().add(r * gpr),
-                w.biases.as_ptr().add(r * gpr),
-            );
-            let mut acc = [[_mm256_setzero_ps(); 4]; M];
-            for g in 0..gpr {
-                prefetch_groups(g, [srow, brow], w.group * B / 8);
-                let s = _mm256_set1_ps(*srow.add(g));
-                let b = _mm256_set1_ps(*brow.add(g));
-                for c in g * cpg..(g + 1) * cpg {
-                    prefetch(packed, c * 4 * B + PREFETCH_BYTES);
-                    let q = chunk256::<B>(packed.add(c * 4 * B), low);
-                    let wq = q.map(|q| _mm256_fmadd_ps(_mm256_cvtepi32_ps(q), s, b));
-                    for (mi, a) in acc.iter_mut().enumerate() {
-                        let x = xp.as_ptr().add(mi * cols + c * CHUNK);
-                        for (j, aj) in a.iter_mut().enumerate() {
-                            *aj = _mm256_fmadd_ps(wq[j], _mm256_loadu_ps(x.add(8 * j)), *aj);
-                        }
+        let packed = w.packed.as_ptr().add(r * cols * B / 32) as *const u8;
+        let (srow, brow) = (
+            w.scales.as_ptr().add(r * gpr),
+            w.biases.as_ptr().add(r * gpr),
+        );
+        let mut acc = [[_mm256_setzero_ps(); 4]; T];
+        for g in 0..gpr {
+            prefetch_groups(g, [srow, brow], w.group * B / 8);
+            let s = _mm256_set1_ps(*srow.add(g));
+            let b = _mm256_set1_ps(*brow.add(g));
+            for c in g * cpg..(g + 1) * cpg {
+                prefetch(packed, c * 4 * B + PREFETCH_BYTES);
+                let q = chunk256::<B>(packed.add(c * 4 * B), low);
+                let wq = q.map(|q| _mm256_fmadd_ps(_mm256_cvtepi32_ps(q), s, b));
+                for (t, a) in acc.iter_mut().enumerate() {
+                    let x = xp.add(t * cols + c * CHUNK);
+                    for (j, aj) in a.iter_mut().enumerate() {
+                        *aj = _mm256_fmadd_ps(wq[j], _mm256_loadu_ps(x.add(8 * j)), *aj);
                     }
                 }
             }
-            for (mi, a) in acc.iter().enumerate() {
-                let v = _mm256_add_ps(_mm256_add_ps(a[0], a[1]), _mm256_add_ps(a[2], a[3]));
-                let h = _mm_add_ps(_mm256_castps256_ps128(v), _mm256_extractf128_ps::<1>(v));
-                let h = _mm_add_ps(h, _mm_movehl_ps(h, h));
-                let h = _mm_add_ss(h, _mm_movehdup_ps(h));
-                *out.get_unchecked_mut(i * M + mi) = _mm_cvtss_f32(h);
-            }
+        }
+        for (t, a) in acc.iter().enumerate() {
+            let v = _mm256_add_ps(_mm256_add_ps(a[0], a[1]), _mm256_add_ps(a[2], a[3]));
+            let h = _mm_add_ps(_mm256_castps256_ps128(v), _mm256_extractf128_ps::<1>(v));
+            let h = _mm_add_ps(h, _mm_movehl_ps(h, h));
+            let h = _mm_add_ss(h, _mm_movehdup_ps(h));
+            *sums.add(t) = _mm_cvtss_f32(h);
         }
     }
 }
@@ -666,7 +694,7 @@ mod tests {
         let scales: Vec<f32> = (0..groups).map(|g| 0.01 + g as f32 * 0.003).collect();
         let biases: Vec<f32> = (0..groups).map(|g| -0.05 + g as f32 * 0.001).collect();
         let w = QMatrix::new(bits, &packed, &scales, &biases, rows, cols, group).unwrap();
-        for m in [1, 3] {
+        for m in [1, 3, 8] {
             check_rows(bits, &w, (rows, cols, group), (&q, &scales, &biases), m);
         }
     }
