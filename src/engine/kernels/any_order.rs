@@ -10,6 +10,7 @@
 //! Each output is summed in one order whatever the block or the share of rows, so a block's
 //! bits equal its tokens' one by one (on one CPU; another vector width sums otherwise).
 
+use super::mlx_order::Simd;
 use std::ops::Range;
 
 /// A weight matrix's values, row-major.
@@ -30,9 +31,22 @@ pub fn rows_into(
     rows: Range<usize>,
     out: &mut [f32],
 ) {
+    rows_into_on(super::mlx_order::simd(), w, cols, x, m, rows, out)
+}
+
+/// [`rows_into`] on the vector set `simd` (one this CPU runs), or the plain sums for `None`.
+fn rows_into_on(
+    simd: Option<Simd>,
+    w: AnyWeights<'_>,
+    cols: usize,
+    x: &[f32],
+    m: usize,
+    rows: Range<usize>,
+    out: &mut [f32],
+) {
     match w {
-        AnyWeights::F32(w) => rows_into_of(w, cols, x, m, rows, out),
-        AnyWeights::Bf16(w) => rows_into_of(w, cols, x, m, rows, out),
+        AnyWeights::F32(w) => rows_into_of(simd, w, cols, x, m, rows, out),
+        AnyWeights::Bf16(w) => rows_into_of(simd, w, cols, x, m, rows, out),
     }
 }
 
@@ -73,6 +87,7 @@ impl Element for u16 {
 }
 
 fn rows_into_of<E: Element>(
+    simd: Option<Simd>,
     w: &[E],
     cols: usize,
     x: &[f32],
@@ -86,15 +101,20 @@ fn rows_into_of<E: Element>(
     );
     #[cfg(target_arch = "x86_64")]
     {
-        use super::mlx_order::Simd;
-        // SAFETY: `simd()` names a set this CPU runs; the buffers hold what the product reads
+        assert!(
+            simd.is_none_or(Simd::runs_here),
+            "{simd:?} does not run here"
+        );
+        // SAFETY: this CPU runs `simd` (asserted); the buffers hold what the product reads
         // and writes (asserted above).
-        match super::mlx_order::simd() {
+        match simd {
             Some(Simd::Avx512) => return unsafe { x86::rows_avx512(w, cols, x, m, rows, out) },
             Some(Simd::Avx2) => return unsafe { x86::rows_avx2(w, cols, x, m, rows, out) },
             None => {}
         }
     }
+    #[cfg(not(target_arch = "x86_64"))]
+    let _ = simd;
     // Without the host kernels: one plain sum per output.
     let dot = |w: &[E], x: &[f32]| w.iter().zip(x).map(|(w, x)| w.value() * x).sum();
     super::vecops::rows_by_dot(w, cols, x, m, rows, out, dot);
@@ -221,9 +241,29 @@ mod x86 {
 mod tests {
     use super::*;
 
+    /// On every vector set this CPU runs (AVX2 on an AVX-512 machine too) and on the plain
+    /// sums: [`check_on`].
+    fn check(w: AnyWeights<'_>, value: impl Fn(usize) -> f32, rows: usize, cols: usize) {
+        let sets = [Some(Simd::Avx512), Some(Simd::Avx2)]
+            .into_iter()
+            .filter(|s| s.is_some_and(Simd::runs_here));
+        for simd in sets.chain([None]) {
+            check_on(simd, w, &value, rows, cols);
+        }
+    }
+
     /// Every output against a float64 sum, then the same bits one token at a time and with the
     /// rows shared out in two parts.
-    fn check(w: AnyWeights<'_>, value: impl Fn(usize) -> f32, rows: usize, cols: usize) {
+    fn check_on(
+        simd: Option<Simd>,
+        w: AnyWeights<'_>,
+        value: impl Fn(usize) -> f32,
+        rows: usize,
+        cols: usize,
+    ) {
+        let rows_into = |w, cols, x: &[f32], m, range, out: &mut [f32]| {
+            rows_into_on(simd, w, cols, x, m, range, out)
+        };
         let m = 11;
         let x: Vec<f32> = (0..m * cols)
             .map(|i| ((i * 53 % 97) as f32 - 48.0) / 32.0)
@@ -238,7 +278,7 @@ mod tests {
                 let got = f64::from(block[r * m + t]);
                 assert!(
                     (got - want).abs() < 1e-3,
-                    "row {r} token {t}: {got} vs {want}"
+                    "{simd:?}: row {r} token {t}: {got} vs {want}"
                 );
             }
         }
@@ -251,7 +291,7 @@ mod tests {
                 assert_eq!(
                     one[r].to_bits(),
                     block[r * m + t].to_bits(),
-                    "row {r} token {t}"
+                    "{simd:?}: row {r} token {t}"
                 );
             }
         }
