@@ -150,9 +150,19 @@ mod x86 {
         rows_into::<E, __m256>(w, cols, x, m, rows, out)
     }
 
-    /// Every pair of rows (and a last single one) against every pass of `V::TOKEN_BLOCK`
-    /// tokens (two rows' chains of a pass, their weights and an input fit the registers): a
-    /// pair's weights come from memory for the first pass, from the first-level cache after.
+    /// Tokens one pass takes: two rows' chains for each, the two rows' weights and an input
+    /// fit the vector registers (32 with AVX-512, 16 with AVX2).
+    fn pass_tokens<V: Lane>() -> usize {
+        if V::N == 16 {
+            8
+        } else {
+            4
+        }
+    }
+
+    /// Every pair of rows (and a last single one) against every pass of [`pass_tokens`]
+    /// tokens: a pair's weights come from memory for the first pass, from the first-level
+    /// cache after.
     #[inline(always)]
     unsafe fn rows_into<E: Element, V: Lane>(
         w: &[E],
@@ -168,7 +178,7 @@ mod x86 {
             let pair = rows.end - r >= 2;
             let mut first = 0;
             while first < m {
-                let n = (m - first).min(V::TOKEN_BLOCK);
+                let n = (m - first).min(pass_tokens::<V>());
                 let xs = &x[first * cols..(first + n) * cols];
                 let at = (r - start) * m + first;
                 macro_rules! pass {

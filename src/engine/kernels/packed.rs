@@ -642,11 +642,7 @@ mod x86 {
                         }
                     }
                 }
-                for (g, chains) in acc.iter().enumerate() {
-                    for (t, a) in chains.iter().enumerate() {
-                        V::store(out(g, t), V::add(V::zero(), *a));
-                    }
-                }
+                add_to_out(&out, &acc, false);
             }
             Layout::F32Panels(panels) => {
                 let base = p.w.words.as_ptr().add(p.group * lanes * cols);
@@ -663,18 +659,29 @@ mod x86 {
                     }
                     // The running total waits in `out` (the first-level cache) between
                     // panels, so the registers hold only the chains.
-                    for (g, chains) in acc.iter().enumerate() {
-                        for (t, a) in chains.iter().enumerate() {
-                            let before = if i == 0 {
-                                V::zero()
-                            } else {
-                                V::load(out(g, t))
-                            };
-                            V::store(out(g, t), V::add(before, *a));
-                        }
-                    }
+                    add_to_out(&out, &acc, i > 0);
                     k0 += depth;
                 }
+            }
+        }
+    }
+
+    /// Stores each chain of `acc` added to the total so far: the value `out(g, t)` points at
+    /// where `running`, zero otherwise (a total starts at zero, as the kernels' do).
+    #[inline(always)]
+    unsafe fn add_to_out<V: Vector, const G: usize, const T: usize>(
+        out: &impl Fn(usize, usize) -> *mut f32,
+        acc: &[[V; T]; G],
+        running: bool,
+    ) {
+        for (g, chains) in acc.iter().enumerate() {
+            for (t, a) in chains.iter().enumerate() {
+                let before = if running {
+                    V::load(out(g, t))
+                } else {
+                    V::zero()
+                };
+                V::store(out(g, t), V::add(before, *a));
             }
         }
     }
