@@ -338,8 +338,9 @@ pub struct F32AttentionOrder {
 pub struct AttentionPairs {
     /// Of `q · Kᵀ`: rows are the keys.
     pub scores: PairedTiles,
-    /// Of `P · V`: rows are the head dimension.
-    pub values: PairedTiles,
+    /// Of `P · V` (rows are the head dimension), per query: how many of its first outputs are
+    /// summed in two chains (the same for every head, so counted once per block).
+    pub value_split: Vec<usize>,
 }
 
 impl F32AttentionOrder {
@@ -378,7 +379,13 @@ fn haswell_pairs(queries: usize, keys: usize, dim: usize) -> Option<Option<Atten
     if queries * keys * dim > SINGLE_THREAD_MAX_MNK || !one_panel {
         return None;
     }
-    Some(Some(AttentionPairs { scores, values }))
+    let value_split = (0..queries)
+        .map(|c| (0..dim).take_while(|&d| values.paired(d, c)).count())
+        .collect();
+    Some(Some(AttentionPairs {
+        scores,
+        value_split,
+    }))
 }
 
 /// Largest `M·N·K` OpenBLAS runs a GEMM on one thread (`SMP_THRESHOLD_MIN` 65,536 times
@@ -520,11 +527,7 @@ pub fn attend_f32_query(
     // masked keys weigh zero: both are skipped. Where the Haswell kernel pairs this query's
     // outputs, the panel's odd keys of each whole group of eight go to a second chain (`odd`,
     // for the paired outputs `..split`), added at the end.
-    let split = pairs
-        .filter(|p| p.values.column_has_pairs(column))
-        .map_or(0, |p| {
-            (0..dim).take_while(|&d| p.values.paired(d, column)).count()
-        });
+    let split = pairs.map_or(0, |p| p.value_split[column]);
     let mut odd = vec![0.0f32; split];
     let mut chain = |keys: Range<usize>, acc: &mut [f32]| {
         acc.fill(0.0);
