@@ -271,7 +271,10 @@ fn tracing_changes_no_output_and_is_deterministic_for_every_drafter() {
     let tmp = tempfile::tempdir().unwrap();
     let (plain, _) = generate(target.path(), &[], None);
     for (i, (name, args)) in providers.iter().enumerate() {
-        let (without, _) = generate(target.path(), args, None);
+        // A traced stream drafts every round (`--draft-policy` defaults to `all` there), so
+        // the untraced run it is compared with is asked for the same.
+        let every_round = [args.as_slice(), &["--draft-policy", "all"]].concat();
+        let (without, _) = generate(target.path(), &every_round, None);
         let a = tmp.path().join(format!("{i}a.jsonl"));
         let b = tmp.path().join(format!("{i}b.jsonl"));
         let (with, rounds) = generate(target.path(), args, Some(&a));

@@ -660,7 +660,7 @@ fn contradictory_or_out_of_range_flags_are_refused() {
     let fx = fixture();
     let model = fx.model.clone();
     let d = fx.drafter();
-    let generate_cases: [(&str, &[&str], &[&str]); 13] = [
+    let generate_cases: [(&str, &[&str], &[&str]); 14] = [
         (
             "top_p",
             &["--top-p", "2"],
@@ -707,6 +707,14 @@ fn contradictory_or_out_of_range_flags_are_refused() {
                 "no/such/dir/t.jsonl",
             ],
             &["no/such/dir/t.jsonl", "cannot create the trace file"],
+        ),
+        (
+            "policy_without_drafter",
+            &["--draft-policy", "all"],
+            &[
+                "--draft-policy decides which speculative rounds draft",
+                "give a drafter",
+            ],
         ),
         (
             "prompt_ids",
@@ -876,7 +884,7 @@ fn contradictory_or_out_of_range_flags_are_refused() {
         let dir = s.dir(name);
         s.refuse(&dir, &args, b"", needles);
     }
-    assert_eq!(s.count, 27);
+    assert_eq!(s.count, 28);
 }
 
 /// A hand-made GGUF file, byte by byte (little endian, as the format is).

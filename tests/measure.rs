@@ -213,6 +213,34 @@ fn greedy_reports_match_the_trace_and_vanilla() {
 }
 
 #[test]
+fn either_draft_policy_is_lossless_and_all_drafts_every_round() {
+    // Which rounds `cost` drafts depends on timing (tests/spec_lossless.rs holds it to a
+    // drafter that pays and one that does not); here both policies go through the command.
+    let fx = Fixture::new();
+    let data = fx.prompts("p.jsonl", MIXED);
+    let drafts = |policy: &str| {
+        let mut args = fx.args("measure", &data, "120");
+        args.extend(["--draft-layers", "3", "--draft-policy", policy, "--json"]);
+        let (code, v, err) = common::run_mlxb_json(&args, &[]);
+        // Exit 0 means every prompt's speculative ids equal its vanilla ids.
+        assert_eq!(code, 0, "{policy}: {err}");
+        assert_eq!(v["lossless_checked"], true);
+        (
+            v["drafts"].as_u64().unwrap(),
+            v["target_forwards"].as_u64().unwrap(),
+        )
+    };
+    let (every, rounds) = drafts("all");
+    // Every round but a prompt's last, which may have no room left to draft.
+    assert!(
+        every + 3 >= rounds,
+        "`all`: {every} of {rounds} rounds drafted"
+    );
+    let (gated, gated_rounds) = drafts("cost");
+    assert!(gated > 0 && gated <= gated_rounds);
+}
+
+#[test]
 fn sampling_uses_rejection_and_bad_input_exits_2() {
     let fx = Fixture::new();
     let data = fx.prompts("p.jsonl", MIXED);

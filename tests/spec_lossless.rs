@@ -157,6 +157,75 @@ fn gemma3_sliding_window_all_drafters_match_mlx_lm() {
 /// Rejection sampling keeps the target's distribution: the second generated token's
 /// empirical distribution with a deterministic (bad) drafter and `--spec-verify reject`
 /// matches plain sampling within a chi-square bound (fixed seeds; deterministic).
+/// Proposes what it was told the target will emit, after `pause`.
+struct Knowing {
+    emitted: Vec<u32>,
+    prompt_len: usize,
+    pause: std::time::Duration,
+}
+
+impl DraftSource for Knowing {
+    fn name(&self) -> &'static str {
+        "knowing"
+    }
+    fn draft(
+        &mut self,
+        _t: TargetView<'_>,
+        seq: &[u32],
+        n: usize,
+    ) -> mlxb::engine::error::Result<Draft> {
+        std::thread::sleep(self.pause);
+        let from = (seq.len() - self.prompt_len).min(self.emitted.len());
+        let to = (from + n).min(self.emitted.len());
+        Ok(Draft {
+            tokens: self.emitted[from..to].to_vec(),
+            probs: None,
+        })
+    }
+    fn commit(&mut self, _t: TargetView<'_>, _c: usize) -> mlxb::engine::error::Result<()> {
+        Ok(())
+    }
+}
+
+#[test]
+fn the_cost_policy_drafts_only_while_drafting_pays_and_changes_nothing() {
+    let tmp = tempfile::tempdir().unwrap();
+    let config = common::tiny_llama(json!({}));
+    common::make_model(tmp.path(), &config, "f32", None);
+    let prompt = prompt(384);
+    let mut session = Session::open(tmp.path(), Forks::default()).unwrap();
+    let model = session.model.model.as_mut();
+    let tokens = 400;
+    let (want, _) = common::greedy_ids(model, &prompt, None, 0, tokens);
+    let mut gated = |source: Box<dyn DraftSource>| {
+        let mut spec = Speculation::new(source, 4, VerifyMode::Match)
+            .with_draft_policy(mlxb::spec::policy::DraftPolicy::Cost);
+        let got = common::greedy_ids_speculating(model, &prompt, Some(&mut spec), tokens);
+        assert_eq!(got, want, "a gated stream changed the output");
+        let m = spec.metrics;
+        (m.drafts, m.target_forwards)
+    };
+    // Always right and free: five tokens a round for about a step's time, so every round
+    // drafts but the first plain rounds and one in 64 after them.
+    let (drafted, rounds) = gated(Box::new(Knowing {
+        emitted: want.iter().map(|&t| t as u32).collect(),
+        prompt_len: prompt.len(),
+        pause: std::time::Duration::ZERO,
+    }));
+    assert!(
+        rounds - drafted <= 3 + rounds / 64 + 1,
+        "{drafted} of {rounds} drafted"
+    );
+    // Always wrong, after a pause of many steps: drafting turns off after its first 16 rounds
+    // and is retried one round in 8.
+    let (drafted, rounds) = gated(Box::new(Knowing {
+        emitted: want.iter().map(|&t| (t as u32 + 1) % 384).collect(),
+        prompt_len: prompt.len(),
+        pause: std::time::Duration::from_millis(5),
+    }));
+    assert!(drafted * 3 < rounds, "{drafted} of {rounds} drafted");
+}
+
 #[test]
 fn rejection_sampling_is_lossless_in_distribution() {
     let dir = tempfile::tempdir().unwrap();

@@ -11,6 +11,7 @@ use crate::engine::text::{generate_text, TextEvent};
 use crate::spec::executor::Speculation;
 use crate::spec::factory::open_source;
 use crate::spec::metrics::SpecMetrics;
+use crate::spec::policy::DraftPolicy;
 use crate::spec::trace::JsonlTrace;
 use clap::Args;
 use std::io::Write;
@@ -28,6 +29,14 @@ pub struct GenerateArgs {
     pub spec: SpecArgs,
     #[command(flatten)]
     pub forks: ForkArgs,
+    /// With a drafter: `cost` drafts only while drafting rounds hand out more tokens per second
+    /// than plain decoding steps on this machine (it turns drafting off where speculation would
+    /// be slower, and retries it now and then); `all` drafts every round. Either way the output
+    /// is the target's own [default: cost; all with --spec-trace].
+    // The bracket is clap's default-value convention in the help text, not a doc link.
+    #[allow(rustdoc::broken_intra_doc_links)]
+    #[arg(long, value_enum)]
+    pub draft_policy: Option<DraftPolicy>,
     /// Print mlx-lm's separators and timing footer.
     #[arg(long)]
     pub verbose: bool,
@@ -104,10 +113,20 @@ pub fn run(args: GenerateArgs) -> anyhow::Result<()> {
             .collect();
     }
     session.startup.mark("prompt tokenized");
-    if args.spec_trace.is_some() && spec_opts.is_none() {
-        return Err(EngineError::Input(
-            "--spec-trace records speculative rounds; give a drafter (--drafter, --draft-model, --draft-kind, --draft-layers)".into(),
-        )
+    let needs_a_drafter = [
+        (
+            args.spec_trace.is_some(),
+            "--spec-trace records speculative rounds",
+        ),
+        (
+            args.draft_policy.is_some(),
+            "--draft-policy decides which speculative rounds draft",
+        ),
+    ];
+    if let (Some((_, what)), None) = (needs_a_drafter.iter().find(|n| n.0), &spec_opts) {
+        return Err(EngineError::Input(format!(
+            "{what}; give a drafter (--drafter, --draft-model, --draft-kind, --draft-layers)"
+        ))
         .into());
     }
     // Across ranks, rank 0 alone prints (and writes the trace); every rank runs the same
@@ -127,7 +146,8 @@ pub fn run(args: GenerateArgs) -> anyhow::Result<()> {
     let mut spec = match spec_opts {
         Some(opts) => {
             let source = open_source(&opts, &session, forks, args.model.prefill_step_size)?;
-            let spec = Speculation::with_options(source, &opts);
+            let policy = DraftPolicy::for_stream(args.draft_policy, args.spec_trace.is_some());
+            let spec = Speculation::with_options(source, &opts).with_draft_policy(policy);
             Some(match trace.as_mut() {
                 Some(t) => spec.with_trace(Box::new(t)),
                 None => spec,

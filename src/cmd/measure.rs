@@ -47,10 +47,14 @@ pub struct MeasureArgs {
     /// greedy ids checked equal to the plain batch's. 1 measures one stream at a time.
     #[arg(long = "n-parallel", value_name = "N", default_value_t = 1)]
     pub n_parallel: usize,
-    /// With `--n-parallel` above 1: how each batched step sizes its verify blocks (as
-    /// `serve --draft-policy`).
-    #[arg(long, value_enum, default_value_t = DraftPolicy::Cost)]
-    pub draft_policy: DraftPolicy,
+    /// How drafting is sized: with `--n-parallel` above 1, each batched step's verify blocks
+    /// (as `serve --draft-policy`); for one stream, whether a round drafts (as
+    /// `generate --draft-policy`: `cost` drafts while it hands out more tokens per second than
+    /// plain steps, `all` every round) [default: cost; all with --spec-trace].
+    // The bracket is clap's default-value convention in the help text, not a doc link.
+    #[allow(rustdoc::broken_intra_doc_links)]
+    #[arg(long, value_enum)]
+    pub draft_policy: Option<DraftPolicy>,
 }
 
 /// The drafter options: a drafter is required; `--temp > 0` verifies by rejection sampling
@@ -156,7 +160,10 @@ fn measure_streams(
     // so neither side's speed carries it.
     let longest = source.block_size().unwrap_or(0).max(opts.num_draft_tokens) + 1;
     session.model.warm_up_blocks(longest)?;
-    let mut drafting = Speculation::with_options(Box::new(source.as_mut()), opts);
+    let mut drafting =
+        Speculation::with_options(Box::new(source.as_mut()), opts).with_draft_policy(
+            DraftPolicy::for_stream(args.draft_policy, args.spec_trace.is_some()),
+        );
     let params = args.sampling.text_params(&args.model);
     let bar = super::progress::bar("measuring", ids.len() as u64, "prompts");
     let report = measure(
@@ -198,7 +205,7 @@ fn measure_batched(
     let measure = BatchedMeasure {
         opts,
         drafter: drafter.as_ref(),
-        policy: args.draft_policy,
+        policy: args.draft_policy.unwrap_or_default(),
         n_parallel: args.n_parallel,
         max_tokens: args.sampling.text_params(&args.model).generate.max_tokens,
         prefill_step_size: args.model.prefill_step_size,

@@ -68,8 +68,9 @@ pub struct ServeArgs {
     pub prompt_cache_bytes: usize,
     /// How a batched step sizes the blocks it verifies when requests draft for themselves:
     /// `cost` picks the width that hands out the most tokens per second by forward costs
-    /// measured on this machine (drafting off where plain batching is faster); `all` verifies
-    /// every proposal in full, as a single stream does.
+    /// measured on this machine (drafting off where plain batching is faster), and a request
+    /// decoded alone drafts only while drafting rounds hand out more tokens per second than
+    /// plain steps (as `generate --draft-policy cost`); `all` verifies every proposal in full.
     #[arg(long, value_enum, default_value_t = crate::spec::policy::DraftPolicy::Cost)]
     pub draft_policy: crate::spec::policy::DraftPolicy,
     /// Require `Authorization: Bearer KEY` on every route but /health.

@@ -19,6 +19,7 @@ use crate::engine::runtime;
 use crate::engine::session::Session;
 use crate::engine::startup::StartupTrace;
 use crate::engine::text::{generate_text, TextEvent, TextParams};
+use crate::spec::draft_gate::DraftGate;
 use crate::spec::executor::Speculation;
 use crate::spec::factory::{open_source, SpecOptions};
 use crate::spec::policy::DraftPolicy;
@@ -240,6 +241,9 @@ struct State {
     ranks: Option<Arc<Group>>,
     session: Session,
     drafter: Option<(Box<dyn DraftSource>, SpecOptions)>,
+    /// Whether a request decoded alone drafts its next round; it carries what it learnt from
+    /// one request to the next.
+    gate: DraftGate,
     info: EngineInfo,
     prefix: PrefixCache,
     batching: batching::Batching,
@@ -337,6 +341,7 @@ impl State {
             ranks,
             session,
             drafter,
+            gate: DraftGate::new(cfg.draft_policy),
             info,
             prefix: PrefixCache::new(cfg.prefill_step_size, prefix_reuse),
             batching,
@@ -435,9 +440,14 @@ impl State {
             return Err(EngineError::Runtime(why.to_owned()));
         }
         let req = &job.request;
+        let gate = self.gate.clone();
         let mut spec = self.drafter.as_mut().and_then(|(source, opts)| {
             let k = req.num_draft_tokens.unwrap_or(opts.num_draft_tokens);
-            (k > 0).then(|| Speculation::new(Box::new(&mut **source), k, opts.verify))
+            (k > 0).then(|| {
+                let mut spec = Speculation::new(Box::new(&mut **source), k, opts.verify);
+                spec.gate = gate;
+                spec
+            })
         });
         let mut stopper = StopMatcher::new(req.stop.clone());
         let mut last_token: Option<Instant> = None;
@@ -516,7 +526,10 @@ impl State {
             outcome.finish_reason.as_str()
         };
         let stats = &outcome.stats;
-        let drafted = spec.map(|s| s.metrics);
+        let drafted = spec.map(|s| {
+            self.gate = s.gate;
+            s.metrics
+        });
         metrics.finished(&Finished {
             finish_reason,
             prompt_tokens: stats.prompt_tokens,

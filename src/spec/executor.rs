@@ -4,7 +4,9 @@
 //! policy; every emitted token comes from the target's own distribution; caches roll back
 //! exactly to the kept positions; the drafter is told what was committed.
 
+use super::draft_gate::DraftGate;
 use super::factory::SpecOptions;
+use super::policy::DraftPolicy;
 use super::source::{Draft, DraftSource, TargetView, VerifyMode};
 use super::verify::{reject_step, target_distribution, Decision};
 use crate::engine::error::{EngineError, Result};
@@ -34,6 +36,9 @@ pub struct Speculation<'a> {
     pub verify: VerifyMode,
     /// Acceptance counters, filled as rounds run.
     pub metrics: SpecMetrics,
+    /// Whether each round drafts (every round unless [`Self::with_draft_policy`] says
+    /// otherwise); what it learnt may be handed to the next generation's speculation.
+    pub gate: DraftGate,
     /// Where rounds are traced (`--spec-trace`), and the rounds traced so far.
     trace: Option<(Box<dyn TraceSink + 'a>, usize)>,
 }
@@ -50,8 +55,16 @@ impl<'a> Speculation<'a> {
             num_draft_tokens,
             verify,
             metrics: SpecMetrics::default(),
+            gate: DraftGate::new(DraftPolicy::All),
             trace: None,
         }
+    }
+
+    /// Drafts by `policy`: [`DraftPolicy::Cost`] drafts only while drafting rounds hand out
+    /// more tokens per second than plain ones ([`DraftGate`]); never changes what is emitted.
+    pub fn with_draft_policy(mut self, policy: DraftPolicy) -> Self {
+        self.gate = DraftGate::new(policy);
+        self
     }
 
     /// Attaches `source` with the round size and verification rule of `opts`.
@@ -163,10 +176,15 @@ impl Speculation<'_> {
         out: &mut Emitter<'_>,
     ) -> Result<()> {
         // A block must not straddle the switch to quantized KV caches (see `max_draft`).
-        let k = self
+        let room = self
             .num_draft_tokens
             .min(remaining.saturating_sub(1))
             .min(gen.max_block().unwrap_or(usize::MAX));
+        let k = if room > 0 && self.gate.drafts() {
+            room
+        } else {
+            0
+        };
         let anchor = *seq
             .last()
             .ok_or_else(|| EngineError::Runtime("empty sequence".into()))?;
@@ -232,6 +250,11 @@ impl Speculation<'_> {
         let committing = Instant::now();
         self.source.commit(view(gen), keep)?;
         self.metrics.draft_seconds += committing.elapsed().as_secs_f64();
+        if room > 0 {
+            let seconds = drafting.elapsed().as_secs_f64();
+            self.gate
+                .observe(k > 0, out.emitted - emitted_before, seconds);
+        }
         // The token after the accepted drafts (correction or bonus) is the next anchor.
         if let Some(next) = out.last {
             seq.push(next);

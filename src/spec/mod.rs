@@ -6,12 +6,14 @@
 //! `factory` (drafter options and the one function that opens any drafter), `executor` (the
 //! round driver), `verify` (acceptance policies), `metrics`
 //! (vLLM-style acceptance counters), `trace` (per-round JSONL traces), `slots` (one drafter per
-//! sequence of the batched engine), and one file per drafter
+//! sequence of the batched engine), `policy` (how wide a batched step's verify blocks are),
+//! `draft_gate` (whether a single stream drafts its next round), and one file per drafter
 //! (`dspark/` and `assistant/` are directories); `lookup_first` puts a prompt lookup in front of a
 //! model drafter.
 
 pub mod assistant;
 pub mod autoregressive;
+pub mod draft_gate;
 pub mod dspark;
 pub mod early_exit;
 pub mod executor;

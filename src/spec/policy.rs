@@ -138,14 +138,25 @@ impl RowOutlook {
     }
 }
 
-/// How a batched drafting step sizes its verify blocks (`mlxb serve --draft-policy`).
+/// How drafting is sized (`--draft-policy`): a batched step's verify blocks, and whether a
+/// single stream drafts its next round ([`super::draft_gate`]).
 #[derive(Debug, Clone, Copy, PartialEq, Eq, Default, clap::ValueEnum)]
 pub enum DraftPolicy {
-    /// By expected tokens per second, from forward costs measured on this machine.
+    /// By expected tokens per second: a batch from forward costs measured on this machine, a
+    /// single stream from the rates its drafting and plain rounds achieve.
     #[default]
     Cost,
-    /// Every proposal in full, as a single stream verifies it.
+    /// Every proposal in full, every round.
     All,
+}
+
+impl DraftPolicy {
+    /// A single stream's policy: the one asked for, else `cost`, or `all` where its rounds are
+    /// traced (a trace is for studying the drafter round by round, and under `cost` which
+    /// rounds draft depends on timing).
+    pub fn for_stream(asked: Option<Self>, traced: bool) -> Self {
+        asked.unwrap_or(if traced { Self::All } else { Self::Cost })
+    }
 }
 
 /// A rate of drafts kept, `kept` of `tried`, with two drafts kept at rate `prior` assumed

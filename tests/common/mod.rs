@@ -105,15 +105,26 @@ pub fn greedy_ids(
     k: usize,
     max_tokens: usize,
 ) -> (Vec<i32>, Option<mlxb::spec::metrics::SpecMetrics>) {
-    use mlxb::engine::generate::{Flow, GenerateConfig, Generator};
-    use mlxb::engine::sample::{LogitsProcessors, ProcessorConfig, Sampler, SamplerConfig};
     use mlxb::spec::executor::Speculation;
-    let mut sampler = Sampler::new(&SamplerConfig::default()).unwrap();
-    let mut processors = LogitsProcessors::new(&ProcessorConfig::default()).unwrap();
     let mut spec =
         source.map(|source| Speculation::new(source, k, mlxb::spec::source::VerifyMode::Match));
+    let ids = greedy_ids_speculating(model, prompt, spec.as_mut(), max_tokens);
+    (ids, spec.map(|s| s.metrics))
+}
+
+/// Greedy ids of `model` for `prompt`, decoded by `spec` if given.
+pub fn greedy_ids_speculating(
+    model: &mut dyn mlxb::engine::models::LanguageModel,
+    prompt: &[u32],
+    spec: Option<&mut mlxb::spec::executor::Speculation<'_>>,
+    max_tokens: usize,
+) -> Vec<i32> {
+    use mlxb::engine::generate::{Flow, GenerateConfig, Generator};
+    use mlxb::engine::sample::{LogitsProcessors, ProcessorConfig, Sampler, SamplerConfig};
+    let mut sampler = Sampler::new(&SamplerConfig::default()).unwrap();
+    let mut processors = LogitsProcessors::new(&ProcessorConfig::default()).unwrap();
     let mut g = Generator::new(model, &mut sampler, &mut processors);
-    if let Some(spec) = spec.as_mut() {
+    if let Some(spec) = spec {
         g = g.with_speculation(spec);
     }
     let mut ids = vec![];
@@ -126,8 +137,7 @@ pub fn greedy_ids(
         Ok(Flow::Continue)
     })
     .unwrap();
-    let metrics = spec.map(|s| s.metrics);
-    (ids, metrics)
+    ids
 }
 
 /// The `mlxb` binary under test with `args`, to add environment, a working directory or pipes
