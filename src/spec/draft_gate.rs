@@ -5,15 +5,16 @@
 //! that is seldom right on this text), speculation would make decoding slower than decoding
 //! without it, so the stream decodes plainly instead.
 //!
-//! The gate keeps running totals for each kind of round (tokens handed out and seconds spent,
-//! from the round's start to the drafter's commit, older rounds weighing less) and drafts
-//! while drafting is ahead. A drafting round hands out anywhere from one token to a whole
-//! block, so its rate is uncertain for many rounds: drafting counts as ahead while its rate
-//! with the mean tokens a round [`HOPE`] standard errors higher is, and turns off only once
-//! it is behind beyond that (compared mean for mean, a drafter that pays by a fifth was turned
-//! off by runs of unlucky rounds for a tenth of its rounds). Both rates drift (contexts grow; a drafter is right
-//! more often on some text than on other), so the kind not in use is tried again every so
-//! often. Which rounds draft never changes what is emitted: the target decides every token.
+//! The gate keeps the rate of each kind of round (tokens handed out over seconds spent, from
+//! the round's start to the drafter's commit): for drafting rounds from running totals in which
+//! older rounds weigh less, for plain rounds the median of the latest few. It drafts while
+//! drafting is ahead. A drafting round hands out anywhere from one token to a whole block, so
+//! its rate is uncertain for many rounds: drafting counts as ahead while its rate with the mean
+//! tokens a round [`HOPE`] standard errors higher is, and turns off only once it is behind
+//! beyond that (compared mean for mean, a drafter that pays by a fifth was turned off by runs
+//! of unlucky rounds for a tenth of its rounds). Both rates drift (contexts grow; a drafter is
+//! right more often on some text than on other), so the kind not in use is tried again every
+//! so often. Which rounds draft never changes what is emitted: the target decides every token.
 
 use super::policy::DraftPolicy;
 use std::collections::VecDeque;
