@@ -391,6 +391,7 @@ fn rows_scalar<const B: usize, const M: usize>(
 
 #[cfg(target_arch = "x86_64")]
 mod x86 {
+    use super::super::mlx_order::x86::Lane;
     use super::{QMatrix, CHUNK};
     use std::arch::x86_64::*;
     use std::ops::Range;
@@ -653,10 +654,7 @@ mod x86 {
         }
         for (t, a) in acc.iter().enumerate() {
             let v = _mm256_add_ps(_mm256_add_ps(a[0], a[1]), _mm256_add_ps(a[2], a[3]));
-            let h = _mm_add_ps(_mm256_castps256_ps128(v), _mm256_extractf128_ps::<1>(v));
-            let h = _mm_add_ps(h, _mm_movehl_ps(h, h));
-            let h = _mm_add_ss(h, _mm_movehdup_ps(h));
-            *sums.add(t) = _mm_cvtss_f32(h);
+            *sums.add(t) = Lane::sum(v);
         }
     }
 }

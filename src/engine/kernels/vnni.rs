@@ -203,17 +203,9 @@ unsafe fn dot512(a: *const f32, b: *const f32, n: usize) -> f32 {
 }
 
 #[cfg(target_arch = "x86_64")]
-use std::arch::x86_64::*;
-
-/// Horizontal sum of 8 lanes.
+use super::mlx_order::x86::Lane;
 #[cfg(target_arch = "x86_64")]
-#[inline]
-#[target_feature(enable = "avx2")]
-unsafe fn hsum256(v: __m256) -> f32 {
-    let h = _mm_add_ps(_mm256_castps256_ps128(v), _mm256_extractf128_ps::<1>(v));
-    let h = _mm_add_ps(h, _mm_movehl_ps(h, h));
-    _mm_cvtss_f32(_mm_add_ss(h, _mm_movehdup_ps(h)))
-}
+use std::arch::x86_64::*;
 
 /// 4-bit rows: a span is one 256-bit load, split into low/high nibbles; lanes 0-3 hold the
 /// span's first block, 4-7 its second.
@@ -256,7 +248,7 @@ unsafe fn rows_q4<const M: usize>(
         let brow = w.biases().as_ptr().add(r * gpr);
         for (mi, a) in acc.iter().enumerate() {
             let bias = dot512(brow, sums.as_ptr().add(mi * gpr), gpr);
-            *out.get_unchecked_mut(i * M + mi) = hsum256(*a) + bias;
+            *out.get_unchecked_mut(i * M + mi) = Lane::sum(*a) + bias;
         }
     }
 }
