@@ -264,7 +264,7 @@ fn recorded_behind(
         hosted: hosted.clone(),
     });
     let source: Box<dyn DraftSource> = match lookup {
-        Some((min, max)) => Box::new(LookupFirst::new(rec, min, max)),
+        Some((min, max)) => Box::new(LookupFirst::new(rec, min, max, None)),
         None => rec,
     };
     let (ids, m) = common::greedy_ids(
@@ -918,6 +918,88 @@ fn cli_init_and_generate() {
         common::spec_counters(&alone["speculative"]),
         common::spec_counters(&spec["speculative"])
     );
+
+    // Its `lookup_tokens` caps what the lookup proposes (`--lookup-tokens` the same way). With
+    // a table of the target's own reply the lookup would propose whole blocks; every round
+    // drafts (`--draft-policy all`), so that runs compare round for round.
+    let long: Vec<&str> = gen
+        .iter()
+        .map(|a| if *a == "24" { "96" } else { a })
+        .chain(["--drafter", c, "--draft-policy", "all"])
+        .collect();
+    let (_, plain, _) = common::run_mlxb_json(&long[..long.len() - 4], &[]);
+    let ids = |key: &str| -> Vec<u64> {
+        plain[key]
+            .as_array()
+            .unwrap()
+            .iter()
+            .map(|t| t.as_u64().unwrap())
+            .collect()
+    };
+    let (prompt_ids, reply) = (ids("prompt_token_ids"), ids("token_ids"));
+    let lines: Vec<String> = (0..4)
+        .map(|j| {
+            json!({"prompt": j, "prompt_sha256": "x", "reply_from": prompt_ids.len(),
+                "ids": prompt_ids.iter().chain(&reply).collect::<Vec<_>>()})
+            .to_string()
+        })
+        .collect();
+    let seqs = ck.path().join("sequences.jsonl");
+    let header = json!({"mlxb_sequences": 1, "vocab_size": 384});
+    std::fs::write(&seqs, format!("{header}\n{}\n", lines.join("\n"))).unwrap();
+    let table = ck.path().join("own-reply.safetensors");
+    let (s, t) = (seqs.to_str().unwrap(), table.to_str().unwrap());
+    let (code, _, err) =
+        common::run_mlxb_json(&["lookup-table", "--sequences", s, "--out", t], &[]);
+    assert_eq!(code, 0, "{err}");
+    let with: Vec<&str> = long.iter().copied().chain(["--lookup-table", t]).collect();
+    let run = |args: &[&str]| {
+        let (code, v, err) = common::run_mlxb_json(args, &[]);
+        assert_eq!(code, 0, "{err}");
+        assert_eq!(v["token_ids"], plain["token_ids"], "{args:?}");
+        v["speculative"].clone()
+    };
+    let looked = run(&with);
+    edit_json(ck.path(), |v| v["lookup_tokens"] = json!(1));
+    let capped = run(&with);
+    let drafted = |v: &Value| v["drafted_tokens"].as_u64().unwrap();
+    assert!(
+        drafted(&capped) < drafted(&looked),
+        "lookup_tokens 1 drafted {} tokens, uncapped {}",
+        drafted(&capped),
+        drafted(&looked)
+    );
+    edit_json(ck.path(), |v| {
+        v.as_object_mut().unwrap().remove("lookup_tokens");
+    });
+    let flagged = run(&[&with[..], &["--lookup-tokens", "1"]].concat());
+    assert_eq!(
+        common::spec_counters(&flagged),
+        common::spec_counters(&capped)
+    );
+
+    // A `lookup.safetensors` beside the weights is the lookup's own table: one that is not a
+    // table is refused by name, and `--lookup-table none` leaves it out.
+    let untabled = run(&long);
+    std::fs::write(ck.path().join("lookup.safetensors"), b"not a table").unwrap();
+    let (code, _, err) = common::run_mlxb_json(&long, &[]);
+    common::assert_refused(
+        "a damaged lookup.safetensors",
+        code,
+        &err,
+        &["lookup.safetensors"],
+    );
+    let none = run(&[&long[..], &["--lookup-table", "none"]].concat());
+    assert_eq!(
+        common::spec_counters(&none),
+        common::spec_counters(&untabled)
+    );
+    std::fs::copy(&table, ck.path().join("lookup.safetensors")).unwrap();
+    assert_eq!(
+        common::spec_counters(&run(&long)),
+        common::spec_counters(&looked)
+    );
+    std::fs::remove_file(ck.path().join("lookup.safetensors")).unwrap();
 }
 
 /// With `--spec-verify reject` at T > 0 the drafter samples its proposals at the target's

@@ -660,7 +660,7 @@ fn contradictory_or_out_of_range_flags_are_refused() {
     let fx = fixture();
     let model = fx.model.clone();
     let d = fx.drafter();
-    let generate_cases: [(&str, &[&str], &[&str]); 14] = [
+    let generate_cases: [(&str, &[&str], &[&str]); 16] = [
         (
             "top_p",
             &["--top-p", "2"],
@@ -752,6 +752,26 @@ fn contradictory_or_out_of_range_flags_are_refused() {
             "draft_layers_vs_ngram",
             &["--draft-kind", "ngram", "--draft-layers", "1"],
             &["--draft-layers is only used by --draft-kind self", "ngram"],
+        ),
+        (
+            "no_lookup_tokens",
+            &["--drafter", d, "--lookup-tokens", "0"],
+            &["--lookup-tokens must be at least 1"],
+        ),
+        (
+            "lookup_tokens_without_lookup",
+            &[
+                "--drafter",
+                d,
+                "--lookup-first",
+                "0",
+                "--lookup-tokens",
+                "2",
+            ],
+            &[
+                "--lookup-tokens",
+                "add --lookup-first N or drop --lookup-tokens",
+            ],
         ),
     ];
     for (name, extra, needles) in generate_cases {
@@ -884,7 +904,7 @@ fn contradictory_or_out_of_range_flags_are_refused() {
         let dir = s.dir(name);
         s.refuse(&dir, &args, b"", needles);
     }
-    assert_eq!(s.count, 28);
+    assert_eq!(s.count, 30);
 }
 
 /// A hand-made GGUF file, byte by byte (little endian, as the format is).

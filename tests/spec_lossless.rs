@@ -100,6 +100,8 @@ fn check_all_drafters(dir: &Path, config: &Value, draft_layers: usize, wraps: bo
                 dspark_min_conf: None,
                 dspark_prune: Default::default(),
                 lookup_first: Some(lookup_first),
+                lookup_tokens: None,
+                lookup_table: Default::default(),
             };
             let source = open_source(&opts, &session, Forks::default(), 2048).unwrap();
             let (got, metrics) = generate(session.model.model.as_mut(), &prompt, Some(source), k);

@@ -6,7 +6,7 @@ use crate::engine::sample::{ProcessorConfig, SamplerConfig};
 use crate::engine::text::TextParams;
 use crate::engine::tokenizer::Tokenizer;
 use crate::spec::dspark::drafter::PruneMode;
-use crate::spec::factory::{concrete_kind, draft_tokens, DraftKind, SpecOptions};
+use crate::spec::factory::{concrete_kind, draft_tokens, DraftKind, SpecOptions, TableChoice};
 use crate::spec::source::VerifyMode;
 use clap::Args;
 
@@ -337,6 +337,21 @@ pub struct SpecArgs {
     #[allow(rustdoc::broken_intra_doc_links)]
     #[arg(long)]
     pub lookup_first: Option<usize>,
+    /// The most tokens that lookup proposes in a round [default: a DSpark checkpoint's
+    /// lookup_tokens (the shipped drafter's: 3), else the round's draft length].
+    // The bracket is clap's default-value convention in the help text, not a doc link.
+    #[allow(rustdoc::broken_intra_doc_links)]
+    #[arg(long)]
+    pub lookup_tokens: Option<usize>,
+    /// A lookup table of the target's own replies (`mlxb lookup-table`) that the `ngram`
+    /// drafter and a model drafter's lookup also consult, where it holds a longer n-gram
+    /// ending the sequence than the prompt and output do; `default` = the shipped drafter's
+    /// (for the default model), `none` = no table [default: a DSpark drafter's own
+    /// lookup.safetensors (the shipped drafter has one), else none].
+    // The bracket is clap's default-value convention in the help text, not a doc link.
+    #[allow(rustdoc::broken_intra_doc_links)]
+    #[arg(long, value_name = "FILE|default|none", value_parser = parse_table_choice)]
+    pub lookup_table: Option<TableChoice>,
     /// Verification rule: `match` (token equality) or `reject` (rejection sampling)
     /// [default: match; `measure` at --temp > 0: reject].
     // The bracket is clap's default-value convention in the help text, not a doc link.
@@ -434,8 +449,23 @@ impl SpecArgs {
             dspark_min_conf: self.dspark_min_conf,
             dspark_prune: self.dspark_prune.into(),
             lookup_first: self.lookup_first,
+            lookup_tokens: self.lookup_tokens,
+            lookup_table: self.lookup_table.clone().unwrap_or_default(),
         })
     }
+}
+
+/// `--lookup-table FILE|default|none`: `default` is the shipped drafter's table (for the
+/// default model).
+fn parse_table_choice(s: &str) -> Result<TableChoice, String> {
+    Ok(match s {
+        "none" => TableChoice::Off,
+        crate::spec::dspark::shipped::DEFAULT_KEYWORD => TableChoice::File(
+            crate::spec::dspark::shipped::parse_drafter_arg(s)?
+                .join(crate::spec::factory::LOOKUP_TABLE_FILE),
+        ),
+        path => TableChoice::File(path.into()),
+    })
 }
 
 /// Parses a count that must be at least 1 (`--prefill-step-size 0` would never finish a prompt).

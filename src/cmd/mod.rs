@@ -9,6 +9,7 @@ pub mod dspark_vocab;
 pub mod flags;
 pub mod generate;
 pub mod launch;
+pub mod lookup_table;
 pub mod measure;
 pub mod models;
 pub mod parity;
@@ -56,6 +57,8 @@ pub enum Command {
     DsparkInit(dspark_init::DsparkInitArgs),
     /// Give a DSpark drafter a reduced draft vocabulary: the target's most frequent reply tokens.
     DsparkVocab(dspark_vocab::DsparkVocabArgs),
+    /// Build a lookup table of the target's own replies for the n-gram lookups of drafting.
+    LookupTable(lookup_table::LookupTableArgs),
     /// List the supported model types, or check whether `--model DIR` is supported and why not.
     Models(models::ModelsArgs),
     /// Regenerate data with the target, cache its hidden states and train a DSpark drafter.
@@ -80,6 +83,7 @@ impl Command {
             Command::Convert(_) => "convert",
             Command::DsparkInit(_) => "dspark-init",
             Command::DsparkVocab(_) => "dspark-vocab",
+            Command::LookupTable(_) => "lookup-table",
             Command::Models(_) => "models",
             Command::TrainDspark(_) => "train-dspark",
             Command::Calibrate(_) => "calibrate",
@@ -131,6 +135,7 @@ pub fn run(cli: Cli) -> ExitCode {
         Command::Convert(a) => convert::run(a),
         Command::DsparkInit(a) => dspark_init::run(a),
         Command::DsparkVocab(a) => dspark_vocab::run(a),
+        Command::LookupTable(a) => lookup_table::run(a),
         Command::Models(a) => models::run(a),
         Command::TrainDspark(a) => train_dspark::run(a),
         Command::Calibrate(a) => calibrate::run(a),

@@ -5,12 +5,31 @@
 
 use super::dspark::drafter::{DsparkSource, PruneMode};
 use super::lookup_first::LookupFirst;
+use super::lookup_table::LookupTable;
 use super::source::{DraftSource, VerifyMode};
 use crate::engine::error::{EngineError, Result};
 use crate::engine::forks::Forks;
 use crate::engine::models::LanguageModel;
 use crate::engine::session::Session;
 use std::path::{Path, PathBuf};
+use std::sync::Arc;
+
+/// The file a DSpark drafter's directory may hold its target's lookup table in
+/// ([`LookupTable`]); its lookup (`lookup_first`) then consults it.
+pub const LOOKUP_TABLE_FILE: &str = "lookup.safetensors";
+
+/// Which lookup table the n-gram lookups consult.
+#[derive(Debug, Clone, Default, PartialEq, Eq)]
+pub enum TableChoice {
+    /// The drafter's own: [`LOOKUP_TABLE_FILE`] in a DSpark drafter's directory, where its
+    /// lookup has one; none otherwise.
+    #[default]
+    Own,
+    /// This file.
+    File(PathBuf),
+    /// None.
+    Off,
+}
 
 /// Which drafter to use.
 #[derive(Debug, Clone, Copy, PartialEq, Eq, Default)]
@@ -73,6 +92,11 @@ pub struct SpecOptions {
     /// 0 = the model drafter drafts every round; `None` = the drafter's own choice (a DSpark
     /// checkpoint's `lookup_first`), else none.
     pub lookup_first: Option<usize>,
+    /// The most tokens a model drafter's lookup proposes; `None` = the drafter's own choice (a
+    /// DSpark checkpoint's `lookup_tokens`), else the round's draft length.
+    pub lookup_tokens: Option<usize>,
+    /// The lookup table the `ngram` drafter and a model drafter's lookup consult.
+    pub lookup_table: TableChoice,
 }
 
 /// What a drafter directory holds: a Gemma 4 assistant, a DSpark checkpoint, or (anything else)
@@ -126,6 +150,11 @@ impl SpecOptions {
                 "--num-draft-tokens must be at least 1".into(),
             ));
         }
+        if self.lookup_tokens == Some(0) {
+            return Err(EngineError::Input(
+                "--lookup-tokens must be at least 1 (--lookup-first 0 turns the lookup off)".into(),
+            ));
+        }
         if let Some(c) = self.dspark_min_conf.filter(|c| !(0.0..=1.0).contains(c)) {
             return Err(EngineError::Input(format!(
                 "--dspark-min-conf {c:?} is out of range; give a confidence between 0 and 1"
@@ -168,21 +197,88 @@ pub fn open_source(
     forks: Forks,
     prefill_step: usize,
 ) -> Result<Box<dyn DraftSource>> {
-    let (source, own_lookup) = open_model_source(opts, session, forks, prefill_step)?;
-    Ok(match opts.lookup_first.or(own_lookup).unwrap_or(0) {
+    let (source, own) = open_model_source(opts, session, forks, prefill_step)?;
+    let vocab = session.model.model.vocab_size();
+    let lookup = opts.lookup_first.or(own.first).unwrap_or(0);
+    if lookup == 0
+        && matches!(opts.lookup_table, TableChoice::File(_))
+        && concrete_kind(opts)? != DraftKind::Ngram
+    {
+        return Err(EngineError::Input(format!(
+            "--lookup-table is consulted by the ngram drafter and by a lookup in front of a model \
+             drafter, and --draft-kind {} has neither; add --lookup-first N or drop --lookup-table",
+            concrete_kind(opts)?.name()
+        )));
+    }
+    if lookup == 0 && opts.lookup_tokens.is_some() {
+        return Err(EngineError::Input(
+            "--lookup-tokens sets how far a lookup in front of a model drafter proposes, and \
+             this drafter has none; add --lookup-first N or drop --lookup-tokens"
+                .into(),
+        ));
+    }
+    Ok(match lookup {
         0 => source,
-        min => Box::new(LookupFirst::new(source, min, min.max(opts.ngram_max))),
+        min => Box::new(
+            LookupFirst::new(
+                source,
+                min,
+                min.max(opts.ngram_max),
+                lookup_table(opts, vocab)?,
+            )
+            .with_max_tokens(opts.lookup_tokens.or(own.tokens)),
+        ),
     })
 }
 
+/// The lookup table `opts` choose, read from its file, for a target of `vocab` ids.
+fn lookup_table(opts: &SpecOptions, vocab: i32) -> Result<Option<Arc<LookupTable>>> {
+    let path = match &opts.lookup_table {
+        TableChoice::Off => return Ok(None),
+        TableChoice::File(path) => path.clone(),
+        TableChoice::Own => match opts.draft_model.as_deref() {
+            Some(dir) if concrete_kind(opts)? == DraftKind::Dspark => {
+                let path = dir.join(LOOKUP_TABLE_FILE);
+                if !path.is_file() {
+                    return Ok(None);
+                }
+                path
+            }
+            _ => return Ok(None),
+        },
+    };
+    let table = LookupTable::load(&path)?;
+    if table
+        .largest_id()
+        .is_some_and(|id| id >= vocab.max(0) as u32)
+    {
+        return Err(EngineError::file(
+            &path,
+            format!(
+                "holds token ids beyond the target's {vocab}: it was built for another model; \
+                 build one from this model's sequences with `mlxb lookup-table`"
+            ),
+        ));
+    }
+    Ok(Some(Arc::new(table)))
+}
+
+/// The lookup a drafter's checkpoint asks for in front of it (a DSpark drafter's
+/// `lookup_first` and `lookup_tokens`).
+#[derive(Debug, Clone, Copy, Default)]
+struct OwnLookup {
+    first: Option<usize>,
+    tokens: Option<usize>,
+}
+
 /// The drafter `opts` describes, without a lookup in front, and the lookup its checkpoint asks
-/// for (a DSpark drafter's `lookup_first`).
+/// for.
 fn open_model_source(
     opts: &SpecOptions,
     session: &Session,
     forks: Forks,
     prefill_step: usize,
-) -> Result<(Box<dyn DraftSource>, Option<usize>)> {
+) -> Result<(Box<dyn DraftSource>, OwnLookup)> {
     opts.validate()?;
     let dir = || {
         opts.draft_model.as_deref().ok_or_else(|| {
@@ -192,13 +288,16 @@ fn open_model_source(
     let source: Box<dyn DraftSource> = match concrete_kind(opts)? {
         DraftKind::Dspark => {
             let source = open_dspark(opts, dir()?, session.model.model.as_ref(), forks)?;
-            let own = source.config().lookup_first;
+            let own = OwnLookup {
+                first: source.config().lookup_first,
+                tokens: source.config().lookup_tokens,
+            };
             return Ok((Box::new(source), own));
         }
-        DraftKind::Ngram => Box::new(super::ngram::NgramSource::new(
-            opts.ngram_min,
-            opts.ngram_max,
-        )),
+        DraftKind::Ngram => Box::new(
+            super::ngram::NgramSource::new(opts.ngram_min, opts.ngram_max)
+                .with_table(lookup_table(opts, session.model.model.vocab_size())?),
+        ),
         DraftKind::SelfLayers => Box::new(super::early_exit::EarlyExitSource::new(
             opts.draft_layers.unwrap_or(0),
         )),
@@ -215,7 +314,7 @@ fn open_model_source(
             prefill_step,
         )?),
     };
-    Ok((source, None))
+    Ok((source, OwnLookup::default()))
 }
 
 /// The DSpark drafter at `dir` for `target`, with the options' threshold and pruning rule.

@@ -9,27 +9,44 @@
 //! it skips costs it nothing later but the context rows it takes in at its next round. What the
 //! target emits never depends on who proposed.
 
+use super::lookup_table::LookupTable;
 use super::ngram::NgramSource;
 use super::source::{Draft, DraftSource, RoundNote, TargetView, VerifyMode};
 use crate::engine::error::Result;
 use mlx_rs::Array;
+use std::sync::Arc;
 
 /// A model drafter behind a prompt lookup.
 pub struct LookupFirst {
     lookup: NgramSource,
     inner: Box<dyn DraftSource>,
+    /// Most tokens a lookup proposes (`None`: the round's draft length).
+    max_tokens: Option<usize>,
     /// Whether the latest proposal came from the lookup.
     looked_up: bool,
 }
 
 impl LookupFirst {
-    /// `inner` behind a lookup of the last `min..=max` tokens (longest first).
-    pub fn new(inner: Box<dyn DraftSource>, min: usize, max: usize) -> Self {
+    /// `inner` behind a lookup of the last `min..=max` tokens (longest first), and of
+    /// `table` where it holds a longer n-gram ([`NgramSource::with_table`]).
+    pub fn new(
+        inner: Box<dyn DraftSource>,
+        min: usize,
+        max: usize,
+        table: Option<Arc<LookupTable>>,
+    ) -> Self {
         Self {
-            lookup: NgramSource::new(min, max),
+            lookup: NgramSource::new(min, max).with_table(table),
             inner,
+            max_tokens: None,
             looked_up: false,
         }
+    }
+
+    /// The same, its lookups proposing at most `max_tokens` tokens (a model drafter's block
+    /// may be longer than a copy is likely to run on).
+    pub fn with_max_tokens(self, max_tokens: Option<usize>) -> Self {
+        Self { max_tokens, ..self }
     }
 }
 
@@ -69,7 +86,7 @@ impl DraftSource for LookupFirst {
                 caches: target.caches,
             },
             sequence,
-            n,
+            self.max_tokens.map_or(n, |m| m.min(n)),
         )?;
         self.looked_up = !copied.tokens.is_empty();
         if self.looked_up {
@@ -115,6 +132,7 @@ impl DraftSource for LookupFirst {
             Box::new(Self {
                 lookup: self.lookup.clone(),
                 inner,
+                max_tokens: self.max_tokens,
                 looked_up: false,
             }) as Box<dyn DraftSource>
         }))

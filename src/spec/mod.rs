@@ -19,6 +19,7 @@ pub mod early_exit;
 pub mod executor;
 pub mod factory;
 pub mod lookup_first;
+pub mod lookup_table;
 pub mod metrics;
 pub mod ngram;
 pub mod policy;

@@ -177,8 +177,8 @@ struct GroupAcceptance {
 }
 
 impl GroupAcceptance {
-    /// Groups beyond this share its counts (longer n-gram matches behave alike).
-    const MAX_GROUP: usize = 8;
+    /// Groups beyond this share its counts (the n-gram drafter's groups stay below it).
+    const MAX_GROUP: usize = 16;
 
     fn observe(&mut self, group: usize, proposed: usize, accepted: usize) {
         let cells = self.counts.entry(group.min(Self::MAX_GROUP)).or_default();

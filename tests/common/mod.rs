@@ -258,6 +258,8 @@ pub fn spec_options(
         dspark_min_conf: None,
         dspark_prune: Default::default(),
         lookup_first: None,
+        lookup_tokens: None,
+        lookup_table: Default::default(),
     }
 }
 

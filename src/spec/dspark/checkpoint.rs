@@ -143,6 +143,10 @@ pub struct DsparkConfig {
     /// prompts); absent = no lookup.
     #[serde(default, skip_serializing_if = "Option::is_none")]
     pub lookup_first: Option<usize>,
+    /// The most tokens that lookup proposes where `--lookup-tokens` is not given; absent = the
+    /// block size.
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    pub lookup_tokens: Option<usize>,
 }
 
 fn yes() -> bool {
