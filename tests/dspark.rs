@@ -465,6 +465,7 @@ fn loader_refuses_malformed_checkpoints() {
             json!([0.1, 0.2]),
             "`thresholds` has 2 entries",
         ),
+        ("lookup_tokens", json!(0), "`lookup_tokens` is 0"),
     ];
     for (field, value, expect) in fields {
         let ck = fresh();

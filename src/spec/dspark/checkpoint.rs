@@ -290,6 +290,12 @@ impl DsparkConfig {
                 return bad("`thresholds` must all lie in [0, 1]".into());
             }
         }
+        if self.lookup_tokens == Some(0) {
+            return bad(
+                "`lookup_tokens` is 0; a lookup proposes at least one token (remove the field for the block size)"
+                    .into(),
+            );
+        }
         Ok(())
     }
 
