@@ -101,7 +101,16 @@ fn a_table_of_the_targets_replies_is_drafted_from_and_changes_nothing() {
     let (code, _, err) = build(&seqs, &wrong, &[]);
     assert_eq!(code, 0, "{err}");
 
-    let ngram = ["--draft-kind", "ngram", "--num-draft-tokens", "4"];
+    // Every round drafts (`--draft-policy all`): under `cost`, which rounds draft depends on
+    // timing, and the runs are compared by their counts.
+    let ngram = [
+        "--draft-kind",
+        "ngram",
+        "--num-draft-tokens",
+        "4",
+        "--draft-policy",
+        "all",
+    ];
     let run = |table: Option<&Path>| {
         let mut extra = ngram.to_vec();
         if let Some(t) = table {
