@@ -68,6 +68,11 @@ fn key(tokens: &[u32]) -> u128 {
     tokens.iter().fold(0u128, |k, &t| (k << 32) | u128::from(t))
 }
 
+/// The `n` ids of an n-gram's [`key`], in order.
+fn ids_of(k: u128, n: usize) -> impl Iterator<Item = u32> {
+    (0..n).rev().map(move |j| (k >> (32 * j)) as u32)
+}
+
 impl LookupTable {
     /// The table of the reply tokens of `sequences`: each reply token is the continuation of
     /// the 1..=4 tokens before it (which may reach back into the prompt).
@@ -139,9 +144,7 @@ impl LookupTable {
             .enumerate()
             .flat_map(|(i, order)| {
                 order.iter().flat_map(move |(&k, &next)| {
-                    (0..=i)
-                        .map(move |j| (k >> (32 * j)) as u32)
-                        .chain((next != NO_TOKEN).then_some(next))
+                    ids_of(k, i + 1).chain((next != NO_TOKEN).then_some(next))
                 })
             })
             .max()
@@ -165,10 +168,9 @@ impl LookupTable {
                 entries.sort_unstable();
                 let mut bytes = Vec::with_capacity(entries.len() * (n + 1) * 4);
                 for (&k, &next) in entries {
-                    for j in (0..n).rev() {
-                        bytes.extend_from_slice(&((k >> (32 * j)) as u32).to_le_bytes());
+                    for id in ids_of(k, n).chain([next]) {
+                        bytes.extend_from_slice(&id.to_le_bytes());
                     }
-                    bytes.extend_from_slice(&next.to_le_bytes());
                 }
                 (format!("order{n}"), bytes, order.len())
             })
