@@ -932,6 +932,84 @@ fn regenerated_sequences_are_a_reusable_stage() {
     assert_eq!(std::fs::read_to_string(&copy).unwrap(), body);
 }
 
+/// `--regen-temp 0` regenerates the replies greedy decoding gives: each equals `mlxb generate`'s
+/// greedy output for its prompt (an independent run of the decoding loop). The file records the
+/// temperature, so a sampling run refuses it untouched; a negative temperature exits 2 before
+/// anything is written.
+#[test]
+fn greedy_regeneration_gives_the_replies_of_greedy_decoding() {
+    let prompts: Vec<Vec<u32>> = (0..3)
+        .map(|i| common::prompt_ids(9 + i, 384, i as u32))
+        .collect();
+    let lines: String = prompts
+        .iter()
+        .map(|p| format!("{}\n", json!({ "prompt_ids": p })))
+        .collect();
+    let fx = CliFixture::new(&lines);
+    let regen = |extra: &[&str]| {
+        let mut a = vec![
+            "--sequences-only",
+            "--max-tokens",
+            "16",
+            "--markov-rank",
+            "8",
+        ];
+        a.extend(extra);
+        fx.train_dspark(&a)
+    };
+    let (code, _, err) = regen(&["--regen-temp", "-1"]);
+    common::assert_refused("a negative temperature", code, &err, &["--regen-temp"]);
+    assert!(!fx.out.exists(), "a refused run wrote {:?}", fx.out);
+
+    let (code, out, err) = regen(&["--regen-temp", "0"]);
+    assert_eq!(code, 0, "{err}");
+    assert!(out.contains("regenerated 3 sequences"), "{out}");
+    let file = fx.out.join("cache/sequences.jsonl");
+    let (header, seqs) = mlxb::train::sequences::read_sequences(&file).unwrap();
+    assert_eq!(header["sampling"], json!({"temp": 0.0}));
+    assert_eq!(seqs.len(), 3);
+    for (prompt, seq) in prompts.iter().zip(&seqs) {
+        let ids = prompt
+            .iter()
+            .map(u32::to_string)
+            .collect::<Vec<_>>()
+            .join(",");
+        let (code, v, err) = common::run_mlxb_json(
+            &[
+                "generate",
+                "--model",
+                fx.target.to_str().unwrap(),
+                "--prompt-ids",
+                &ids,
+                "--max-tokens",
+                "16",
+                "--json",
+            ],
+            &[],
+        );
+        assert_eq!(code, 0, "{err}");
+        let greedy: Vec<u32> = v["token_ids"]
+            .as_array()
+            .unwrap()
+            .iter()
+            .map(|t| t.as_u64().unwrap() as u32)
+            .collect();
+        assert_eq!(&seq.ids[..prompt.len()], &prompt[..]);
+        assert_eq!(seq.ids[prompt.len()..], greedy[..], "prompt {prompt:?}");
+    }
+
+    // A sampling run (the default temperature) refuses the greedy file, untouched.
+    let body = std::fs::read_to_string(&file).unwrap();
+    let (code, _, err) = regen(&[]);
+    common::assert_refused(
+        "a sampled run",
+        code,
+        &err,
+        &["other settings", "--sequences"],
+    );
+    assert_eq!(std::fs::read_to_string(&file).unwrap(), body);
+}
+
 /// `--regen-batch N` samples N replies at once in the batched engine. The sequences file records
 /// the batch size (a run at another size refuses the file, untouched), the same seed gives the
 /// same file, and a run resumed inside a group (the file cut after 5 of 6 sequences; a group

@@ -12,7 +12,7 @@ use crate::engine::forks::Forks;
 use crate::engine::session::Session;
 use crate::spec::dspark::checkpoint::{self, DsparkConfig, TargetFacts};
 use crate::train::data::{
-    build_cache, regenerate_all, sequences_header, train_prompts, RegenOptions,
+    build_cache, regenerate_all, sequences_header, train_prompts, RegenOptions, REGEN_TEMP,
 };
 use crate::train::draft_vocab;
 use crate::train::forward::{DraftHead, Frozen, Params};
@@ -102,6 +102,11 @@ pub struct TrainDsparkArgs {
     /// another batch size.
     #[arg(long, default_value_t = 1)]
     pub regen_batch: usize,
+    /// Sampling temperature of the regenerated replies (top-p 0.8, top-k 20); 0 = greedy, the
+    /// replies greedy decoding gives (for a lookup table that drafts greedy decoding). A
+    /// sequences file records it.
+    #[arg(long, default_value_t = REGEN_TEMP, allow_negative_numbers = true)]
+    pub regen_temp: f64,
     /// Seed (init, data regeneration, sequence order and anchors).
     #[arg(long, default_value_t = 42)]
     pub seed: u64,
@@ -186,6 +191,13 @@ pub fn run(args: TrainDsparkArgs) -> anyhow::Result<()> {
         )
         .into());
     }
+    if !(args.regen_temp.is_finite() && args.regen_temp >= 0.0) {
+        return Err(EngineError::Input(format!(
+            "--regen-temp {} is not a temperature; use 0 for greedy replies or a positive value",
+            args.regen_temp
+        ))
+        .into());
+    }
     if args.draft_vocab == Some(0) {
         return Err(EngineError::Input(
             "--draft-vocab must be at least 1 (or left out for the whole vocabulary)".into(),
@@ -242,6 +254,7 @@ pub fn run(args: TrainDsparkArgs) -> anyhow::Result<()> {
         max_tokens: args.max_tokens,
         seed: args.seed,
         batch: args.regen_batch.max(1),
+        temp: args.regen_temp,
     };
     let seq_path = args
         .sequences

@@ -76,16 +76,34 @@ pub struct RegenOptions {
     /// Replies sampled together by the batched engine (1: one at a time, each with its own seed;
     /// more: groups of single-turn prompts, each seeded once by its first prompt's seed).
     pub batch: usize,
+    /// Sampling temperature; 0 = greedy replies.
+    pub temp: f64,
 }
 
-/// The sampler of the regeneration (Qwen's recommended chat sampling).
-fn regen_sampler() -> Result<Sampler> {
-    Sampler::new(&SamplerConfig {
-        temp: 0.7,
-        top_p: 0.8,
-        top_k: 20,
-        ..SamplerConfig::default()
-    })
+/// Temperature of the regeneration unless told otherwise (Qwen's recommended chat sampling,
+/// with top-p 0.8 and top-k 20).
+pub const REGEN_TEMP: f64 = 0.7;
+
+impl RegenOptions {
+    /// The sampler of the regeneration: greedy at temperature 0, else Qwen's recommended chat
+    /// sampling at `temp`.
+    fn sampler(&self) -> Result<Sampler> {
+        Sampler::new(&SamplerConfig {
+            temp: self.temp,
+            top_p: 0.8,
+            top_k: 20,
+            ..SamplerConfig::default()
+        })
+    }
+
+    /// The sampler as a sequences file's header records it.
+    fn sampling(&self) -> Value {
+        if self.temp == 0.0 {
+            serde_json::json!({"temp": 0.0})
+        } else {
+            serde_json::json!({"temp": self.temp, "top_p": 0.8, "top_k": 20})
+        }
+    }
 }
 
 /// The target's sampled reply to `prompt` ids (EOS included when it stopped there).
@@ -97,7 +115,7 @@ fn reply(
 ) -> Result<Vec<u32>> {
     sample::seed(seed)?;
     let eos = session.tokenizer.eos_token_ids().clone();
-    let mut sampler = regen_sampler()?;
+    let mut sampler = opts.sampler()?;
     let mut processors = LogitsProcessors::new(&ProcessorConfig::default())?;
     let mut out = Vec::new();
     let cfg = GenerateConfig {
@@ -312,7 +330,7 @@ pub fn sequences_header(session: &Session, opts: &RegenOptions) -> Result<Value>
         "target_config_sha256": config_sha256,
         "vocab_size": session.model.model.vocab_size(),
         "max_tokens": opts.max_tokens, "seed": opts.seed,
-        "sampling": {"temp": 0.7, "top_p": 0.8, "top_k": 20},
+        "sampling": opts.sampling(),
     });
     if opts.batch > 1 {
         header["regen_batch"] = opts.batch.into();
@@ -405,13 +423,7 @@ fn regenerate_batch(
         .iter()
         .map(|p| SequenceRequest::new(p.clone(), opts.max_tokens))
         .collect();
-    let replies = generate_all(
-        &mut session.model,
-        regen_sampler()?,
-        eos,
-        settings,
-        requests,
-    )?;
+    let replies = generate_all(&mut session.model, opts.sampler()?, eos, settings, requests)?;
     Ok(prompts
         .iter()
         .zip(replies)
