@@ -80,9 +80,11 @@ pub struct RegenOptions {
     pub temp: f64,
 }
 
-/// Temperature of the regeneration unless told otherwise (Qwen's recommended chat sampling,
-/// with top-p 0.8 and top-k 20).
+/// Temperature of the regeneration unless told otherwise (with [`REGEN_TOP_P`] and
+/// [`REGEN_TOP_K`], Qwen's recommended chat sampling).
 pub const REGEN_TEMP: f64 = 0.7;
+const REGEN_TOP_P: f64 = 0.8;
+const REGEN_TOP_K: usize = 20;
 
 impl RegenOptions {
     /// The sampler of the regeneration: greedy at temperature 0, else Qwen's recommended chat
@@ -90,8 +92,8 @@ impl RegenOptions {
     fn sampler(&self) -> Result<Sampler> {
         Sampler::new(&SamplerConfig {
             temp: self.temp,
-            top_p: 0.8,
-            top_k: 20,
+            top_p: REGEN_TOP_P,
+            top_k: REGEN_TOP_K,
             ..SamplerConfig::default()
         })
     }
@@ -101,7 +103,7 @@ impl RegenOptions {
         if self.temp == 0.0 {
             serde_json::json!({"temp": 0.0})
         } else {
-            serde_json::json!({"temp": self.temp, "top_p": 0.8, "top_k": 20})
+            serde_json::json!({"temp": self.temp, "top_p": REGEN_TOP_P, "top_k": REGEN_TOP_K})
         }
     }
 }
