@@ -75,13 +75,9 @@ fn deepspec_drafter(target: &Path, dtype: &str) -> tempfile::TempDir {
     out
 }
 
-fn ids_arg(ids: &[u32]) -> String {
-    ids.iter().map(u32::to_string).collect::<Vec<_>>().join(",")
-}
-
 /// Runs `mlxb generate --json` with `args`; returns its JSON and, with a trace file, the trace.
 fn generate(target: &Path, args: &[&str], trace: Option<&Path>) -> (Value, Vec<RoundTrace>) {
-    let prompt = ids_arg(&prompt());
+    let prompt = common::ids_arg(&prompt());
     let max = GEN.to_string();
     let mut all = vec![
         "generate",
@@ -420,13 +416,8 @@ fn prompt_ids_are_fed_as_given() {
     let (code, out, err) = common::run_mlxb(&by_text);
     assert_eq!(code, 0, "{err}");
     let text: Value = serde_json::from_str(out.trim()).unwrap();
-    let ids: Vec<u32> = text["prompt_token_ids"]
-        .as_array()
-        .unwrap()
-        .iter()
-        .map(|v| v.as_u64().unwrap() as u32)
-        .collect();
-    let joined = ids_arg(&ids);
+    let ids = common::json_ids(&text["prompt_token_ids"]);
+    let joined = common::ids_arg(&ids);
     let mut by_ids = base.to_vec();
     by_ids.extend(["--prompt-ids", &joined]);
     let (code, out, err) = common::run_mlxb(&by_ids);

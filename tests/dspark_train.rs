@@ -969,11 +969,7 @@ fn greedy_regeneration_gives_the_replies_of_greedy_decoding() {
     assert_eq!(header["sampling"], json!({"temp": 0.0}));
     assert_eq!(seqs.len(), 3);
     for (prompt, seq) in prompts.iter().zip(&seqs) {
-        let ids = prompt
-            .iter()
-            .map(u32::to_string)
-            .collect::<Vec<_>>()
-            .join(",");
+        let ids = common::ids_arg(prompt);
         let (code, v, err) = common::run_mlxb_json(
             &[
                 "generate",
@@ -988,12 +984,7 @@ fn greedy_regeneration_gives_the_replies_of_greedy_decoding() {
             &[],
         );
         assert_eq!(code, 0, "{err}");
-        let greedy: Vec<u32> = v["token_ids"]
-            .as_array()
-            .unwrap()
-            .iter()
-            .map(|t| t.as_u64().unwrap() as u32)
-            .collect();
+        let greedy = common::json_ids(&v["token_ids"]);
         assert_eq!(&seq.ids[..prompt.len()], &prompt[..]);
         assert_eq!(seq.ids[prompt.len()..], greedy[..], "prompt {prompt:?}");
     }

@@ -239,11 +239,7 @@ fn reference(name: &'static str, dir: &Path, tensors: &[&str]) -> (Value, HashMa
 }
 
 fn ids(v: &Value) -> Vec<u32> {
-    v.as_array()
-        .unwrap()
-        .iter()
-        .map(|x| x.as_u64().unwrap() as u32)
-        .collect()
+    common::json_ids(v)
 }
 
 /// Checks the rebuilt tokenizer against the GGUF vocabulary, the reference encodings (no

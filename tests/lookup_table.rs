@@ -54,12 +54,7 @@ fn generate(model: &Path, prompt: &str, extra: &[&str]) -> (i32, Value, String) 
 }
 
 fn ids(v: &Value) -> Vec<u32> {
-    v["token_ids"]
-        .as_array()
-        .unwrap_or_else(|| panic!("no token_ids in {v}"))
-        .iter()
-        .map(|t| t.as_u64().unwrap() as u32)
-        .collect()
+    common::json_ids(&v["token_ids"])
 }
 
 fn accepted(v: &Value) -> u64 {
@@ -74,11 +69,7 @@ fn a_table_of_the_targets_replies_is_drafted_from_and_changes_nothing() {
     let model = tmp.path().join("model");
     common::make_model(&model, &common::tiny_llama(json!({})), "f32", None);
     let prompt = common::prompt_ids(20, VOCAB, 5);
-    let prompt_arg = prompt
-        .iter()
-        .map(u32::to_string)
-        .collect::<Vec<_>>()
-        .join(",");
+    let prompt_arg = common::ids_arg(&prompt);
     let (code, vanilla, err) = generate(&model, &prompt_arg, &[]);
     assert_eq!(code, 0, "{err}");
     let vanilla = ids(&vanilla);

@@ -476,11 +476,7 @@ fn output_of(v: &Value) -> Value {
 
 /// `mlxb generate --prompt-ids` on `prompt` with prefill chunks of `step` (its `--json`).
 fn generate_ids(prompt: &[u32], max_tokens: usize, step: usize) -> Value {
-    let ids = prompt
-        .iter()
-        .map(u32::to_string)
-        .collect::<Vec<_>>()
-        .join(",");
+    let ids = common::ids_arg(prompt);
     let step = step.to_string();
     generate(
         "",

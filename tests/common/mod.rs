@@ -88,6 +88,20 @@ pub fn bits(a: &mlx_rs::Array) -> Vec<u64> {
     mlxb::engine::bits::widened_bits(a).unwrap()
 }
 
+/// Token ids as `--prompt-ids` takes them: comma-separated.
+pub fn ids_arg(ids: &[u32]) -> String {
+    ids.iter().map(u32::to_string).collect::<Vec<_>>().join(",")
+}
+
+/// A JSON array of token ids (`generate --json`'s `token_ids`, a reference file's ids).
+pub fn json_ids(v: &serde_json::Value) -> Vec<u32> {
+    v.as_array()
+        .unwrap_or_else(|| panic!("not an array of token ids: {v}"))
+        .iter()
+        .map(|t| t.as_u64().unwrap() as u32)
+        .collect()
+}
+
 /// Deterministic prompt ids in [3, vocab) (skipping special tokens 0..3).
 pub fn prompt_ids(n: usize, vocab: u32, salt: u32) -> Vec<u32> {
     (0..n as u32)
