@@ -681,6 +681,14 @@ impl CliFixture {
         a.extend(extra);
         common::run_mlxb(&a)
     }
+
+    /// [`Self::train_dspark`] with `fixed` before each call's own arguments.
+    fn trainer<'f>(
+        &'f self,
+        fixed: &'f [&'f str],
+    ) -> impl Fn(&[&str]) -> (i32, String, String) + 'f {
+        move |extra| self.train_dspark(&[fixed, extra].concat())
+    }
 }
 
 /// `--draft-vocab N` trains on the N most frequent reply tokens: the checkpoint carries them
@@ -694,22 +702,18 @@ fn cli_trains_on_a_reduced_draft_vocabulary() {
     );
     let (t_s, o_s) = (fx.target.to_str().unwrap(), fx.out.to_str().unwrap());
     let out = &fx.out;
-    let train = |extra: &[&str]| {
-        let mut a = vec![
-            "--iters",
-            "2",
-            "--batch",
-            "2",
-            "--max-tokens",
-            "24",
-            "--markov-rank",
-            "8",
-            "--gamma",
-            "4",
-        ];
-        a.extend(extra);
-        fx.train_dspark(&a)
-    };
+    let train = fx.trainer(&[
+        "--iters",
+        "2",
+        "--batch",
+        "2",
+        "--max-tokens",
+        "24",
+        "--markov-rank",
+        "8",
+        "--gamma",
+        "4",
+    ]);
     let (code, _, err) = train(&["--draft-vocab", "0"]);
     common::assert_refused("--draft-vocab 0", code, &err, &["--draft-vocab"]);
     let (code, _, err) = train(&["--draft-vocab", "12"]);
@@ -782,16 +786,12 @@ fn a_grown_sequences_file_keeps_its_cache_shards() {
     };
     let fx = CliFixture::new(&prompts(20));
     let (data, cache) = (&fx.data, fx.out.join("cache"));
-    let run = |extra: &[&str]| {
-        let mut a = vec![
-            "--max-tokens",
-            "20",
-            "--cache-only",
-            "--ignore-chat-template",
-        ];
-        a.extend(extra);
-        fx.train_dspark(&a)
-    };
+    let run = fx.trainer(&[
+        "--max-tokens",
+        "20",
+        "--cache-only",
+        "--ignore-chat-template",
+    ]);
     use std::os::unix::fs::MetadataExt;
     let inode = |k: usize| {
         std::fs::metadata(cache.join(format!("shard-{k:05}.safetensors")))
@@ -946,17 +946,13 @@ fn greedy_regeneration_gives_the_replies_of_greedy_decoding() {
         .map(|p| format!("{}\n", json!({ "prompt_ids": p })))
         .collect();
     let fx = CliFixture::new(&lines);
-    let regen = |extra: &[&str]| {
-        let mut a = vec![
-            "--sequences-only",
-            "--max-tokens",
-            "16",
-            "--markov-rank",
-            "8",
-        ];
-        a.extend(extra);
-        fx.train_dspark(&a)
-    };
+    let regen = fx.trainer(&[
+        "--sequences-only",
+        "--max-tokens",
+        "16",
+        "--markov-rank",
+        "8",
+    ]);
     let (code, _, err) = regen(&["--regen-temp", "-1"]);
     common::assert_refused("a negative temperature", code, &err, &["--regen-temp"]);
     assert!(!fx.out.exists(), "a refused run wrote {:?}", fx.out);
